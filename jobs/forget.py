@@ -1,0 +1,151 @@
+"""`unlearn forget`: one removal, in-process, from a config file.
+
+Config (YAML; see configs/forget/*.yaml):
+    model: path/to/model_dir          # model.safetensors + model.json (from `unlearn train`)
+    forget: {sample_ids: [..]}        # or {ids_file: path}: one id a line, or CSV with sample_id
+    method: {name: lfoci-newton, settings: {...}}
+    seed: 0
+    device: cpu
+    output: path/to/new_model_dir     # must not exist; written atomically
+Writes output/model.safetensors, output/model.json (the card, n and removed ids updated) and
+output/removal.json (the record: selected slices and T values, sigma, epsilon, timings ...).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jobs.config import ConfigError, load_config
+from pipeline.checkpoint import CheckpointMismatchError
+from pipeline.curvature import NonFiniteGradientError
+from pipeline.data.sampleset import SampleIdError
+from pipeline.models.card import write_model_dir
+
+
+class ForgetSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sample_ids: list[int] | None = None
+    ids_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ForgetSet":
+        if (self.sample_ids is None) == (self.ids_file is None):
+            raise ValueError("give exactly one of forget.sample_ids or forget.ids_file")
+        return self
+
+    def resolve(self, base: Path) -> list[int]:
+        if self.sample_ids is not None:
+            return list(self.sample_ids)
+        path = self.ids_file if self.ids_file.is_absolute() else base / self.ids_file
+        if not path.exists():
+            raise ConfigError(f"forget.ids_file {path} does not exist")
+        ids: list[int] = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            token = line.split(",")[0].strip()
+            if not token or token == "sample_id" or token.startswith("#"):
+                continue
+            try:
+                ids.append(int(token))
+            except ValueError:
+                raise ConfigError(f"forget.ids_file {path} line {lineno}: '{token}' is not an integer sample id") from None
+        return ids
+
+
+class MethodChoice(BaseModel):
+    """The method to run and its settings; ``per_method`` holds settings for methods chosen
+    with ``--method`` on the command line."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "lfoci-newton"
+    settings: dict[str, Any] = Field(default_factory=dict)
+    per_method: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def choose(self, name: str | None) -> "MethodChoice":
+        if name is None or name == self.name:
+            return self
+        return MethodChoice(name=name, settings=self.per_method.get(name, {}), per_method=self.per_method)
+
+
+class ForgetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Path
+    forget: ForgetSet
+    method: MethodChoice = Field(default_factory=MethodChoice)
+    seed: int = 0
+    device: str = "cpu"
+    batch_size: int = Field(1024, gt=0)
+    output: Path
+
+
+USER_ERRORS = (ConfigError, SampleIdError, CheckpointMismatchError, NonFiniteGradientError,
+               FileNotFoundError, ValueError, KeyError)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isinf(obj):
+        return None
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def run_forget(config: ForgetConfig, base: Path) -> dict:
+    """Run the removal and write the output directory atomically; returns the record."""
+    from jobs.removal import remove
+
+    model_dir = config.model if config.model.is_absolute() else base / config.model
+    output = config.output if config.output.is_absolute() else base / config.output
+    if output.exists():
+        raise ConfigError(f"output {output} already exists: choose a new output directory")
+    ids = config.forget.resolve(base)
+    run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
+                 seed=config.seed, device=config.device, batch_size=config.batch_size)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        write_model_dir(staging, run.new_state, run.card)
+        record_bytes = json.dumps(run.record, indent=2, default=_json_default).encode()
+        with open(staging / "removal.json", "wb") as fh:
+            fh.write(record_bytes)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return run.record
+
+
+@click.command("forget")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path),
+              help="YAML file: model, forget ids, method, seed, output.")
+@click.option("--method", "method_name", default=None,
+              help="Override method.name (lfoci-newton, fisher, ntk, mixed-linear, ...).")
+@click.option("--output", "output", default=None, type=click.Path(path_type=Path),
+              help="Override the output directory.")
+def command(config_path: Path, method_name: str | None, output: Path | None) -> None:
+    """Remove the given training samples from a model directory (in this process).
+
+    Writes OUTPUT/model.safetensors, OUTPUT/model.json and OUTPUT/removal.json; nothing is
+    written if anything fails.
+    """
+    try:
+        config = load_config(ForgetConfig, config_path)
+        config.method = config.method.choose(method_name)
+        if output:
+            config.output = output
+        record = run_forget(config, config_path.resolve().parent)
+    except USER_ERRORS as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    summary = {k: record.get(k) for k in ("method", "n_before", "n_after", "epsilon_spent", "wall_seconds")}
+    click.echo(json.dumps(summary, default=_json_default))

@@ -1,0 +1,83 @@
+"""Apply one removal to a model directory, in memory: the wiring between a model card, its
+training data and a registered method. Used by `unlearn forget`, campaigns and the stream
+service alike."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.data import SampleSet, load_source
+from pipeline.methods.base import RemovalProblem, get_method
+from pipeline.models.card import ModelCard, load_model_dir
+
+
+@dataclass
+class RemovalRun:
+    new_state: dict[str, Tensor]
+    card: ModelCard
+    record: dict[str, Any]
+
+
+def training_set(card: ModelCard) -> SampleSet:
+    """The model's current training set: the card's data split minus samples already removed."""
+    splits = load_source(card.data.source, card.data.options)
+    if card.data.split not in splits:
+        raise ValueError(f"data split '{card.data.split}' not in source '{card.data.source}' (has {sorted(splits)})")
+    full = splits[card.data.split]
+    if card.training.removed_ids:
+        full = full.without(full.positions_of(card.training.removed_ids, field="removed_ids"))
+    if len(full) != card.training.n:
+        raise ValueError(
+            f"the model card says n={card.training.n} training samples but the data gives {len(full)}; "
+            "the card and the dataset do not belong together"
+        )
+    return full
+
+
+def remove(
+    model_dir: str | Path,
+    forget_ids: list[int],
+    *,
+    method: str = "lfoci-newton",
+    settings: dict[str, Any] | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    batch_size: int = 1024,
+) -> RemovalRun:
+    """Remove ``forget_ids`` from the model in ``model_dir``; nothing is written."""
+    started = time.perf_counter()
+    impl = get_method(method)
+    parsed = impl.Settings.model_validate(settings or {})
+    model, task, card = load_model_dir(model_dir)
+    train = training_set(card)
+    positions = train.positions_of(forget_ids, field="forget_ids")
+    model.to(device)
+    problem = RemovalProblem(
+        model=model, task=task, train=train.to(device), forget_positions=positions,
+        weight_decay=card.training.weight_decay, seed=seed, batch_size=batch_size,
+    )
+    outcome = impl.run(problem, parsed)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state.update({k: v.detach().cpu() for k, v in outcome.new_parameters.items()})
+    for key, value in state.items():
+        if not bool(torch.isfinite(value).all()):
+            raise FloatingPointError(f"the removal produced non-finite values in '{key}'; nothing was written")
+    new_card = card.model_copy(deep=True)
+    new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(int(i) for i in forget_ids))
+    new_card.training.n = card.training.n - len(forget_ids)
+    record = {
+        "method": method,
+        "settings": parsed.model_dump(),
+        "seed": seed,
+        "forget_ids": [int(i) for i in forget_ids],
+        "n_before": card.training.n,
+        "n_after": new_card.training.n,
+        **outcome.record,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    return RemovalRun(state, new_card, record)

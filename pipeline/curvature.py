@@ -1,0 +1,251 @@
+"""Curvature restricted to a parameter block, as linear operators (curvlinops-style).
+
+For a block P of coordinates (see ``param_block``) and a set of samples S, with the per-sample
+objective f(w, z) = loss(w, z) + (lambda/2)||w||^2:
+    gradient  g_P(S) = sum_{z in S} grad_P f(w, z)   = sum_z grad_P loss(w, z) + |S| lambda w_P
+    Hessian   H_P(S) = sum_{z in S} hess_PP f(w, z)  = sum_z hess_PP loss(w, z) + |S| lambda I
+(``reduction="mean"`` divides both by |S|). Hessian-vector products are exact: forward-over-
+reverse autodiff (``torch.func.jvp`` of ``torch.func.grad``) on the model's functional form,
+never finite differences. Products run where the model lives (CPU or GPU); vectors, dense
+blocks and solves stay on the CPU in float64, so big blocks never sit on the GPU.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jvp, vmap
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.param_block import ParamBlock
+from pipeline.tasks import Batch, Task, output_logits
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient or curvature product contained NaN or infinity."""
+
+
+class LinearOperator(ABC):
+    """A symmetric linear map on R^dim; vectors are 1-D CPU tensors (float64 by default)."""
+
+    dim: int
+
+    @abstractmethod
+    def matvec(self, v: Tensor) -> Tensor: ...
+
+    def matmat(self, columns: Tensor) -> Tensor:
+        return torch.stack([self.matvec(c) for c in columns.T], dim=1)
+
+    def to_dense(self, chunk: int = 256) -> Tensor:
+        """Materialise on the CPU in float64, ``chunk`` basis vectors at a time; symmetrised."""
+        out = torch.empty(self.dim, self.dim, dtype=torch.float64)
+        for start in range(0, self.dim, chunk):
+            stop = min(self.dim, start + chunk)
+            basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
+            basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
+            out[:, start:stop] = self.matmat(basis)
+        return 0.5 * (out + out.T)
+
+
+@dataclass
+class Combination(LinearOperator):
+    """sum_k c_k A_k + damping * I."""
+
+    terms: Sequence[tuple[float, LinearOperator]]
+    damping: float = 0.0
+
+    def __post_init__(self) -> None:
+        dims = {op.dim for _, op in self.terms}
+        if len(dims) != 1:
+            raise ValueError(f"operators of different sizes {sorted(dims)} cannot be combined")
+        self.dim = dims.pop()
+
+    def matvec(self, v: Tensor) -> Tensor:
+        out = self.damping * v
+        for coeff, op in self.terms:
+            out = out + coeff * op.matvec(v)
+        return out
+
+    def matmat(self, columns: Tensor) -> Tensor:
+        out = self.damping * columns
+        for coeff, op in self.terms:
+            out = out + coeff * op.matmat(columns)
+        return out
+
+
+@dataclass
+class DenseOperator(LinearOperator):
+    matrix: Tensor
+
+    def __post_init__(self) -> None:
+        self.dim = int(self.matrix.shape[0])
+
+    def matvec(self, v: Tensor) -> Tensor:
+        return self.matrix @ v
+
+    def matmat(self, columns: Tensor) -> Tensor:
+        return self.matrix @ columns
+
+
+class BlockObjective:
+    """The functional form f(delta; batch) = sum_{z in batch} loss(w + E_P delta, z)."""
+
+    def __init__(self, model: nn.Module, task: Task, block: ParamBlock):
+        self.model, self.task, self.block = model, task, block
+        self.params = {n: p.detach() for n, p in model.named_parameters()}
+        self.buffers = {n: b.detach() for n, b in model.named_buffers()}
+        first = next(iter(self.params.values()))
+        self.device, self.dtype = first.device, first.dtype
+        self.w_block = block.gather(self.params)
+
+    def zeros(self) -> Tensor:
+        return torch.zeros(self.block.numel, device=self.device, dtype=self.dtype)
+
+    def loss_sum(self, batch: Batch) -> Callable[[Tensor], Tensor]:
+        args, kwargs = self.task.model_args(batch)
+
+        def f(delta: Tensor) -> Tensor:
+            p = self.block.insert(self.params, delta)
+            out = functional_call(self.model, {**p, **self.buffers}, args, kwargs)
+            return self.task.per_sample_loss(output_logits(out), batch).sum()
+
+        return f
+
+
+def _check_finite(t: Tensor, what: str) -> Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteGradientError(
+            f"the {what} contains NaN or infinite values: check the model weights, the inputs and "
+            "the learning rate it was trained with; nothing was changed"
+        )
+    return t
+
+
+def block_gradient(
+    model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
+    *, reduction: str = "sum", batch_size: int = 1024,
+) -> Tensor:
+    """g_P(S) = sum_{z in S} [grad_P loss(w, z) + lambda w_P]  (or its mean); CPU float64."""
+    obj = BlockObjective(model, task, block)
+    total = torch.zeros(block.numel, dtype=torch.float64)
+    for batch in data.batches(batch_size):
+        g = grad(obj.loss_sum(batch))(obj.zeros())
+        total += g.detach().to("cpu", torch.float64)
+    total += len(data) * weight_decay * obj.w_block.to("cpu", torch.float64)
+    if reduction == "mean":
+        total /= len(data)
+    return _check_finite(total, "gradient")
+
+
+class BlockHessian(LinearOperator):
+    """H_P(S) v, exact, for samples S (``reduction`` "sum" or "mean"), lambda I included."""
+
+    def __init__(
+        self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
+        *, reduction: str = "mean", batch_size: int = 1024, columns_per_pass: int = 128,
+    ):
+        if reduction not in ("sum", "mean"):
+            raise ValueError("reduction must be 'sum' or 'mean'")
+        self.obj = BlockObjective(model, task, block)
+        self.data, self.weight_decay = data, weight_decay
+        self.scale = 1.0 / len(data) if reduction == "mean" else 1.0
+        self.ridge = weight_decay if reduction == "mean" else weight_decay * len(data)
+        self.batch_size, self.columns_per_pass = batch_size, columns_per_pass
+        self.dim = block.numel
+        self.products = 0  # number of (sample-set) Hessian-vector products evaluated
+
+    def _hvp_batch(self, batch: Batch, v: Tensor) -> Tensor:
+        g = grad(self.obj.loss_sum(batch))
+        return jvp(g, (self.obj.zeros(),), (v,))[1]
+
+    def matvec(self, v: Tensor) -> Tensor:
+        vd = v.to(self.obj.device, self.obj.dtype)
+        out = torch.zeros(self.dim, dtype=torch.float64)
+        for batch in self.data.batches(self.batch_size):
+            out += self._hvp_batch(batch, vd).detach().to("cpu", torch.float64)
+        self.products += 1
+        return _check_finite(self.scale * out + self.ridge * v.to(torch.float64), "Hessian-vector product")
+
+    def matmat(self, columns: Tensor) -> Tensor:
+        out = torch.zeros(self.dim, columns.shape[1], dtype=torch.float64)
+        for start in range(0, columns.shape[1], self.columns_per_pass):
+            block = columns[:, start : start + self.columns_per_pass].to(self.obj.device, self.obj.dtype)
+            acc = torch.zeros(self.dim, block.shape[1], dtype=torch.float64)
+            for batch in self.data.batches(self.batch_size):
+                hv = vmap(lambda u, b=batch: self._hvp_batch(b, u))(block.T)
+                acc += hv.T.detach().to("cpu", torch.float64)
+            out[:, start : start + block.shape[1]] = acc
+        self.products += columns.shape[1]
+        return _check_finite(self.scale * out + self.ridge * columns.to(torch.float64), "Hessian block")
+
+
+@dataclass
+class SolveInfo:
+    solver: str
+    iterations: int = 0
+    relative_residual: float = 0.0
+    converged: bool = True
+    positive_definite: bool = True
+    min_eigenvalue: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def solve_dense(matrix: Tensor, rhs: Tensor) -> tuple[Tensor, SolveInfo]:
+    """Solve A x = b on the CPU in float64: Cholesky when A is positive definite; otherwise an
+    LU solve of the same (indefinite) Newton system, flagged in the info, never hidden."""
+    a = matrix.to("cpu", torch.float64)
+    b = rhs.to("cpu", torch.float64)
+    chol, status = torch.linalg.cholesky_ex(a)
+    if int(status) == 0:
+        x = torch.cholesky_solve(b.unsqueeze(1), chol).squeeze(1)
+        info = SolveInfo("cholesky")
+    else:
+        x = torch.linalg.solve(a, b)
+        min_eig = float(torch.linalg.eigvalsh(a)[0])
+        info = SolveInfo("lu", positive_definite=False, min_eigenvalue=min_eig,
+                         notes=["the restricted Hessian is not positive definite; add damping for a "
+                                "descent step"])
+    res = torch.linalg.vector_norm(a @ x - b) / max(float(torch.linalg.vector_norm(b)), 1e-300)
+    info.relative_residual = float(res)
+    return _check_finite(x, "Newton direction"), info
+
+
+def conjugate_gradient(
+    op: LinearOperator, rhs: Tensor, *, rtol: float = 1e-8, max_iter: int | None = None,
+) -> tuple[Tensor, SolveInfo]:
+    """Matrix-free CG for A x = b (A symmetric positive definite), CPU float64 vectors.
+    Stops at ||r|| <= rtol ||b||; a direction of non-positive curvature stops it and is
+    reported (not hidden)."""
+    b = rhs.to("cpu", torch.float64)
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = r.clone()
+    rs = float(r @ r)
+    bnorm = math.sqrt(float(b @ b)) or 1.0
+    limit = max_iter or max(10, 2 * op.dim)
+    info = SolveInfo("cg", converged=False)
+    for it in range(1, limit + 1):
+        ap = op.matvec(p)
+        curv = float(p @ ap)
+        if curv <= 0:
+            info.positive_definite = False
+            info.notes.append(f"non-positive curvature {curv:.3e} met at iteration {it}; add damping")
+            info.iterations = it
+            break
+        alpha = rs / curv
+        x += alpha * p
+        r -= alpha * ap
+        rs_new = float(r @ r)
+        info.iterations = it
+        if math.sqrt(rs_new) <= rtol * bnorm:
+            info.converged = True
+            rs = rs_new
+            break
+        p = r + (rs_new / rs) * p
+        rs = rs_new
+    info.relative_residual = math.sqrt(rs) / bnorm
+    return _check_finite(x, "Newton direction"), info

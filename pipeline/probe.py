@@ -1,0 +1,200 @@
+"""The probe of L-CODEC / L-FOCI (Mehta et al., CVPR 2022, section 4): perturbed forward
+passes of the forget samples, one scalar per parameter *slice* per perturbation.
+
+Slices: every ``nn.Linear`` and ``nn.Conv2d`` (the Linear projections inside attention
+included) contributes one slice per output unit j: weight row j (+ bias j). Its scalar for a
+perturbation is the mean over the forget batch (and over tokens, or H x W) of unit j's output.
+Perturbation p of the forget batch (m samples): dense inputs get x + N(0, sigma^2), token ids
+get k random non-special tokens replaced (``Task.perturb``). Each perturbation also records
+the mean loss of the forget batch. Result: an (m_p x S) activation matrix and an m_p loss vector.
+
+Determinism: perturbation p draws from its own generator seeded by (seed, p), and passes are
+cut at absolute multiples of ``pass_size``; so any contiguous shard [start, stop) aligned to
+``pass_size`` yields exactly the rows the whole run yields there, whatever the sharding.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.param_block import ParamBlock
+from pipeline.tasks import Batch, Task
+
+PROBED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
+
+
+@dataclass(frozen=True)
+class SliceGroup:
+    module: str  # qualified module name
+    weight: str  # qualified parameter names
+    bias: str | None
+    units: int
+    offset: int  # index of this module's first slice
+
+
+class SliceMap:
+    """Slice index <-> (module, unit) <-> (parameter name, row) for weight and bias."""
+
+    def __init__(self, model: nn.Module):
+        groups: list[SliceGroup] = []
+        offset = 0
+        for name, module in model.named_modules():
+            if not isinstance(module, PROBED_TYPES) or not module.weight.requires_grad:
+                continue
+            units = int(module.weight.shape[0])
+            bias = f"{name}.bias" if module.bias is not None and module.bias.requires_grad else None
+            groups.append(SliceGroup(name, f"{name}.weight", bias, units, offset))
+            offset += units
+        if not groups:
+            raise ValueError("the model has no trainable nn.Linear or nn.Conv2d layer to probe")
+        self.groups = groups
+        self.size = offset
+        self._starts = torch.tensor([g.offset for g in groups])
+
+    def locate(self, index: int) -> tuple[SliceGroup, int]:
+        if not 0 <= index < self.size:
+            raise IndexError(f"slice {index} outside [0, {self.size})")
+        g = int(torch.searchsorted(self._starts, torch.tensor(index), right=True)) - 1
+        group = self.groups[g]
+        return group, index - group.offset
+
+    def describe(self, index: int) -> dict:
+        group, unit = self.locate(index)
+        return {"slice": index, "module": group.module, "unit": unit, "weight": group.weight, "bias": group.bias}
+
+    def rows_for(self, indices: list[int]) -> dict[str, list[int]]:
+        rows: dict[str, list[int]] = {}
+        for i in indices:
+            group, unit = self.locate(int(i))
+            rows.setdefault(group.weight, []).append(unit)
+            if group.bias is not None:
+                rows.setdefault(group.bias, []).append(unit)
+        return rows
+
+    def block_for(self, model: nn.Module, indices: list[int]) -> ParamBlock:
+        return ParamBlock.from_rows(model, self.rows_for(indices))
+
+
+@dataclass
+class ProbeResult:
+    activations: Tensor  # (perturbations, slices), float32, CPU
+    losses: Tensor  # (perturbations,), float64, CPU
+    start: int = 0
+
+
+def perturbation_generator(seed: int, index: int) -> torch.Generator:
+    """Generator of perturbation ``index`` for a removal seeded with ``seed``."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x165667B1) % (2**63 - 1))
+    return g
+
+
+@contextlib.contextmanager
+def eval_mode_restored(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the duration; each module's mode and every buffer restored afterwards."""
+    modes = {name: m.training for name, m in model.named_modules()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for name, m in model.named_modules():
+            m.training = modes[name]
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+
+def _stack(batches: list[Batch]) -> Batch:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+class _Recorder:
+    """Forward hooks writing the per-perturbation mean of each unit into one matrix."""
+
+    def __init__(self, slice_map: SliceMap, model: nn.Module):
+        self.slice_map = slice_map
+        self.modules = dict(model.named_modules())
+        self.handles: list = []
+        self.out: Tensor | None = None
+        self.groups_per_pass = 1
+        self.token_weights: Tensor | None = None  # (P*m, T) normalised mask, for token inputs
+
+    def __enter__(self) -> "_Recorder":
+        for group in self.slice_map.groups:
+            module = self.modules[group.module]
+            self.handles.append(module.register_forward_hook(self._hook(group)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, group: SliceGroup):
+        def hook(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+            assert self.out is not None
+            p = self.groups_per_pass
+            y = output.detach()
+            if isinstance(module, nn.Conv2d):  # (B, C, H, W) -> mean over batch-in-group, H, W
+                per = y.reshape(p, -1, *y.shape[1:]).mean(dim=(1, 3, 4))
+            elif y.dim() == 3 and self.token_weights is not None and y.shape[1] == self.token_weights.shape[1]:
+                w = self.token_weights.to(y.dtype)  # (B, T), rows sum to 1 over real tokens
+                per_sample = (y * w.unsqueeze(-1)).sum(dim=1)  # (B, units)
+                per = per_sample.reshape(p, -1, y.shape[-1]).mean(dim=1)
+            else:  # (B, ..., units): mean over batch-in-group and any middle dims
+                per = y.reshape(p, -1, y.shape[-1]).mean(dim=1)
+            self.out[:, group.offset : group.offset + group.units] = per.float().cpu()
+
+        return hook
+
+
+@torch.no_grad()
+def run_probe(
+    model: nn.Module, task: Task, forget: Batch, *, seed: int, start: int, stop: int,
+    pass_size: int = 32, perturb_options: dict | None = None, slice_map: SliceMap | None = None,
+) -> ProbeResult:
+    """Rows [start, stop) of the probe. ``start`` must be a multiple of ``pass_size``."""
+    if start % pass_size:
+        raise ValueError(f"start={start} must be a multiple of pass_size={pass_size} (shard alignment)")
+    if stop <= start:
+        raise ValueError("the probe needs at least one perturbation (stop > start)")
+    slice_map = slice_map or SliceMap(model)
+    options = perturb_options or {}
+    rows = stop - start
+    acts = torch.empty(rows, slice_map.size, dtype=torch.float32)
+    losses = torch.empty(rows, dtype=torch.float64)
+    m = task.batch_size_of(forget)
+    with eval_mode_restored(model), _Recorder(slice_map, model) as rec:
+        for a in range(start, stop, pass_size):
+            b = min(stop, a + pass_size)
+            batches = [task.perturb(forget, perturbation_generator(seed, p), **options) for p in range(a, b)]
+            stacked = _stack(batches)
+            rec.groups_per_pass = b - a
+            rec.out = torch.empty(b - a, slice_map.size, dtype=torch.float32)
+            mask = stacked.get("attention_mask")
+            rec.token_weights = None
+            if mask is not None:
+                mk = mask.to(torch.float64)
+                rec.token_weights = mk / mk.sum(dim=1, keepdim=True).clamp(min=1.0)
+            logits = task.forward(model, stacked)
+            per = task.per_sample_loss(logits, stacked).reshape(b - a, m).mean(dim=1)
+            acts[a - start : b - start] = rec.out
+            losses[a - start : b - start] = per.double().cpu()
+    return ProbeResult(acts, losses, start)
+
+
+def gather(results: list[ProbeResult]) -> ProbeResult:
+    """Concatenate shard results in perturbation order (they must tile a contiguous range)."""
+    ordered = sorted(results, key=lambda r: r.start)
+    expect = ordered[0].start
+    for r in ordered:
+        if r.start != expect:
+            raise ValueError(f"probe shards leave a gap or overlap at perturbation {expect}")
+        expect += r.losses.shape[0]
+    return ProbeResult(
+        torch.cat([r.activations for r in ordered]), torch.cat([r.losses for r in ordered]), ordered[0].start
+    )
