@@ -1,0 +1,144 @@
+"""`unlearn forget` end to end, and its refusals of bad input (nothing written on error)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from jobs.cli import cli
+from pipeline.data import load_source
+from pipeline.models import build
+from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
+from pipeline.training import fit_lbfgs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    train = load_source("digits")["train"]
+    torch.manual_seed(0)
+    model, task = build("linear", {})
+    fit_lbfgs(model, task, train, 0.01, tolerance=1e-6, max_steps=30)
+    out = tmp_path_factory.mktemp("models") / "digits-linear"
+    card = ModelCard(preset="linear", options={}, data=DataRef(source="digits"),
+                     training=TrainingRecord(weight_decay=0.01, n=len(train)))
+    write_model_dir(out, model.state_dict(), card)
+    return out
+
+
+def write_config(tmp_path: Path, model_dir: Path, **overrides) -> Path:
+    config = {
+        "model": str(model_dir),
+        "forget": {"sample_ids": [1, 2, 3]},
+        "method": {"name": "lfoci-newton", "settings": {"selection": "all"}},
+        "output": str(tmp_path / "out"),
+    }
+    for key, value in overrides.items():
+        config[key] = value
+    path = tmp_path / "forget.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def invoke(path: Path, *extra: str):
+    return CliRunner().invoke(cli, ["forget", "--config", str(path), *extra])
+
+
+def test_forget_writes_model_and_record(tmp_path, model_dir):
+    result = invoke(write_config(tmp_path, model_dir))
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    record = json.loads((out / "removal.json").read_text())
+    card = json.loads((out / "model.json").read_text())
+    assert record["forget_ids"] == [1, 2, 3] and record["n_after"] == record["n_before"] - 3
+    assert card["training"]["removed_ids"] == [1, 2, 3] and card["training"]["n"] == record["n_after"]
+    new = load_file(out / "model.safetensors")
+    old = load_file(model_dir / "model.safetensors")
+    assert not torch.equal(new["1.weight"], old["1.weight"])
+    assert set(record["timings"]) >= {"gradients", "curvature_and_solve", "verify"}
+    # A second removal from the new directory continues from the updated training set.
+    second = write_config(tmp_path, out, forget={"sample_ids": [2]}, output=str(tmp_path / "out2"))
+    result = invoke(second)
+    assert result.exit_code != 0 and "not in the training set" in result.output
+
+
+def test_help_lists_forget():
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "forget" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "forget", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "--config" in out.stdout
+
+
+BAD_INPUTS = {
+    "unknown id": (dict(forget={"sample_ids": [0, 99999]}), "not in the training set"),
+    "duplicate id": (dict(forget={"sample_ids": [1, 1]}), "duplicate"),
+    "empty forget set": (dict(forget={"sample_ids": []}), "empty"),
+    "epsilon zero": (dict(method={"name": "lfoci-newton", "settings": {"selection": "all", "epsilon": 0}}), "epsilon"),
+    "epsilon negative": (dict(method={"name": "lfoci-newton", "settings": {"epsilon": -1}}), "epsilon"),
+    "delta one": (dict(method={"name": "lfoci-newton", "settings": {"delta": 1.0}}), "delta"),
+    "delta zero": (dict(method={"name": "lfoci-newton", "settings": {"delta": 0.0}}), "delta"),
+    "unknown method": (dict(method={"name": "magic"}), "unknown"),
+    "unknown setting": (dict(method={"name": "lfoci-newton", "settings": {"sigma_typo": 1}}), "sigma_typo"),
+    "unknown field": (dict(extra_field=1), "extra_field"),
+    "missing model": (dict(model="/nonexistent/model"), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_and_nothing_written(tmp_path, model_dir, case):
+    overrides, message = BAD_INPUTS[case]
+    result = invoke(write_config(tmp_path, model_dir, **overrides))
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["forget.yaml"]
+
+
+def test_removing_every_sample_is_refused(tmp_path, model_dir):
+    n = json.loads((model_dir / "model.json").read_text())["training"]["n"]
+    ids = load_source("digits")["train"].sample_ids.tolist()
+    assert len(ids) == n
+    result = invoke(write_config(tmp_path, model_dir, forget={"sample_ids": ids}))
+    assert result.exit_code == 2 and "all" in result.output and "retrain" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_gradient_is_refused(tmp_path, model_dir):
+    broken = tmp_path / "broken"
+    state = load_file(model_dir / "model.safetensors")
+    state["1.weight"][0, 0] = float("nan")
+    card = ModelCard.model_validate_json((model_dir / "model.json").read_text())
+    write_model_dir(broken, state, card)
+    result = invoke(write_config(tmp_path, broken))
+    assert result.exit_code == 2 and "NaN or infinite" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_mismatched_checkpoint_is_refused(tmp_path, model_dir):
+    wrong = tmp_path / "wrong"
+    state = load_file(model_dir / "model.safetensors")
+    state["extra.weight"] = torch.zeros(2)
+    del state["1.bias"]
+    card = ModelCard.model_validate_json((model_dir / "model.json").read_text())
+    write_model_dir(wrong, state, card)
+    result = invoke(write_config(tmp_path, wrong))
+    assert result.exit_code == 2
+    assert "missing keys ['1.bias']" in result.output and "unexpected keys ['extra.weight']" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_not_overwritten(tmp_path, model_dir):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    result = invoke(write_config(tmp_path, model_dir))
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
