@@ -1,0 +1,130 @@
+"""A deletion campaign: ingest every request durably, then apply them in deterministic batches
+(request file order, ``batch_size`` per batch, batch k seeded with ``seed + k``), each batch on
+the current version and published as a new one, then write the report.
+
+Resumable at any point: ingestion is one transaction (all requests or none); each batch is
+recorded before it is computed and finished by ``BatchApplier`` (see jobs/applier.py), which
+recognises a batch that was published before a crash. ``resume`` re-enters the same loop.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from jobs.applier import BatchApplier, BatchResult, sync_rollbacks
+from jobs.removal import training_set
+from jobs.report import write_report
+from jobs.specs import CampaignSpec
+from pipeline.data.requests import DeletionRequest, read_requests
+from pipeline.models.card import read_card
+from pipeline.store.crashpoint import crash_point
+from pipeline.store.ledger import Ledger
+from pipeline.store.versions import VersionStore
+
+
+class CampaignError(ValueError):
+    """A campaign cannot start or resume as asked; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class CampaignResult:
+    campaign_id: str
+    batches: list[BatchResult]
+    final_version: int
+    report_dir: Path
+
+
+def spec_record(spec: CampaignSpec) -> dict:
+    """The spec as stored in the ledger (JSON, paths resolved): a resume must present the same."""
+    return spec.model_dump(mode="json")
+
+
+def check_sample_ids(version_dir: Path, requests: Sequence[DeletionRequest], model: str, version: int) -> None:
+    """Every sample id must be in the version's training set (not unknown, not already removed)."""
+    known = set(training_set(read_card(version_dir)).sample_ids.tolist())
+    bad = [(r.request_id, [i for i in r.sample_ids if i not in known]) for r in requests]
+    bad = [(rid, ids) for rid, ids in bad if ids]
+    if bad:
+        listed = "; ".join(f"request '{rid}': {ids[:10]}" for rid, ids in bad[:5])
+        raise CampaignError(
+            f"{len(bad)} request(s) name sample ids that are not in the training set of model '{model}' version {version} "
+            f"({listed}); use ids from the dataset's sample_id column that have not been removed yet"
+        )
+
+
+def _ingest(spec: CampaignSpec, store: VersionStore, ledger: Ledger) -> int:
+    model = spec.model.name
+    current = store.open_verified(model)  # refuses a tampered current version before anything is written
+    requests = read_requests(spec.requests)
+    check_sample_ids(current.path, requests, model, current.version)
+    ledger.ingest_campaign(spec.name, model, spec_record(spec), requests)
+    return len(requests)
+
+
+def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | None = None,
+                 echo: Callable[[str], None] = print) -> CampaignResult:
+    """Run (or with ``resume``, continue) a campaign to its end and write its report."""
+    from tqdm import tqdm
+
+    model = spec.model.name
+    store = VersionStore(spec.model.store)
+    store.require_model(model)
+    ledger = Ledger(spec.ledger_path())
+    try:
+        with store.lock(model):
+            existing = ledger.get_campaign(spec.name)
+            if existing is not None and not resume:
+                raise CampaignError(
+                    f"campaign '{spec.name}' already exists in {ledger.path} ({existing.state}); "
+                    "continue it with `unlearn campaign resume`, or give the new campaign another name"
+                )
+            if existing is not None and existing.spec != spec_record(spec):
+                raise CampaignError(
+                    f"the spec of campaign '{spec.name}' differs from the one it was started with; "
+                    "resume with the original spec file, or start a campaign under a new name"
+                )
+            if existing is not None and existing.model != model:
+                raise CampaignError(f"campaign '{spec.name}' belongs to model '{existing.model}', not '{model}'")
+            sync_rollbacks(store, ledger, model)
+            if existing is None:
+                count = _ingest(spec, store, ledger)
+                echo(f"accepted {count} requests into {ledger.path} (campaign '{spec.name}')")
+            crash_point("after_ingest")
+
+            request_ids = ledger.campaign_request_ids(spec.name)
+            chunks = [request_ids[i : i + spec.batch_size] for i in range(0, len(request_ids), spec.batch_size)]
+            origin = f"campaign:{spec.name}"
+            applier = BatchApplier(store, ledger, model, method=spec.method.name,
+                                   settings=spec.method.settings, limits=spec.limits)
+            results: list[BatchResult] = []
+            removed: list[int] = []
+            bar = tqdm(chunks, desc=f"campaign {spec.name}", unit="batch", file=sys.stderr,
+                       disable=(not progress) if progress is not None else None)
+            for k, chunk in enumerate(bar):
+                key = f"{origin}:{k}"
+                batch = ledger.get_batch(key)
+                if batch is None:
+                    batch = ledger.schedule_batch(batch_key=key, model=model, origin=origin, index=k, request_ids=chunk,
+                                                  parent_version=store.current(model), seed=spec.seed + k)
+                    crash_point("after_schedule")
+                result = applier.apply(batch, cumulative_ids=[*removed, *batch.sample_ids])
+                if result.state == "applied":
+                    removed += batch.sample_ids
+                results.append(result)
+                bar.set_postfix(state=result.state, version=result.version)
+            crash_point("before_report")
+            report_dir = write_report(store, ledger, spec.name, spec.report_path())
+            crash_point("after_report")
+            ledger.set_campaign_state(spec.name, "completed")
+            final = store.current(model)
+    finally:
+        ledger.close()
+    applied = sum(r.state == "applied" for r in results)
+    echo(f"campaign '{spec.name}': {applied}/{len(results)} batches applied, model '{model}' at version {final}; "
+         f"report in {report_dir}")
+    for r in results:
+        if r.state != "applied":
+            echo(f"  batch {r.batch_key}: {r.state}: {r.reason}")
+    return CampaignResult(spec.name, results, final, report_dir)

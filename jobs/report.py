@@ -1,0 +1,122 @@
+"""The end-of-campaign report: ``report.json`` (everything), ``report.md`` (a summary) and
+``curves.png`` (forget-set and retain accuracy against the number of samples removed). Built
+only from the ledger and the version manifests, so a resumed campaign writes the same report."""
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import atomic_write_bytes
+from pipeline.store.ledger import Ledger
+from pipeline.store.versions import VersionStore
+
+
+def campaign_summary(store: VersionStore, ledger: Ledger, campaign_id: str) -> dict[str, Any]:
+    """Per batch: state, version, request ids, reason and metrics; totals; the privacy spend."""
+    campaign = ledger.get_campaign(campaign_id)
+    if campaign is None:
+        raise ValueError(f"campaign '{campaign_id}' is not in the ledger {ledger.path}")
+    model = campaign.model
+    batches = sorted(ledger.batches(origin=f"campaign:{campaign_id}"), key=lambda b: b.index)
+    rows, removed = [], 0
+    for b in batches:
+        metrics: dict[str, Any] | None = None
+        if b.state == "applied" and b.version is not None:
+            manifest = store.manifest(model, b.version)
+            metrics = {**manifest["metrics"], "epsilon_total": manifest["privacy"]["spent_after"]["epsilon"],
+                       "epsilon": manifest["privacy"]["release"]["epsilon"]}
+            removed += len(b.sample_ids)
+        else:
+            first = ledger.get_request(b.request_ids[0])
+            metrics = first.metrics if first else None
+        rows.append({"index": b.index, "batch_key": b.batch_key, "state": b.state, "version": b.version,
+                     "parent_version": b.parent_version, "seed": b.seed, "request_ids": b.request_ids,
+                     "samples": len(b.sample_ids), "removed_after": removed, "reason": b.reason, "metrics": metrics})
+    states = [r.state for r in (ledger.get_request(rid) for rid in ledger.campaign_request_ids(campaign_id)) if r]
+    return {
+        "campaign": campaign_id, "model": model, "spec": campaign.spec,
+        "requests": {s: states.count(s) for s in ("accepted", "scheduled", "applied", "failed", "needs_retrain")},
+        "total_requests": len(states), "samples_removed": removed,
+        "final_version": store.current(model), "batches": rows,
+    }
+
+
+def _curves_png(summary: dict[str, Any]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    applied = [b for b in summary["batches"] if b["state"] == "applied" and b["metrics"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if applied:
+        first = applied[0]["metrics"]
+        xs = [0] + [b["removed_after"] for b in applied]
+
+        def series(key: str, start_key: str | None) -> list[float]:
+            start = first.get(start_key) if start_key else None
+            vals = [b["metrics"].get(key) for b in applied]
+            return [math.nan if v is None else v for v in [start, *vals]]
+
+        ax.plot(xs, series("cumulative_forget_accuracy", "forget_accuracy_before"), "o-", label="forget set (all removed so far)")
+        ax.plot(xs, series("retain_accuracy", "retain_accuracy_before"), "s-", label="retain set")
+        ax.plot(xs, series("test_accuracy", "test_accuracy_before"), "^--", label="test set")
+    ax.set_xlabel("samples removed")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"campaign {summary['campaign']} on {summary['model']}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    if applied:
+        ax.legend(loc="lower left")
+    else:
+        ax.text(0.5, 0.5, "no batch was applied", ha="center", va="center", transform=ax.transAxes)
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "inf" if math.isinf(v) else f"{v:.4f}"
+    return str(v)
+
+
+def _markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        f"# Campaign `{summary['campaign']}`", "",
+        f"Model `{summary['model']}`, final version **{summary['final_version']}**, "
+        f"{summary['samples_removed']} samples removed by {summary['requests']['applied']} of "
+        f"{summary['total_requests']} requests.", "",
+        "| requests | count |", "|---|---|",
+        *[f"| {state} | {count} |" for state, count in summary["requests"].items()], "",
+        "![accuracy against samples removed](curves.png)", "",
+        "| batch | state | version | requests | removed | forget acc. | retain acc. | test acc. | epsilon total |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in summary["batches"]:
+        m = b["metrics"] or {}
+        lines.append(f"| {b['index']} | {b['state']} | {_fmt(b['version'])} | {len(b['request_ids'])} | {b['removed_after']} | "
+                     f"{_fmt(m.get('cumulative_forget_accuracy'))} | {_fmt(m.get('retain_accuracy'))} | "
+                     f"{_fmt(m.get('test_accuracy'))} | {_fmt(m.get('epsilon_total'))} |")
+    problems = [b for b in summary["batches"] if b["state"] != "applied"]
+    if problems:
+        lines += ["", "## Batches not applied", ""]
+        lines += [f"- batch {b['index']} ({b['state']}), requests {', '.join(b['request_ids'])}: {b['reason']}" for b in problems]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(store: VersionStore, ledger: Ledger, campaign_id: str, out_dir: str | Path) -> Path:
+    """Write report.json, report.md and curves.png (each atomically); returns the folder."""
+    out = Path(out_dir)
+    summary = campaign_summary(store, ledger, campaign_id)
+    atomic_write_bytes(out / "curves.png", _curves_png(summary))
+    atomic_write_bytes(out / "report.json", json.dumps(summary, indent=2, sort_keys=True, default=str).encode())
+    atomic_write_bytes(out / "report.md", _markdown(summary).encode())
+    return out

@@ -1,0 +1,349 @@
+"""The streaming removal service: an HTTP front end that records deletion requests durably and
+one worker that applies them in micro-batches, each batch publishing a new model version.
+
+HTTP (JSON; every endpoint needs ``Authorization: Bearer <token>`` from the configuration):
+  POST /v1/requests        {"request_id", "subject", "sample_ids"} -> 202 once committed to the
+                           ledger (200 for an identical resubmission; 409 conflict; 422 invalid)
+  GET  /v1/requests/{id}   the request's state, version, epsilon, metrics, error
+  GET  /v1/versions        the model's versions and the current one
+Limits: body size (413), per-client token-bucket rate limit (429), JSON only (415).
+
+Worker: pending (accepted) stream requests are applied in arrival order, in batches of at most
+``batching.max_requests``, as soon as that many are pending or the oldest has waited
+``batching.max_wait_s``. The maths are ``jobs.removal.remove`` via ``jobs.applier``. On shutdown
+the HTTP server stops first, then the worker finishes the batch in flight and stops; requests
+still pending stay accepted in the ledger and are applied by the next start.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import ValidationError
+
+from jobs.applier import BatchApplier, sync_rollbacks
+from jobs.removal import training_set
+from jobs.specs import ServiceConfig
+from pipeline.checkpoint import atomic_write_bytes
+from pipeline.data.requests import DeletionRequest
+from pipeline.models.card import read_card
+from pipeline.store.ledger import Ledger, LedgerConflictError, SampleConflictError
+from pipeline.store.versions import VersionStore
+
+REQUEST_PATH = re.compile(r"^/v1/requests/([^/]{1,128})$")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+class RateLimiter:
+    """Token bucket per client: ``rate`` tokens per second, at most ``burst`` saved up."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, client: str) -> float:
+        """0.0 if the client may proceed now, else the seconds to wait."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._buckets.get(client, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens >= 1.0:
+                self._buckets[client] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[client] = (tokens, now)
+            return (1.0 - tokens) / self.rate
+
+
+def _age_seconds(received_at: str) -> float:
+    return (datetime.now(timezone.utc) - datetime.fromisoformat(received_at)).total_seconds()
+
+
+class UnlearnService:
+    """Owns the model's write lock, the ledger, the HTTP server and the worker thread."""
+
+    def __init__(self, config: ServiceConfig, *, log=None) -> None:
+        self.config = config
+        self.model = config.model.name
+        self.store = VersionStore(config.model.store)
+        self.store.require_model(self.model)
+        self.tokens = {c.resolve(): c.client for c in config.auth.clients}
+        self.limiter = RateLimiter(config.rate_limit.requests_per_second, config.rate_limit.burst)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.batch_origin = f"stream:{self.model}"
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self.worker_error: BaseException | None = None
+        self._lock_cm = None
+        self.server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> tuple[str, int]:
+        """Take the model's lock, bring unfinished batches to an end, bind and start serving."""
+        self._lock_cm = self.store.lock(self.model)
+        self._lock_cm.__enter__()
+        try:
+            self.ledger = Ledger(self.config.ledger_path())
+            self.applier = BatchApplier(self.store, self.ledger, self.model, method=self.config.method.name,
+                                        settings=self.config.method.settings, limits=self.config.limits)
+            sync_rollbacks(self.store, self.ledger, self.model)
+            current = self.store.open_verified(self.model)
+            self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
+            for batch in self.ledger.batches(model=self.model, origin=self.batch_origin, state="scheduled"):
+                self.log(f"finishing batch {batch.batch_key} left from the last run")
+                self.applier.apply(batch)
+            self.server = ThreadingHTTPServer((self.config.host, self.config.port), _handler_for(self))
+        except BaseException:
+            self._release()
+            raise
+        self.server.daemon_threads = False
+        self.server.block_on_close = True
+        host, port = self.server.server_address[:2]
+        self._threads = [
+            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True),
+            threading.Thread(target=self._worker, name="removal-worker", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        if self.config.port_file is not None:
+            atomic_write_bytes(self.config.port_file, str(port).encode())
+        self.log(f"serving model '{self.model}' on http://{host}:{port}")
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        """Stop accepting, let handlers finish, drain the batch in flight, release the lock."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()  # joins handler threads (block_on_close)
+        self._stopping.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join()
+        self._release()
+        self.log("stopped")
+
+    def _release(self) -> None:
+        if getattr(self, "ledger", None) is not None:
+            self.ledger.close()
+            self.ledger = None  # type: ignore[assignment]
+        if self._lock_cm is not None:
+            self._lock_cm.__exit__(None, None, None)
+            self._lock_cm = None
+
+    def serve_forever(self) -> int:
+        """Run until SIGTERM/SIGINT (or a worker failure); returns the exit status."""
+        stop_requested = threading.Event()
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            self.log(f"received {signal.Signals(signum).name}; finishing the batch in flight")
+            stop_requested.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            while not stop_requested.wait(0.2):
+                if self.worker_error is not None:
+                    break
+            self.stop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if self.worker_error is not None:
+            self.log(f"error: the worker stopped: {self.worker_error}")
+            return 1
+        return 0
+
+    # -- worker ------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        batching = self.config.batching
+        while not self._stopping.is_set():
+            self._wake.clear()
+            pending = self.ledger.requests(model=self.model, state="accepted", origin_prefix="stream:",
+                                           limit=batching.max_requests)
+            if not pending:
+                self._wake.wait(0.5)
+                continue
+            wait = batching.max_wait_s - _age_seconds(pending[0].received_at)
+            if len(pending) < batching.max_requests and wait > 0:
+                self._wake.wait(min(wait, 0.5))
+                continue
+            try:
+                self._apply([r.request_id for r in pending])
+            except BaseException as err:  # noqa: BLE001 - surfaced by serve_forever, batch stays scheduled
+                self.worker_error = err
+                self.log(f"worker error: {type(err).__name__}: {err}")
+                return
+
+    def _apply(self, request_ids: list[str]) -> None:
+        index = len(self.ledger.batches(model=self.model, origin=self.batch_origin))
+        batch = self.ledger.schedule_batch(
+            batch_key=f"{self.batch_origin}:{index}", model=self.model, origin=self.batch_origin, index=index,
+            request_ids=request_ids, parent_version=self.store.current(self.model), seed=self.config.seed + index,
+        )
+        result = self.applier.apply(batch)
+        self.log(f"batch {index}: {len(request_ids)} requests -> {result.state}"
+                 + (f" (version {result.version})" if result.version is not None else f": {result.reason}"))
+
+    # -- request handling (called from handler threads) ---------------------------------------
+    def authenticate(self, header: str | None) -> str:
+        import hmac
+
+        scheme, _, credentials = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            raise HttpError(401, "missing bearer token: send 'Authorization: Bearer <token>'")
+        given = credentials.strip().encode()
+        client = None
+        for token, name in self.tokens.items():
+            if hmac.compare_digest(given, token.encode()):
+                client = name
+        if client is None:
+            raise HttpError(401, "invalid bearer token")
+        return client
+
+    def submit(self, client: str, body: Any) -> tuple[int, dict[str, Any]]:
+        if not isinstance(body, dict):
+            raise HttpError(422, "the body must be a JSON object with request_id, subject, sample_ids")
+        try:
+            request = DeletionRequest.model_validate(body)
+        except ValidationError as err:
+            fields = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in err.errors()]
+            raise HttpError(422, "invalid deletion request: " + "; ".join(f"{f['field']}: {f['message']}" for f in fields),
+                            fields=fields) from None
+        resubmitted = self.ledger.get_request(request.request_id) is not None  # the ledger decides: same or conflict
+        unknown = [] if resubmitted else [i for i in request.sample_ids if i not in self.known_ids]
+        if unknown:
+            raise HttpError(422, f"sample_ids not in the training set of model '{self.model}': {unknown[:10]}; "
+                                 "use ids from the dataset's sample_id column", fields=[{"field": "sample_ids"}])
+        try:
+            row, created = self.ledger.submit(self.model, request, origin=f"stream:{client}")
+        except (LedgerConflictError, SampleConflictError) as err:
+            raise HttpError(409, str(err)) from None
+        if row.model != self.model:
+            raise HttpError(409, f"request_id '{row.request_id}' belongs to another model; use a new request_id")
+        self._wake.set()
+        return (202 if created else 200), self._request_json(row)
+
+    def request_state(self, request_id: str) -> dict[str, Any]:
+        row = self.ledger.get_request(request_id)
+        if row is None or row.model != self.model:
+            raise HttpError(404, f"no request '{request_id}' for model '{self.model}'")
+        return self._request_json(row)
+
+    def versions(self) -> dict[str, Any]:
+        current = self.store.current(self.model)
+        return {"model": self.model, "current": current,
+                "versions": [self.store.info(self.model, v).summary(current) for v in self.store.versions(self.model)]}
+
+    @staticmethod
+    def _request_json(row) -> dict[str, Any]:
+        out = row.to_json()
+        out.pop("seq", None)
+        return out
+
+
+def _handler_for(service: UnlearnService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "unlearn-stream/1"
+        timeout = 15  # seconds a client may take to send its request
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
+            pass
+
+        def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(payload, default=str).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _handle(self, method: str) -> None:
+            try:
+                client = service.authenticate(self.headers.get("Authorization"))
+                wait = service.limiter.allow(client)
+                if wait > 0:
+                    raise HttpError(429, f"rate limit of client '{client}' exceeded; retry in {wait:.2f} s",
+                                    retry_after=wait)
+                status, payload = self._route(method, client)
+                self._send(status, payload)
+            except HttpError as err:
+                headers = {}
+                if err.status == 401:
+                    headers["WWW-Authenticate"] = 'Bearer realm="unlearn"'
+                if err.status == 429:
+                    headers["Retry-After"] = str(max(1, int(err.extra.get("retry_after", 1) + 0.999)))
+                extra = {k: v for k, v in err.extra.items() if k != "retry_after"}
+                self.close_connection = True
+                self._send(err.status, {"error": {"status": err.status, "message": err.message, **extra}}, headers)
+            except Exception as err:  # noqa: BLE001 - a 500, never a dropped connection
+                service.log(f"internal error on {method} {self.path}: {type(err).__name__}: {err}")
+                self.close_connection = True
+                self._send(500, {"error": {"status": 500, "message": "internal error; see the service log"}})
+
+        def _route(self, method: str, client: str) -> tuple[int, dict[str, Any]]:
+            path = self.path.split("?", 1)[0]
+            if path == "/v1/requests":
+                if method != "POST":
+                    raise HttpError(405, "use POST on /v1/requests")
+                return service.submit(client, self._json_body())
+            match = REQUEST_PATH.match(path)
+            if match:
+                if method != "GET":
+                    raise HttpError(405, "use GET on /v1/requests/{id}")
+                return 200, service.request_state(match.group(1))
+            if path == "/v1/versions":
+                if method != "GET":
+                    raise HttpError(405, "use GET on /v1/versions")
+                return 200, service.versions()
+            raise HttpError(404, f"no endpoint {path}; endpoints: POST /v1/requests, GET /v1/requests/{{id}}, GET /v1/versions")
+
+        def _json_body(self) -> Any:
+            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise HttpError(415, "send the body as Content-Type: application/json")
+            raw_length = self.headers.get("Content-Length")
+            if raw_length is None:
+                raise HttpError(411, "Content-Length is required")
+            try:
+                length = int(raw_length)
+                if length < 0:
+                    raise ValueError
+            except ValueError:
+                raise HttpError(400, f"Content-Length {raw_length!r} is not a non-negative integer") from None
+            limit = service.config.max_body_bytes
+            if length > limit:
+                raise HttpError(413, f"body of {length} bytes exceeds the limit of {limit} bytes; split the request")
+            raw = self.rfile.read(length)
+            try:
+                return json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise HttpError(400, f"the body is not valid JSON ({err})") from None
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._handle("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._handle("POST")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            self._handle("PUT")
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            self._handle("DELETE")
+
+    return Handler

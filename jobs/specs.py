@@ -1,0 +1,232 @@
+"""YAML specs of campaigns and of the stream service, validated with pydantic (unknown fields
+are errors). ``load_spec`` turns any problem into a ``SpecError`` whose message names the
+field and the fix. Relative paths in a spec are relative to the spec file's folder."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.privacy.accountant import Budget
+from pipeline.store.versions import MODEL_NAME_PATTERN
+
+LEDGER_FILE = "ledger.sqlite3"
+
+
+class SpecError(ValueError):
+    """A spec or configuration file is invalid; the message lists each field and its fix."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelRef(Strict):
+    store: Path = Field(description="folder of the version store (see `unlearn versions import`)")
+    name: str = Field(pattern=MODEL_NAME_PATTERN.pattern, description="model name inside the store")
+
+
+class MethodRef(Strict):
+    name: str = Field(default="lfoci-newton", description="a registered removal method")
+    settings: dict[str, Any] = Field(default_factory=dict, description="the method's settings (its Settings fields)")
+
+    @model_validator(mode="after")
+    def _known_method(self) -> "MethodRef":
+        from pipeline.methods.base import get_method
+
+        impl = get_method(self.name)  # ValueError listing the known methods
+        try:
+            impl.Settings.model_validate(self.settings)
+        except ValidationError as err:
+            raise ValueError(
+                f"settings of method '{self.name}' are invalid: "
+                + "; ".join("settings." + line for line in format_errors(err, impl.Settings))
+            ) from None
+        return self
+
+
+class Limits(Strict):
+    budget: Budget = Field(default_factory=Budget, description="the model's total privacy budget")
+    retain_accuracy_margin: float | None = Field(
+        default=0.05, ge=0, le=1,
+        description="largest allowed drop of retain-set accuracy per batch (0.05 = 5 points); null = no check",
+    )
+
+
+class CampaignSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="campaign id (letters, digits, . _ -)")
+    model: ModelRef
+    ledger: Path | None = Field(default=None, description=f"SQLite ledger file; default <store>/{LEDGER_FILE}")
+    method: MethodRef = Field(default_factory=MethodRef)
+    batch_size: int = Field(gt=0, le=100_000, description="requests per batch (a positive integer)")
+    seed: int = Field(default=0, ge=0, description="campaign seed; batch k uses seed + k")
+    limits: Limits = Field(default_factory=Limits)
+    requests: Path = Field(description="CSV, JSONL or parquet file with request_id, subject, sample_ids")
+    report_dir: Path | None = Field(default=None, description="where the report goes; default <store>/<model>/reports/<name>")
+
+    def ledger_path(self) -> Path:
+        return self.ledger or self.model.store / LEDGER_FILE
+
+    def report_path(self) -> Path:
+        return self.report_dir or self.model.store / self.model.name / "reports" / self.name
+
+
+class ClientToken(Strict):
+    client: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="client name (rate limits are per client)")
+    token: str | None = Field(default=None, min_length=16, description="the bearer token itself (16+ characters)")
+    token_env: str | None = Field(default=None, description="environment variable holding the token")
+    token_file: Path | None = Field(default=None, description="file holding the token")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ClientToken":
+        given = [k for k in ("token", "token_env", "token_file") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"client '{self.client}': give exactly one of token, token_env, token_file (got {given or 'none'})")
+        return self
+
+    def resolve(self) -> str:
+        """The token's value (read from the environment or file when so configured)."""
+        if self.token is not None:
+            return self.token
+        if self.token_env is not None:
+            value = os.environ.get(self.token_env, "")
+            where = f"environment variable {self.token_env}"
+        else:
+            assert self.token_file is not None
+            value = self.token_file.read_text().strip() if self.token_file.is_file() else ""
+            where = f"token file {self.token_file}"
+        if len(value) < 16:
+            raise SpecError(f"auth.clients[{self.client}]: {where} is unset or shorter than 16 characters; set a long random token")
+        return value
+
+
+class Auth(Strict):
+    clients: list[ClientToken] = Field(min_length=1, description="bearer tokens, one per client")
+
+
+class Batching(Strict):
+    max_requests: int = Field(default=50, gt=0, le=100_000, description="apply a batch at this many pending requests")
+    max_wait_s: float = Field(default=0.5, gt=0, le=86_400, description="or when the oldest pending request is this old")
+
+
+class RateLimit(Strict):
+    requests_per_second: float = Field(default=20.0, gt=0, description="sustained requests per second per client")
+    burst: int = Field(default=40, gt=0, description="requests a client may send at once")
+
+
+class ServiceConfig(Strict):
+    model: ModelRef
+    ledger: Path | None = Field(default=None, description=f"SQLite ledger file; default <store>/{LEDGER_FILE}")
+    method: MethodRef = Field(default_factory=MethodRef)
+    seed: int = Field(default=0, ge=0, description="service seed; stream batch k uses seed + k")
+    limits: Limits = Field(default_factory=Limits)
+    host: str = Field(default="127.0.0.1", description="address to bind (loopback unless you mean otherwise)")
+    port: int = Field(default=8787, ge=0, le=65535, description="TCP port; 0 = any free port")
+    port_file: Path | None = Field(default=None, description="the bound port is written here once listening")
+    auth: Auth
+    batching: Batching = Field(default_factory=Batching)
+    rate_limit: RateLimit = Field(default_factory=RateLimit)
+    max_body_bytes: int = Field(default=65_536, gt=0, le=16 * 2**20, description="largest accepted request body")
+
+    @field_validator("auth")
+    @classmethod
+    def _unique_clients(cls, auth: Auth) -> Auth:
+        names = [c.client for c in auth.clients]
+        if len(set(names)) != len(names):
+            raise ValueError("client names must be unique")
+        return auth
+
+    def ledger_path(self) -> Path:
+        return self.ledger or self.model.store / LEDGER_FILE
+
+
+Spec = TypeVar("Spec", bound=BaseModel)
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``X``, ``X | None``, ``list[X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _walk(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, Any]:
+    """(the model class reached by ``loc``, the FieldInfo of its last named part)."""
+    owner: type[BaseModel] | None = cls
+    info = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if owner is None or part not in owner.model_fields:
+            return None, None
+        info = owner.model_fields[part]
+        owner = _submodel(info.annotation)
+    return owner, info
+
+
+def format_errors(err: ValidationError, cls: type[BaseModel]) -> list[str]:
+    """One line per error: the field path, what is wrong, and how to fix it."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner, _ = _walk(cls, loc[:-1])
+            allowed = sorted(owner.model_fields) if owner is not None else []
+            lines.append(f"{where}: unknown field; remove it" + (f" (allowed here: {', '.join(allowed)})" if allowed else ""))
+            continue
+        _, info = _walk(cls, loc)
+        hint = f"; expected: {info.description}" if info is not None and info.description else ""
+        if e["type"] == "missing":
+            lines.append(f"{where}: required field is missing; add it{hint}")
+            continue
+        got = e.get("input")
+        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}{shown}{hint}")
+    return lines
+
+
+def _resolve_paths(obj: BaseModel, base: Path) -> None:
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        if isinstance(value, Path) and not value.is_absolute():
+            object.__setattr__(obj, name, (base / value).resolve())
+        elif isinstance(value, BaseModel):
+            _resolve_paths(value, base)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, BaseModel):
+                    _resolve_paths(item, base)
+
+
+def load_spec(path: str | Path, cls: type[Spec], what: str = "spec") -> Spec:
+    """Read and validate a YAML spec; relative paths become relative to the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{what} {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise SpecError(f"{what} {path} is not valid YAML{at}: {problem}; fix the syntax") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{what} {path} is not UTF-8 text") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{what} {path} must be a YAML mapping of fields (got {type(raw).__name__}); "
+                        f"fields: {', '.join(cls.model_fields)}")
+    try:
+        spec = cls.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(f"{what} {path} is invalid:\n  - " + "\n  - ".join(format_errors(err, cls))) from None
+    _resolve_paths(spec, path.parent.resolve())
+    return spec

@@ -1,0 +1,66 @@
+"""`unlearn stream`: the long-running removal service (see jobs/service.py)."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from jobs.usererrors import user_errors
+
+CONFIG_HELP = """The configuration is YAML:
+
+\b
+  model: {store: ./store, name: faces}
+  method: {name: lfoci-newton, settings: {epsilon: 1.0}}
+  limits: {budget: {epsilon: 20}, retain_accuracy_margin: 0.05}
+  host: 127.0.0.1               # loopback unless you mean otherwise
+  port: 8787                    # 0 = any free port (see port_file)
+  auth:
+    clients:
+      - {client: intake, token_env: UNLEARN_TOKEN}   # or token: / token_file:
+  batching: {max_requests: 50, max_wait_s: 0.5}
+  rate_limit: {requests_per_second: 20, burst: 40}
+  max_body_bytes: 65536
+"""
+
+
+@click.group("stream", epilog=CONFIG_HELP)
+def command() -> None:
+    """Streaming removals: an HTTP service that accepts deletion requests and applies them in
+    micro-batches, publishing a new model version per batch."""
+
+
+@command.command("serve", epilog=CONFIG_HELP)
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Service YAML.")
+@user_errors
+def serve(config_path: str) -> None:
+    """Serve until SIGTERM or SIGINT (the batch in flight is finished first)."""
+    from jobs.service import UnlearnService
+    from jobs.specs import ServiceConfig, load_spec
+
+    config = load_spec(config_path, ServiceConfig, "service configuration")
+    try:
+        status = UnlearnService(config).serve_forever()
+    except OSError as err:
+        raise click.ClickException(f"cannot serve on {config.host}:{config.port}: {err.strerror or err}; "
+                                   "choose another host/port in the configuration") from None
+    sys.exit(status)
+
+
+@command.command("check", epilog=CONFIG_HELP)
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Service YAML.")
+@user_errors
+def check(config_path: str) -> None:
+    """Validate the configuration (tokens included) and the model, writing nothing."""
+    from jobs.specs import ServiceConfig, load_spec
+    from pipeline.store.versions import VersionStore
+
+    config = load_spec(config_path, ServiceConfig, "service configuration")
+    for client in config.auth.clients:
+        client.resolve()
+    info = VersionStore(config.model.store).open_verified(config.model.name)
+    click.echo(f"ok: model '{config.model.name}' at version {info.version}; would bind {config.host}:{config.port}")
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,124 @@
+"""`unlearn versions`: import, list, show, verify and roll back model versions."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from jobs.usererrors import user_errors
+
+store_option = click.option("--store", required=True, type=click.Path(file_okay=False),
+                            help="Folder of the version store.")
+model_option = click.option("--model", "model", required=True, help="Model name in the store.")
+
+
+def _store(store: str, create: bool = False):
+    from pipeline.store.versions import VersionStore
+
+    return VersionStore(store, create=create)
+
+
+@click.group("versions")
+def command() -> None:
+    """Model versions: every removal publishes a new verified version (safetensors + manifest)."""
+
+
+@command.command("import")
+@store_option
+@model_option
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--note", default=None, help="Free text recorded with version 0.")
+@user_errors
+def import_(store: str, model: str, model_dir: str, note: str | None) -> None:
+    """Import MODEL_DIR (model.safetensors + model.json) as version 0 of a new model."""
+    from pipeline.models.card import load_model_dir
+
+    if not Path(model_dir).is_dir():
+        raise click.ClickException(f"model directory {model_dir} does not exist")
+    load_model_dir(model_dir)  # a directory whose weights do not fit its card is refused before anything is written
+    vs = _store(store, create=True)
+    vs.model_dir(model)  # validates the name
+    with vs.lock(model):
+        info = vs.import_model_dir(model, model_dir, note=note)
+    click.echo(f"imported {model_dir} as version {info.version} of '{model}' in {vs.root}")
+
+
+@command.command("list")
+@store_option
+@model_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors
+def list_(store: str, model: str, as_json: bool) -> None:
+    """List the versions of a model (the current one is marked *)."""
+    vs = _store(store)
+    current = vs.current(model)
+    rows = [vs.info(model, v).summary(current) for v in vs.versions(model)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        mark = "*" if r["current"] else " "
+        click.echo(f"{mark} v{r['version']:<5} parent={r['parent']!s:<5} {r['kind']:<8} {r['created_at']}  "
+                   f"requests={r['requests']:<4} method={r['method'] or '-'} epsilon={r['epsilon']} "
+                   f"epsilon_total={r['epsilon_total']}")
+
+
+@command.command("show")
+@store_option
+@model_option
+@click.argument("version", type=int, required=False)
+@user_errors
+def show(store: str, model: str, version: int | None) -> None:
+    """Print the manifest of VERSION (default: the current version)."""
+    vs = _store(store)
+    click.echo(json.dumps(vs.manifest(model, vs.current(model) if version is None else version), indent=2))
+
+
+@command.command("verify")
+@store_option
+@model_option
+@click.argument("version", type=int, required=False)
+@user_errors
+def verify(store: str, model: str, version: int | None) -> None:
+    """Check the sha256 of every file of VERSION (default: all versions); exit 1 on any mismatch."""
+    vs = _store(store)
+    vs.require_model(model)
+    if version is not None:
+        vs.verify(model, version)  # raises (exit 1) with the reason
+        click.echo(f"v{version}: ok")
+        return
+    results = vs.verify_all(model)
+    bad = [(v, e) for v, e in results if e]
+    for v, e in results:
+        click.echo(f"v{v}: {'ok' if e is None else 'TAMPERED: ' + e}")
+    if bad:
+        raise click.ClickException(f"{len(bad)} version(s) of '{model}' failed verification")
+
+
+@command.command("rollback")
+@store_option
+@model_option
+@click.argument("version", type=int)
+@click.option("--reason", required=True, help="Why (recorded in the pointer history and the ledger).")
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(dir_okay=False),
+              help="Ledger file (default: <store>/ledger.sqlite3).")
+@user_errors
+def rollback(store: str, model: str, version: int, reason: str, ledger_path: str | None) -> None:
+    """Point the model's CURRENT at an older VERSION. Nothing is deleted; requests applied by the
+    versions left behind move to needs_retrain in the ledger."""
+    from jobs.applier import sync_rollbacks
+    from jobs.specs import LEDGER_FILE
+    from pipeline.store.ledger import Ledger
+
+    vs = _store(store)
+    with vs.lock(model):
+        old, new = vs.rollback(model, version, reason)
+        ledger = Ledger(ledger_path or vs.root / LEDGER_FILE)
+        ledger.record_event(model, "rollback", None, {"from": old, "to": new, "reason": reason})
+        moved = sync_rollbacks(vs, ledger, model)
+    click.echo(f"'{model}': CURRENT moved from v{old} to v{new}; {len(moved)} request(s) now need_retrain")
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,357 @@
+"""The model version store: every removal publishes a new, immutable version directory.
+
+Layout under the store root::
+
+    <model>/versions/000000/   model.safetensors, model.json (card), manifest.json
+    <model>/versions/000001/   ...
+    <model>/CURRENT            JSON pointer: current version, its manifest's sha256, history
+    <model>/.lock              advisory lock held by the one process that writes this model
+    <model>/.staging/          half-built versions (removed when the lock is next taken)
+
+A version is built in ``.staging``, every file fsynced, the manifest (sha256 of every file, the
+parent version and the parent manifest's sha256) written last, then the directory is renamed
+into ``versions/`` (atomic; it fails if the number is taken) and ``CURRENT`` is replaced
+atomically. Loading a version verifies every hash, the file list and the chain to the parent;
+any difference raises ``TamperedVersionError``. Rollback moves ``CURRENT`` to an older version
+and records it; nothing is ever deleted.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from torch import Tensor
+
+from pipeline.checkpoint import atomic_write_bytes, sha256_of
+from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, write_model_dir
+from pipeline.store.crashpoint import crash_point
+
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MANIFEST_FILE = "manifest.json"
+POINTER_FILE = "CURRENT"
+FORMAT = "unlearn-version/1"
+
+
+class VersionStoreError(RuntimeError):
+    """The version store or a model in it cannot be used as asked."""
+
+
+class TamperedVersionError(VersionStoreError):
+    """A version's files do not match its manifest (or the manifest its parent chain)."""
+
+
+class ModelBusyError(VersionStoreError):
+    """Another process holds the model's write lock."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=True).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    model: str
+    version: int
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def parent(self) -> int | None:
+        return self.manifest.get("parent")
+
+    @property
+    def batch_key(self) -> str | None:
+        return (self.manifest.get("batch") or {}).get("key")
+
+    def summary(self, current: int | None = None) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "version": self.version, "parent": self.parent, "current": self.version == current,
+            "kind": m.get("kind"), "created_at": m.get("created_at"), "batch": self.batch_key,
+            "requests": len((m.get("batch") or {}).get("request_ids", [])), "method": m.get("method"),
+            "epsilon": ((m.get("privacy") or {}).get("release") or {}).get("epsilon"),
+            "epsilon_total": ((m.get("privacy") or {}).get("spent_after") or {}).get("epsilon"),
+        }
+
+
+class VersionStore:
+    """Versions of named models under one root folder."""
+
+    def __init__(self, root: str | Path, *, create: bool = False) -> None:
+        self.root = Path(root)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise VersionStoreError(f"version store {self.root} does not exist; create it with `unlearn versions import`")
+        self._held: dict[str, int] = {}
+        self._guard = threading.Lock()
+
+    # -- names and paths --------------------------------------------------------------------
+    def model_dir(self, model: str) -> Path:
+        if not isinstance(model, str) or not MODEL_NAME_PATTERN.match(model):
+            raise VersionStoreError(
+                f"model name {model!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return self.root / model
+
+    def version_dir(self, model: str, version: int) -> Path:
+        return self.model_dir(model) / "versions" / f"{int(version):06d}"
+
+    def models(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if (p / POINTER_FILE).is_file())
+
+    def versions(self, model: str) -> list[int]:
+        folder = self.model_dir(model) / "versions"
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+
+    def require_model(self, model: str) -> None:
+        if not (self.model_dir(model) / POINTER_FILE).is_file():
+            known = self.models()
+            raise VersionStoreError(
+                f"model '{model}' is not in the version store {self.root} (it has {known or 'no models'}); "
+                "import it with `unlearn versions import`"
+            )
+
+    # -- reading -----------------------------------------------------------------------------
+    def pointer(self, model: str) -> dict[str, Any]:
+        self.require_model(model)
+        path = self.model_dir(model) / POINTER_FILE
+        try:
+            data = json.loads(path.read_text())
+            int(data["version"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise TamperedVersionError(f"{path} is not a valid version pointer ({err}); restore it from a backup") from None
+        return data
+
+    def current(self, model: str) -> int:
+        return int(self.pointer(model)["version"])
+
+    def manifest(self, model: str, version: int) -> dict[str, Any]:
+        path = self.version_dir(model, version) / MANIFEST_FILE
+        if not path.parent.is_dir():
+            raise VersionStoreError(f"model '{model}' has no version {version} (versions: {self.versions(model)})")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise TamperedVersionError(f"version {version} of '{model}': manifest unreadable ({err})") from None
+        if not isinstance(data, dict) or data.get("version") != version or data.get("model") != model:
+            raise TamperedVersionError(f"version {version} of '{model}': the manifest names another model or version")
+        return data
+
+    def info(self, model: str, version: int) -> VersionInfo:
+        return VersionInfo(model, version, self.version_dir(model, version), self.manifest(model, version))
+
+    def verify(self, model: str, version: int) -> VersionInfo:
+        """Check every file's sha256, the file list, and the chain to the parent manifest."""
+        info = self.info(model, version)
+        files = info.manifest.get("files")
+        if not isinstance(files, dict) or set(files) != {WEIGHTS_FILE, CARD_FILE}:
+            raise TamperedVersionError(f"version {version} of '{model}': the manifest's file list is damaged")
+        present = {p.name for p in info.path.iterdir()}
+        unexpected = sorted(present - set(files) - {MANIFEST_FILE})
+        missing = sorted(set(files) - present)
+        if unexpected or missing:
+            raise TamperedVersionError(
+                f"version {version} of '{model}': files differ from the manifest (missing {missing}, unexpected {unexpected})"
+            )
+        for name, digest in files.items():
+            actual = sha256_of(info.path / name)
+            if actual != digest:
+                raise TamperedVersionError(
+                    f"version {version} of '{model}': {name} has sha256 {actual[:16]}... but the manifest says {digest[:16]}...; "
+                    "the file was modified after publishing - roll back to a verified version or restore the file"
+                )
+        if info.parent is not None:
+            parent_manifest = self.version_dir(model, info.parent) / MANIFEST_FILE
+            if not parent_manifest.is_file() or sha256_of(parent_manifest) != info.manifest.get("parent_manifest_sha256"):
+                raise TamperedVersionError(f"version {version} of '{model}': its parent version {info.parent}'s manifest changed")
+        pointer = self.pointer(model)
+        if int(pointer["version"]) == version and pointer.get("manifest_sha256") != sha256_of(info.path / MANIFEST_FILE):
+            raise TamperedVersionError(f"version {version} of '{model}': the manifest differs from the one CURRENT points to")
+        return info
+
+    def verify_all(self, model: str) -> list[tuple[int, str | None]]:
+        """(version, error message or None) for every version."""
+        out: list[tuple[int, str | None]] = []
+        for v in self.versions(model):
+            try:
+                self.verify(model, v)
+                out.append((v, None))
+            except VersionStoreError as err:
+                out.append((v, str(err)))
+        return out
+
+    def open_verified(self, model: str, version: int | None = None) -> VersionInfo:
+        """The version (default: current) after verifying it; refuses a tampered one."""
+        return self.verify(model, self.current(model) if version is None else version)
+
+    def load(self, model: str, version: int | None = None):
+        """(module, task, card) of a verified version."""
+        return load_model_dir(self.open_verified(model, version).path)
+
+    def ancestors(self, model: str, version: int) -> list[int]:
+        """``version`` and its parents, newest first."""
+        chain: list[int] = []
+        v: int | None = version
+        while v is not None:
+            if v in chain:
+                raise TamperedVersionError(f"model '{model}': the parent chain of version {version} loops")
+            chain.append(v)
+            v = self.manifest(model, v).get("parent")
+        return chain
+
+    def find_batch(self, model: str, batch_key: str, *, parent: int) -> VersionInfo | None:
+        """The version that published ``batch_key`` on ``parent`` (only newer versions are read)."""
+        for v in self.versions(model):
+            if v > parent:
+                info = self.info(model, v)
+                if info.batch_key == batch_key and info.parent == parent:
+                    return info
+        return None
+
+    def removal_manifests(self, model: str) -> list[dict[str, Any]]:
+        """Manifests of every published removal (rolled back or not: a release stays released)."""
+        return [m for m in (self.manifest(model, v) for v in self.versions(model)) if m.get("kind") == "removal"]
+
+    # -- writing (inside ``lock``) -----------------------------------------------------------
+    @contextmanager
+    def lock(self, model: str) -> Iterator[None]:
+        """Exclusive write access to a model across processes (flock; freed by the kernel on kill)."""
+        folder = self.model_dir(model)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ModelBusyError(
+                    f"model '{model}' is being written by another process (a campaign or stream service); "
+                    "wait for it to finish or stop it"
+                ) from None
+            with self._guard:
+                self._held[model] = fd
+            for leftover in (folder / ".staging").glob("*"):  # half-built versions of a killed writer
+                shutil.rmtree(leftover, ignore_errors=True)
+            try:
+                yield
+            finally:
+                with self._guard:
+                    self._held.pop(model, None)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _require_lock(self, model: str) -> Path:
+        if model not in self._held:
+            raise VersionStoreError(f"write to model '{model}' without holding its lock (use VersionStore.lock)")
+        return self.model_dir(model)
+
+    def _write_pointer(self, model: str, version: int, kind: str, reason: str | None, previous: dict[str, Any] | None) -> None:
+        history = list((previous or {}).get("history", []))
+        history.append({"at": _now(), "kind": kind, "version": version,
+                        "from": (previous or {}).get("version"), "reason": reason})
+        pointer = {
+            "model": model, "version": version,
+            "manifest_sha256": sha256_of(self.version_dir(model, version) / MANIFEST_FILE),
+            "history": history,
+        }
+        atomic_write_bytes(self.model_dir(model) / POINTER_FILE, _json_bytes(pointer))
+
+    def _stage(self, model: str, write: Any, manifest: dict[str, Any], version: int) -> VersionInfo:
+        """Build a version in .staging with ``write(dir)`` and the manifest, then rename it into place."""
+        folder = self._require_lock(model)
+        staging = folder / ".staging" / uuid.uuid4().hex
+        staging.mkdir(parents=True)
+        write(staging)
+        crash_point("publish_staged")
+        manifest = {**manifest, "format": FORMAT, "model": model, "version": version, "created_at": _now(),
+                    "files": {name: sha256_of(staging / name) for name in (WEIGHTS_FILE, CARD_FILE)}}
+        atomic_write_bytes(staging / MANIFEST_FILE, _json_bytes(manifest))
+        _fsync_dir(staging)
+        target = self.version_dir(model, version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            raise VersionStoreError(f"version {version} of '{model}' already exists; versions are never overwritten")
+        os.rename(staging, target)
+        _fsync_dir(target.parent)
+        crash_point("publish_renamed")
+        return VersionInfo(model, version, target, manifest)
+
+    def import_model_dir(self, model: str, source: str | Path, *, note: str | None = None) -> VersionInfo:
+        """Version 0 of a new model, copied from a model directory (validated by loading it)."""
+        folder = self._require_lock(model)
+        if self.versions(model) or (folder / POINTER_FILE).exists():
+            raise VersionStoreError(f"model '{model}' already has versions in {self.root}; import under a new name")
+        source = Path(source)
+        load_model_dir(source)  # refuses a directory whose weights do not fit its card
+
+        def write(staging: Path) -> None:
+            for name in (WEIGHTS_FILE, CARD_FILE):
+                atomic_write_bytes(staging / name, (source / name).read_bytes())
+
+        info = self._stage(model, write, {"kind": "import", "parent": None, "source": str(source.resolve()), "note": note}, 0)
+        self._write_pointer(model, 0, "import", note, None)
+        return info
+
+    def publish(self, model: str, state: Mapping[str, Tensor], card: ModelCard, *, parent: int,
+                manifest: dict[str, Any]) -> VersionInfo:
+        """Publish ``state``/``card`` as a new version whose parent must be the current version;
+        ``manifest`` adds the removal's record (batch, requests, method, privacy, metrics)."""
+        self._require_lock(model)
+        pointer = self.pointer(model)
+        if int(pointer["version"]) != parent:
+            raise VersionStoreError(f"model '{model}' is at version {pointer['version']}, not at the expected parent {parent}")
+        version = max(self.versions(model)) + 1
+        parent_sha = sha256_of(self.version_dir(model, parent) / MANIFEST_FILE)
+        info = self._stage(
+            model, lambda staging: write_model_dir(staging, dict(state), card),
+            {**manifest, "kind": "removal", "parent": parent, "parent_manifest_sha256": parent_sha}, version,
+        )
+        self.set_current(model, version, expected=parent, kind="publish")
+        crash_point("publish_pointer")
+        return info
+
+    def set_current(self, model: str, version: int, *, expected: int | None = None, kind: str = "publish",
+                    reason: str | None = None) -> None:
+        """Move CURRENT to ``version`` (atomically); ``expected`` guards against a concurrent move."""
+        self._require_lock(model)
+        pointer = self.pointer(model)
+        if expected is not None and int(pointer["version"]) != expected:
+            raise VersionStoreError(f"model '{model}' is at version {pointer['version']}, expected {expected}")
+        self._write_pointer(model, version, kind, reason, pointer)
+
+    def rollback(self, model: str, version: int, reason: str) -> tuple[int, int]:
+        """Point CURRENT at an older, verified version. Returns (from, to). Nothing is deleted."""
+        self._require_lock(model)
+        old = self.current(model)
+        if version not in self.versions(model):
+            raise VersionStoreError(f"model '{model}' has no version {version} (versions: {self.versions(model)})")
+        if version >= old:
+            raise VersionStoreError(f"rollback target {version} is not older than the current version {old}; name an older version")
+        self.verify(model, version)
+        self.set_current(model, version, expected=old, kind="rollback", reason=reason)
+        return old, version
