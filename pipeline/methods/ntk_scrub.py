@@ -1,0 +1,345 @@
+"""NTK scrubbing (Golatkar, Achille, Soatto, "Forgetting Outside the Box: Scrubbing Deep
+Networks of Information Accessible from Input-Output Observations", ECCV 2020).
+
+Linearise the network around the pre-training weights w0 (``pipeline.linearized``):
+    f_lin(x; w) = f0(x) + J0(x) (w - w0).
+The linearised training problem on a data set S (rows stacked over samples and outputs,
+r0 = the per-output residual at w0, see below) is the ridge regression
+    w_lin(S) = argmin_w ||r0(S) + J0(S)(w - w0)||^2 + c ||w - w0||^2
+             = w0 - J0(S)^T (Theta_S + c I)^{-1} r0(S),          Theta_S = J0(S) J0(S)^T.
+With the SAME ridge c for D and Dr = D \\ Df, and Theta blocks (rr, rf, ff) over [Dr; Df]:
+    delta_w = w_lin(Dr) - w_lin(D) = P J0(Df)^T M V
+    P = I - J0(Dr)^T (Theta_rr + cI)^{-1} J0(Dr)
+    M = (Theta_ff + cI - Theta_rf^T (Theta_rr + cI)^{-1} Theta_rf)^{-1}
+    V = r0(Df) + Theta_rf^T (Theta_rr + cI)^{-1} (-r0(Dr))    [= (f0(Df)-Yf) + Theta_rf^T Theta_rr^-1 (Yr-f0(Dr))]
+(block inversion of Theta_D + cI; the sign of V is checked against two direct solves in
+tests/test_ntk.py). Only N K x N K kernel blocks are formed: Theta by per-sample Jacobian
+chunks (``kernel="jacobian"``, when N K |P| floats fit ``jacobian_memory_mb``) or by
+forward-mode products of Jacobian chunks (``kernel="jvp"``, memory |P| * chunk * K); P and
+J^T are applied with JVP/VJP products. No |P| x |P| matrix is ever built.
+
+Ridge and loss normalisation. The model is trained on (1/n) sum_i loss_i + (lambda/2)||w||^2.
+Near w0 each per-sample loss is replaced by a quadratic in the outputs, (h/2)||r_i||^2 with
+output curvature h I (``OUTPUT_CURVATURE``); multiplying the objective by 2n/h gives the
+ridge form above with
+    c = n * lambda / h,      n = |D|,
+regularising towards w0 (the proximal form of the paper). For the MSE of ``pipeline.tasks``
+(mean over K outputs of squared errors) h = 2/K, so c = n K lambda / 2, and r0 = f0 - Y.
+Cross-entropy (the paper's supplement): the output Hessian diag(p) - p p^T is replaced by the
+identity (h = 1, c = n lambda) and the targets are one-hot; ``ce_residual`` chooses r0 =
+softmax(f0) - onehot(y) ("softmax", the gradient of the loss in the logits: one Gauss-Newton
+step of the cross-entropy with identity curvature; default) or r0 = f0 - onehot(y) ("logits":
+regress the logits on one-hot targets). The same c is used for D and Dr, as the closed form
+requires; in the mean-normalised convention retraining on Dr thus uses lambda n / (n - m).
+``ridge`` overrides c.
+
+Trapezium rescaling (the paper's code): the NTK predicts the displacement between the two
+linearised optima, not between the real ones; with e = w(D) - w_lin(Dr),
+    w_scrub = w(D) + (1 + 2 ||e|| |cos(delta_w, e)| / ||delta_w||) delta_w.
+For a model that is exactly linear in w and trained to w(D) = w_lin(D), e = -delta_w and the
+factor is 3: use ``rescale="none"`` there (w(D) + delta_w is then exactly the retrained model).
+Defects of the public notebook avoided: Jacobians at w0 (theirs were at w(D)), the same c in
+both systems, and an oracle-checked sign of V.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.linearized import LinearizedModel, output_targets
+from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.param_block import ParamBlock
+
+
+def _norm(t: Tensor) -> float:
+    return float(torch.linalg.vector_norm(t))
+
+
+# -- loss-dependent pieces (registries, keyed by the task's loss name) --------------------------
+#: h(K): the output curvature of the quadratic model of one sample's loss, (h/2)||r||^2.
+OUTPUT_CURVATURE: dict[str, Callable[[int], float]] = {
+    "mse": lambda k: 2.0 / k,
+    "cross_entropy": lambda k: 1.0,
+}
+
+Residual = Callable[[Tensor, Tensor], Tensor]  # (f0 of shape (N, K), y) -> r0 of shape (N, K)
+
+
+def _mse_residual(f0: Tensor, y: Tensor) -> Tensor:
+    return f0 - output_targets(y, f0.shape[1], f0.dtype).to(f0.device)
+
+
+def _ce_softmax_residual(f0: Tensor, y: Tensor) -> Tensor:
+    return torch.softmax(f0, dim=1) - output_targets(y, f0.shape[1], f0.dtype).to(f0.device)
+
+
+RESIDUALS: dict[str, Residual] = {
+    "mse": _mse_residual,
+    "cross_entropy/softmax": _ce_softmax_residual,
+    "cross_entropy/logits": _mse_residual,
+}
+
+
+def residual_for(loss: str, ce_residual: str) -> Residual:
+    key = f"{loss}/{ce_residual}" if loss == "cross_entropy" else loss
+    if key not in RESIDUALS or loss not in OUTPUT_CURVATURE:
+        raise ValueError(f"NTK scrubbing supports the losses {sorted(OUTPUT_CURVATURE)}, not '{loss}'")
+    return RESIDUALS[key]
+
+
+# -- products over data sets -------------------------------------------------------------------
+def apply_j(lin: LinearizedModel, data: SampleSet, v: Tensor, batch_size: int) -> Tensor:
+    """J(S) v, flat (|S| K), CPU float64."""
+    parts = [lin.jvp(b, v)[1].to("cpu", torch.float64).reshape(-1) for b in data.batches(batch_size)]
+    return torch.cat(parts)
+
+
+def apply_jt(lin: LinearizedModel, data: SampleSet, u: Tensor, outputs: int, batch_size: int) -> Tensor:
+    """J(S)^T u for flat u (|S| K), CPU float64."""
+    out = torch.zeros(lin.dim, dtype=torch.float64)
+    rows = u.reshape(len(data), outputs)
+    for start, b in zip(range(0, len(data), batch_size), data.batches(batch_size)):
+        out += lin.vjp(b, rows[start : start + batch_size]).to("cpu", torch.float64)
+    return out
+
+
+def residuals(lin: LinearizedModel, data: SampleSet, residual: Residual, batch_size: int) -> Tensor:
+    """r0(S) flat (|S| K), CPU float64."""
+    parts = [residual(lin.base_outputs(b), b["y"]).to("cpu", torch.float64).reshape(-1)
+             for b in data.batches(batch_size)]
+    return torch.cat(parts)
+
+
+def _chunks(datasets: Sequence[SampleSet], size: int):
+    for data in datasets:
+        yield from data.batches(size)
+
+
+def kernel_by_jacobian(lin: LinearizedModel, datasets: Sequence[SampleSet], chunk: int) -> Tensor:
+    """Theta = J J^T over the concatenated data sets, J materialised in per-sample chunks."""
+    jac = torch.cat([lin.jacobian(b) for b in _chunks(datasets, chunk)])
+    return (jac @ jac.T).to("cpu", torch.float64)
+
+
+def kernel_by_jvp(lin: LinearizedModel, datasets: Sequence[SampleSet], chunk: int) -> Tensor:
+    """Theta column blocks J (J_A^T) by forward-mode products of each Jacobian chunk J_A."""
+    cols = []
+    for b in _chunks(datasets, chunk):
+        rows = lin.jacobian(b)  # (a K) x |P|
+        block = torch.cat([lin.jvp_many(c, rows).reshape(rows.shape[0], -1) for c in _chunks(datasets, chunk)], 1)
+        cols.append(block.to("cpu", torch.float64))
+    theta = torch.cat(cols, 0).T
+    return 0.5 * (theta + theta.T)
+
+
+KERNELS: dict[str, Callable[[LinearizedModel, Sequence[SampleSet], int], Tensor]] = {
+    "jacobian": kernel_by_jacobian,
+    "jvp": kernel_by_jvp,
+}
+
+
+def _cholesky(a: Tensor, what: str) -> Tensor:
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) != 0:
+        raise ValueError(f"{what} is not positive definite: the ridge c must be > 0 (set settings.ridge or a "
+                         "weight decay)")
+    return chol
+
+
+@dataclass
+class NTKSystem:
+    """Kernel blocks and residuals of the NTK scrub for retained / forgotten data."""
+
+    lin: LinearizedModel
+    retain: SampleSet
+    forget: SampleSet
+    ridge: float
+    outputs: int
+    theta: Tensor  # (N K)^2 over [retain; forget], CPU float64, without the ridge
+    r_retain: Tensor
+    r_forget: Tensor
+    batch_size: int = 256
+    chol_rr: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        nr = len(self.retain) * self.outputs
+        eye = torch.eye(nr, dtype=torch.float64)
+        self.chol_rr = _cholesky(self.theta[:nr, :nr] + self.ridge * eye, "Theta_rr + cI")
+        self._nr = nr
+
+    @property
+    def theta_rf(self) -> Tensor:
+        return self.theta[: self._nr, self._nr :]
+
+    @property
+    def theta_ff(self) -> Tensor:
+        return self.theta[self._nr :, self._nr :]
+
+    def solve_rr(self, b: Tensor) -> Tensor:
+        """(Theta_rr + cI)^{-1} b."""
+        return torch.cholesky_solve(b.reshape(self._nr, -1), self.chol_rr).reshape(b.shape)
+
+    def v(self) -> Tensor:
+        """V = r0(Df) + Theta_rf^T (Theta_rr + cI)^{-1} (-r0(Dr))."""
+        return self.r_forget + self.theta_rf.T @ self.solve_rr(-self.r_retain)
+
+    def m_inverse(self) -> Tensor:
+        """M^{-1} = Theta_ff + cI - Theta_rf^T (Theta_rr + cI)^{-1} Theta_rf."""
+        nf = self.theta_ff.shape[0]
+        s = self.theta_ff + self.ridge * torch.eye(nf, dtype=torch.float64) - self.theta_rf.T @ self.solve_rr(self.theta_rf)
+        return 0.5 * (s + s.T)
+
+    def project(self, a: Tensor) -> Tensor:
+        """P a = a - J(Dr)^T (Theta_rr + cI)^{-1} J(Dr) a."""
+        s = self.solve_rr(apply_j(self.lin, self.retain, a, self.batch_size))
+        return a - apply_jt(self.lin, self.retain, s, self.outputs, self.batch_size)
+
+    def delta(self, v: Tensor | None = None) -> Tensor:
+        """delta_w = P J(Df)^T M V (CPU float64, block coordinates)."""
+        v = self.v() if v is None else v
+        mv = torch.cholesky_solve(v.unsqueeze(1), _cholesky(self.m_inverse(), "M^-1")).squeeze(1)
+        return self.project(apply_jt(self.lin, self.forget, mv, self.outputs, self.batch_size))
+
+    def retain_displacement(self) -> Tensor:
+        """w_lin(Dr) - w0 = -J(Dr)^T (Theta_rr + cI)^{-1} r0(Dr)."""
+        return -apply_jt(self.lin, self.retain, self.solve_rr(self.r_retain), self.outputs, self.batch_size)
+
+
+def build_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, ridge: float,
+                 residual: Residual, kernel: str = "auto", chunk: int = 64,
+                 jacobian_memory_mb: float = 512.0, batch_size: int = 256) -> tuple[NTKSystem, str]:
+    """Kernel blocks and residuals at the base point of ``lin``; returns (system, kernel used)."""
+    if ridge <= 0:
+        raise ValueError(f"the NTK ridge c must be > 0, got {ridge}")
+    first = next(forget.batches(1))
+    outputs = int(lin.base_outputs(first).shape[1])
+    if kernel == "auto":
+        itemsize = torch.empty(0, dtype=lin.dtype).element_size()
+        need_mb = (len(retain) + len(forget)) * outputs * lin.dim * itemsize / 2**20
+        kernel = "jacobian" if need_mb <= jacobian_memory_mb else "jvp"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel '{kernel}' is unknown; choose one of {sorted(KERNELS)} or 'auto'")
+    theta = KERNELS[kernel](lin, [retain, forget], chunk)
+    system = NTKSystem(lin, retain, forget, ridge, outputs, theta,
+                       residuals(lin, retain, residual, batch_size), residuals(lin, forget, residual, batch_size),
+                       batch_size)
+    return system, kernel
+
+
+# -- rescaling ----------------------------------------------------------------------------------
+def trapezium_scale(delta: Tensor, e: Tensor) -> float:
+    """1 + 2 ||e|| |cos(delta, e)| / ||delta|| = 1 + 2 |<delta, e>| / ||delta||^2."""
+    dd = float(delta @ delta)
+    return 1.0 + 2.0 * abs(float(delta @ e)) / dd if dd > 0 else 1.0
+
+
+RESCALES: dict[str, Callable[[Tensor, Tensor], float]] = {
+    "trapezium": trapezium_scale,
+    "none": lambda delta, e: 1.0,
+}
+
+
+# -- the method ----------------------------------------------------------------------------------
+class NTKScrubSettings(MethodSettings):
+    parameters: Literal["all"] | list[str] = Field(
+        "all", description='"all" or qualified parameter names (linearised at w0); others keep their values')
+    ridge: float | None = Field(None, gt=0, description="c; default n * lambda / h (see module docstring)")
+    ce_residual: Literal["softmax", "logits"] = Field(
+        "softmax", description="cross-entropy residual: softmax(f0) - onehot or f0 - onehot")
+    rescale: Literal["trapezium", "none"] = Field("trapezium", description="trapezium rescaling of delta_w")
+    kernel: Literal["auto", "jacobian", "jvp"] = Field("auto", description="how Theta is formed")
+    jacobian_memory_mb: float = Field(512.0, gt=0, description="auto: materialise J up to this size")
+    chunk_size: int = Field(64, gt=0, description="samples per Jacobian chunk")
+    w0_path: str | None = Field(
+        None, description="checkpoint of the pre-training weights w0 (else problem.extras['w0'])")
+
+
+def pretraining_weights(problem: RemovalProblem, settings: NTKScrubSettings) -> Mapping[str, Tensor]:
+    if "w0" in problem.extras:
+        return problem.extras["w0"]
+    if settings.w0_path:
+        from pipeline.checkpoint import read_state_dict
+
+        return read_state_dict(settings.w0_path)
+    raise ValueError(
+        "NTK scrubbing linearises the network around its pre-training weights w0 and needs them: pass a "
+        "state dict as problem.extras['w0'] or a checkpoint path as settings.w0_path")
+
+
+def _block(model: nn.Module, parameters: Literal["all"] | list[str]) -> ParamBlock:
+    if parameters == "all":
+        return ParamBlock.all_parameters(model)
+    if not parameters:
+        raise ValueError('parameters must be "all" or a non-empty list of qualified parameter names')
+    return ParamBlock.from_rows(model, {name: None for name in parameters})
+
+
+@register_method
+class NTKScrub(RemovalMethod):
+    """w_scrub = w(D) + scale * delta_w on the block; changes ``problem.model`` in place and
+    returns the block's new parameter values."""
+
+    name = "ntk"
+    Settings = NTKScrubSettings
+
+    def run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:  # type: ignore[override]
+        model = problem.model
+        was_training = model.training
+        model.eval()
+        try:
+            return self._run(problem, settings)
+        finally:
+            model.train(was_training)
+
+    def _run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:
+        t0 = time.perf_counter()
+        model, task = problem.model, problem.task
+        w0 = pretraining_weights(problem, settings)
+        block = _block(model, settings.parameters)
+        missing = sorted(part.name for part in block.parts if part.name not in w0)
+        if missing:
+            raise KeyError(f"the pre-training weights w0 lack the parameters {missing[:5]}")
+        # Linearise at w0 on the block; parameters outside it keep their current values.
+        lin = LinearizedModel(model, task, block, base={part.name: w0[part.name] for part in block.parts})
+        residual = residual_for(task.loss, settings.ce_residual)
+        retain, forget = problem.retain, problem.forget
+        outputs = int(lin.base_outputs(next(forget.batches(1))).shape[1])
+        h = OUTPUT_CURVATURE[task.loss](outputs)
+        ridge = settings.ridge if settings.ridge is not None else problem.n * problem.weight_decay / h
+        system, kernel = build_system(
+            lin, retain, forget, ridge=ridge, residual=residual, kernel=settings.kernel,
+            chunk=settings.chunk_size, jacobian_memory_mb=settings.jacobian_memory_mb,
+            batch_size=problem.batch_size)
+        t_kernel = time.perf_counter() - t0
+
+        delta = system.delta()
+        w_block = block.gather({n: p.detach() for n, p in model.named_parameters()}).to("cpu", torch.float64)
+        w0_block = block.gather(lin.params).to("cpu", torch.float64)
+        w_lin_retain = w0_block + system.retain_displacement()
+        e = w_block - w_lin_retain
+        scale = RESCALES[settings.rescale](delta, e)
+        block.add_to_model(model, scale * delta)
+
+        params = dict(model.named_parameters())
+        new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
+        dn, en = _norm(delta), _norm(e)
+        record: dict[str, Any] = {
+            "block": {"numel": block.numel,
+                      "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
+            "ridge": {"c": ridge, "derived": settings.ridge is None,
+                      "rule": "c = n * lambda / h, h = output curvature", "output_curvature": h,
+                      "n": problem.n, "weight_decay": problem.weight_decay},
+            "loss": task.loss, "ce_residual": settings.ce_residual if task.loss == "cross_entropy" else None,
+            "kernel": {"strategy": kernel, "size": int(system.theta.shape[0]), "outputs": outputs},
+            "rescale": settings.rescale, "scale": scale,
+            "norms": {"delta_w": dn, "e": en, "cos_delta_e": float(delta @ e) / (dn * en) if dn * en > 0 else 0.0,
+                      "w_minus_w0": _norm(w_block - w0_block), "applied_step": scale * dn},
+            "seconds": {"kernel": t_kernel, "total": time.perf_counter() - t0},
+        }
+        return RemovalOutcome(new_parameters, record)
