@@ -18,6 +18,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "jobs.stream",
     "jobs.versions",
     "jobs.ledger",
+    "jobs.train",
+    "jobs.evaluate",
+    "jobs.submit",
+    "jobs.mixed_linear_dist",
 )
 
 

@@ -12,6 +12,7 @@ output/removal.json (the record: selected slices and T values, sigma, epsilon, t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,7 +25,9 @@ from typing import Any
 import click
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.errors import ClusterError
 from jobs.config import ConfigError, load_config
+from jobs.distributed import ClusterOptions
 from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.curvature import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
@@ -98,8 +101,9 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def run_forget(config: ForgetConfig, base: Path) -> dict:
-    """Run the removal and write the output directory atomically; returns the record."""
+def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None" = None) -> dict:
+    """Run the removal and write the output directory atomically; returns the record.
+    ``cluster``: run the probe and the curvature on Ray workers (``jobs.distributed``)."""
     from jobs.removal import remove
 
     model_dir = config.model if config.model.is_absolute() else base / config.model
@@ -107,8 +111,17 @@ def run_forget(config: ForgetConfig, base: Path) -> dict:
     if output.exists():
         raise ConfigError(f"output {output} already exists: choose a new output directory")
     ids = config.forget.resolve(base)
-    run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
-                 seed=config.seed, device=config.device, batch_size=config.batch_size)
+    with contextlib.ExitStack() as stack:
+        hooks: dict[str, Any] = {}
+        if cluster is not None:
+            from jobs.distributed import ray_removal_hooks
+
+            hooks = stack.enter_context(ray_removal_hooks(model_dir, cluster))
+        describe = hooks.pop("describe", None)
+        run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
+                     seed=config.seed, device=config.device, batch_size=config.batch_size, **hooks)
+        if describe is not None:
+            run.record["distributed"] = describe()
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
@@ -132,9 +145,16 @@ def run_forget(config: ForgetConfig, base: Path) -> dict:
               help="Override method.name (lfoci-newton, fisher, ntk, mixed-linear, ...).")
 @click.option("--output", "output", default=None, type=click.Path(path_type=Path),
               help="Override the output directory.")
-def command(config_path: Path, method_name: str | None, output: Path | None) -> None:
-    """Remove the given training samples from a model directory (in this process).
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Run the probe and the curvature on this many Ray workers (default: in this process).")
+@click.option("--address", default=None,
+              help="Ray cluster address for the workers (default: RAY_ADDRESS, else a local Ray); implies Ray.")
+def command(config_path: Path, method_name: str | None, output: Path | None,
+            workers: int | None, address: str | None) -> None:
+    """Remove the given training samples from a model directory.
 
+    In this process by default; with --workers/--address the probe shards and the training-set
+    Hessian-vector products run on Ray workers (same result, bit for bit, on the same device).
     Writes OUTPUT/model.safetensors, OUTPUT/model.json and OUTPUT/removal.json; nothing is
     written if anything fails.
     """
@@ -143,8 +163,9 @@ def command(config_path: Path, method_name: str | None, output: Path | None) -> 
         config.method = config.method.choose(method_name)
         if output:
             config.output = output
-        record = run_forget(config, config_path.resolve().parent)
-    except USER_ERRORS as err:
+        cluster = ClusterOptions(address=address, workers=workers) if (workers or address) else None
+        record = run_forget(config, config_path.resolve().parent, cluster)
+    except (*USER_ERRORS, ClusterError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     summary = {k: record.get(k) for k in ("method", "n_before", "n_after", "epsilon_spent", "wall_seconds")}

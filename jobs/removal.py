@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from pipeline.data import SampleSet, load_source
-from pipeline.methods.base import RemovalProblem, get_method
+from pipeline.methods.base import CurvatureFactory, ProbeRunner, RemovalProblem, get_method
 from pipeline.models.card import ModelCard, load_model_dir
 
 
@@ -48,8 +48,13 @@ def remove(
     seed: int = 0,
     device: str = "cpu",
     batch_size: int = 1024,
+    probe_runner: ProbeRunner | None = None,
+    curvature_factory: CurvatureFactory | None = None,
 ) -> RemovalRun:
-    """Remove ``forget_ids`` from the model in ``model_dir``; nothing is written."""
+    """Remove ``forget_ids`` from the model in ``model_dir``; nothing is written.
+
+    ``probe_runner`` / ``curvature_factory``: how the probe and the training-set curvature run
+    (default: in this process; ``cluster`` supplies Ray versions built on the same directory)."""
     started = time.perf_counter()
     impl = get_method(method)
     parsed = impl.Settings.model_validate(settings or {})
@@ -60,6 +65,7 @@ def remove(
     problem = RemovalProblem(
         model=model, task=task, train=train.to(device), forget_positions=positions,
         weight_decay=card.training.weight_decay, seed=seed, batch_size=batch_size,
+        probe_runner=probe_runner, curvature_factory=curvature_factory,
     )
     outcome = impl.run(problem, parsed)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
