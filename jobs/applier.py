@@ -76,9 +76,23 @@ class BatchApplier:
     Call inside ``store.lock(model)``."""
 
     def __init__(self, store: VersionStore, ledger: Ledger, model: str, *, method: str,
-                 settings: dict[str, Any], limits: Limits) -> None:
+                 settings: dict[str, Any], limits: Limits, cluster: Any = None) -> None:
         self.store, self.ledger, self.model = store, ledger, model
         self.method, self.settings, self.limits = method, settings, limits
+        self.cluster = cluster  # jobs.distributed.ClusterOptions, or None: in this process
+
+    def _remove(self, model_dir: Any, batch: BatchRow):
+        """The removal itself, in process or with its probe and curvature on Ray workers."""
+        if self.cluster is None:
+            return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed)
+        from jobs.distributed import ray_removal_hooks
+
+        with ray_removal_hooks(model_dir, self.cluster) as hooks:
+            describe = hooks.pop("describe")
+            run = remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings,
+                         seed=batch.seed, **hooks)
+            run.record["distributed"] = describe()
+        return run
 
     def apply(self, batch: BatchRow, cumulative_ids: Sequence[int] = ()) -> BatchResult:
         """Bring ``batch`` to a final state (see the module docstring); returns that state."""
@@ -93,7 +107,7 @@ class BatchApplier:
             batch = self.ledger.get_batch(batch.batch_key)  # type: ignore[assignment]
         parent = self.store.open_verified(self.model, batch.parent_version)
         try:
-            run = remove(parent.path, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed)
+            run = self._remove(parent.path, batch)
         except REMOVAL_ERRORS as err:
             self.ledger.finish_batch(batch.batch_key, "failed", reason=f"the removal failed: {type(err).__name__}: {err}")
             return self._result(batch.batch_key)

@@ -97,7 +97,8 @@ def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | N
             chunks = [request_ids[i : i + spec.batch_size] for i in range(0, len(request_ids), spec.batch_size)]
             origin = f"campaign:{spec.name}"
             applier = BatchApplier(store, ledger, model, method=spec.method.name,
-                                   settings=spec.method.settings, limits=spec.limits)
+                                   settings=spec.method.settings, limits=spec.limits,
+                                   cluster=spec.ray.options() if spec.ray else None)
             results: list[BatchResult] = []
             removed: list[int] = []
             bar = tqdm(chunks, desc=f"campaign {spec.name}", unit="batch", file=sys.stderr,

@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster.errors import ClusterError
 from jobs.config import ConfigError, load_config
 from jobs.distributed import ClusterOptions
-from pipeline.checkpoint import CheckpointMismatchError
+from jobs.removal import USER_WEIGHTS_FILE
+from pipeline.checkpoint import CheckpointMismatchError, save_safetensors
 from pipeline.curvature import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
 from pipeline.models.card import write_model_dir
@@ -126,6 +127,8 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         write_model_dir(staging, run.new_state, run.card)
+        if run.user_weights is not None:
+            save_safetensors(run.user_weights, staging / USER_WEIGHTS_FILE)
         record_bytes = json.dumps(run.record, indent=2, default=_json_default).encode()
         with open(staging / "removal.json", "wb") as fh:
             fh.write(record_bytes)

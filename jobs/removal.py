@@ -13,7 +13,14 @@ from torch import Tensor
 
 from pipeline.data import SampleSet, load_source
 from pipeline.methods.base import CurvatureFactory, ProbeRunner, RemovalProblem, get_method
+from pipeline.checkpoint import read_state_dict
+from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX
 from pipeline.models.card import ModelCard, load_model_dir
+
+
+#: Mixed-Linear models keep their user weights w_u beside the core weights, in this file of
+#: the model directory (full parameter shapes, zero outside the user block).
+USER_WEIGHTS_FILE = "user_weights.safetensors"
 
 
 @dataclass
@@ -21,6 +28,7 @@ class RemovalRun:
     new_state: dict[str, Tensor]
     card: ModelCard
     record: dict[str, Any]
+    user_weights: dict[str, Tensor] | None = None  # for Mixed-Linear models: the new w_u
 
 
 def training_set(card: ModelCard) -> SampleSet:
@@ -62,14 +70,27 @@ def remove(
     train = training_set(card)
     positions = train.positions_of(forget_ids, field="forget_ids")
     model.to(device)
+    extras: dict[str, Any] = {}
+    user_file = Path(model_dir) / USER_WEIGHTS_FILE
+    if user_file.exists():
+        extras["user_weights"] = read_state_dict(user_file)
     problem = RemovalProblem(
         model=model, task=task, train=train.to(device), forget_positions=positions,
         weight_decay=card.training.weight_decay, seed=seed, batch_size=batch_size,
-        probe_runner=probe_runner, curvature_factory=curvature_factory,
+        probe_runner=probe_runner, curvature_factory=curvature_factory, extras=extras,
     )
     outcome = impl.run(problem, parsed)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    state.update({k: v.detach().cpu() for k, v in outcome.new_parameters.items()})
+    user = {k[len(USER_WEIGHT_PREFIX):]: v.detach().cpu() for k, v in outcome.new_parameters.items()
+            if k.startswith(USER_WEIGHT_PREFIX)}
+    core = {k: v.detach().cpu() for k, v in outcome.new_parameters.items() if not k.startswith(USER_WEIGHT_PREFIX)}
+    unknown = sorted(set(core) - set(state))
+    if unknown:
+        raise KeyError(f"method '{method}' returned parameters the model does not have: {unknown[:10]}")
+    state.update(core)
+    for key, value in user.items():
+        if not bool(torch.isfinite(value).all()):
+            raise FloatingPointError(f"the removal produced non-finite user weights in '{key}'; nothing was written")
     for key, value in state.items():
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"the removal produced non-finite values in '{key}'; nothing was written")
@@ -86,4 +107,4 @@ def remove(
         **outcome.record,
         "wall_seconds": time.perf_counter() - started,
     }
-    return RemovalRun(state, new_card, record)
+    return RemovalRun(state, new_card, record, user_weights=user or None)

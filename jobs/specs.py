@@ -56,6 +56,18 @@ class Limits(Strict):
     )
 
 
+class RaySpec(Strict):
+    """Run the probe shards and the training-set Hessian-vector products on Ray workers."""
+
+    address: str | None = Field(default=None, description="Ray cluster address; null = RAY_ADDRESS or a local Ray")
+    workers: int | None = Field(default=None, gt=0, description="number of workers; null = one per GPU, else per CPU")
+
+    def options(self):
+        from jobs.distributed import ClusterOptions
+
+        return ClusterOptions(address=self.address, workers=self.workers)
+
+
 class CampaignSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="campaign id (letters, digits, . _ -)")
     model: ModelRef
@@ -66,6 +78,7 @@ class CampaignSpec(Strict):
     limits: Limits = Field(default_factory=Limits)
     requests: Path = Field(description="CSV, JSONL or parquet file with request_id, subject, sample_ids")
     report_dir: Path | None = Field(default=None, description="where the report goes; default <store>/<model>/reports/<name>")
+    ray: RaySpec | None = Field(default=None, description="run the removal's probe and curvature on Ray workers")
 
     def ledger_path(self) -> Path:
         return self.ledger or self.model.store / LEDGER_FILE

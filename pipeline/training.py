@@ -141,7 +141,7 @@ def fit_sgd(
             loss = task.per_sample_loss(task.forward(model, batch), batch).mean() + l2_penalty(model, weight_decay)
             loss.backward()
             opt.step()
-            running += float(loss) * len(batch_set)
+            running += float(loss.detach()) * len(batch_set)
         sched.step()
         if callback is not None:
             callback(epoch, running / len(data))

@@ -142,3 +142,40 @@ def test_existing_output_is_not_overwritten(tmp_path, model_dir):
     result = invoke(write_config(tmp_path, model_dir))
     assert result.exit_code == 2 and "already exists" in result.output
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_forget_mixed_linear_from_the_cli_matches_retraining_the_user_weights(tmp_path):
+    """`unlearn forget --method mixed-linear` on a model directory with user weights:
+    the written user weights equal those trained on the retained data (float64 model)."""
+    from pipeline.checkpoint import save_safetensors
+    from pipeline.linearized import LinearizedModel
+    from pipeline.methods.mixed_linear import train_user_weights, user_block, user_state
+
+    train = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(0)
+    model, task = build("mlp", {"hidden": [16], "num_classes": 10})
+    model = model.double()
+    fit_lbfgs(model, task, train, 0.01, tolerance=1e-6, max_steps=10)
+    core = tmp_path / "core"
+    card = ModelCard(preset="mlp", options={"hidden": [16]}, data=DataRef(source="digits", options={"dtype": "float64"}),
+                     training=TrainingRecord(weight_decay=0.01, n=len(train)))
+    write_model_dir(core, model.state_dict(), card)
+    block = user_block(model, last_modules=1)
+    lin = LinearizedModel(model, task, block)
+    w_u = train_user_weights(lin, train, 0.01).user_weights
+    save_safetensors(user_state(block, model, w_u), core / "user_weights.safetensors")
+    forget_ids = [6, 17, 41]
+    path = write_config(tmp_path, core, forget={"sample_ids": forget_ids},
+                        method={"name": "lfoci-newton", "per_method": {"mixed-linear": {"cg_rtol": 1e-12}}})
+    result = invoke(path, "--method", "mixed-linear")
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "out" / "user_weights.safetensors")
+    retain = train.without(train.positions_of(forget_ids))
+    expected = user_state(block, model, train_user_weights(lin, retain, 0.01, rtol=1e-12).user_weights)
+    for name, value in expected.items():
+        rel = float(torch.linalg.vector_norm(written[name] - value) / torch.linalg.vector_norm(value))
+        assert rel <= 1e-6, (name, rel)
+    # The core weights are untouched.
+    new_core = load_file(tmp_path / "out" / "model.safetensors")
+    for name, value in model.state_dict().items():
+        assert torch.equal(new_core[name], value)

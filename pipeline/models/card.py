@@ -68,5 +68,9 @@ def load_model_dir(directory: str | Path):
 
     card = read_card(directory)
     module, task = build(card.preset, card.options)
-    load_into(module, read_state_dict(Path(directory) / WEIGHTS_FILE), source=str(Path(directory) / WEIGHTS_FILE))
+    state = read_state_dict(Path(directory) / WEIGHTS_FILE)
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    if len(dtypes) == 1:  # keep the checkpoint's precision (e.g. float64 oracle models)
+        module.to(dtypes.pop())
+    load_into(module, state, source=str(Path(directory) / WEIGHTS_FILE))
     return module, task, card
