@@ -57,7 +57,7 @@ def write_trained_model_dir(
 
 
 def load_in_dtype(directory: Path, preset: str, options: dict, dtype: torch.dtype):
-    """The model of ``directory`` built in ``dtype`` (load_model_dir keeps the preset's float32)."""
+    """The model of ``directory`` built in ``dtype`` (whatever precision the directory holds)."""
     model, task = build(preset, options)
     model = model.to(dtype)
     load_into(model, read_state_dict(Path(directory) / "model.safetensors"))

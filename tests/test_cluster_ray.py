@@ -107,10 +107,10 @@ def test_sharded_curvature_matches_block_hessian_in_float64(ray_local, linear64_
     cols = torch.randn(block.numel, 5, generator=gen, dtype=torch.float64)
     fault = FaultPlan(marker=str(tmp_path / "crashed"), product_call=1)
     with WorkerPool(linear64_dir, workers=2, runtime=ray_local, fault=fault) as pool:
-        assert pool.describe[0]["dtype"] == "torch.float32"  # the directory loads as float32 ...
+        assert pool.describe[0]["dtype"] == "torch.float64"  # the directory keeps its float64 ...
         factory = RayCurvatureFactory(pool)
         op = factory(model, task, data, block, 0.01, reduction="mean", batch_size=200)
-        hv = op.matvec(v)  # ... and the workers switch to the driver's float64 weights
+        hv = op.matvec(v)  # ... and the workers compute with the driver's float64 weights
         hv_again = op.matvec(v)  # product call 1: one worker dies, Ray restarts it, same numbers
         hm = op.matmat(cols)
         summed = RayCurvatureFactory(pool, exact_order=False)(model, task, data, block, 0.01,
