@@ -1,0 +1,118 @@
+"""Per-example likelihood-ratio membership attack (LiRA) and its unlearning use (U-LiRA).
+
+Carlini et al., "Membership Inference Attacks From First Principles", IEEE S&P 2022:
+  statistic      phi(x, y) = log(p_y / (1 - p_y)) = z_y - logsumexp_{k != y} z_k   (from logits z)
+  shadows        models trained with x ("in") and without x ("out")
+  fit            phi_in ~ N(mu_in, s_in^2), phi_out ~ N(mu_out, s_out^2), per example
+  score          Lambda(x) = log N(phi_target; mu_in, s_in^2) - log N(phi_target; mu_out, s_out^2)
+                 Lambda > 0: the target looks like a model trained on x.
+With few shadows the per-example variances are unreliable; ``fixed_variance=True`` uses one
+pooled variance per side for all examples (the paper's "global variance" variant).
+
+Unlearning (Hayes et al., "Inexact Unlearning Needs More Careful Evaluations to Avoid a False
+Sense of Privacy", 2024, U-LiRA; small-scale version): shadows are trained on D_r plus a random
+half of D_f (each forget example is "in" for exactly half of the shadows), the unlearned target
+is scored on every forget example. A perfect unlearning gives scores like a model that never
+saw D_f (member rate ~ the out-model rate); a failed one gives Lambda > 0 on many forget samples.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.evaluate.predict import logits_of
+from pipeline.tasks import Task
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+def logit_confidence(logits: Tensor, y: Tensor) -> np.ndarray:
+    """phi = z_y - logsumexp_{k != y} z_k (= logit of the softmax probability of y), float64."""
+    z = logits.double()
+    idx = y.long().view(-1, 1)
+    z_y = z.gather(1, idx).squeeze(1)
+    others = z.scatter(1, idx, float("-inf"))
+    return (z_y - torch.logsumexp(others, dim=1)).numpy()
+
+
+def _log_normal(x: np.ndarray, mu: np.ndarray, var: np.ndarray) -> np.ndarray:
+    return -0.5 * (LOG_2PI + np.log(var) + (x - mu) ** 2 / var)
+
+
+def gaussian_llr(
+    target: np.ndarray, in_stats: np.ndarray, out_stats: np.ndarray, in_mask: np.ndarray, *,
+    fixed_variance: bool = True, min_var: float = 1e-4,
+) -> np.ndarray:
+    """Per-example log-likelihood ratio.
+
+    target (N,), in_stats/out_stats (S, N) with ``in_mask`` (S, N) saying which shadow holds
+    which example (the "in" entries of ``in_stats`` and the "out" entries of ``out_stats`` are
+    used; pass the same matrix twice when one shadow matrix holds both)."""
+    in_mask = np.asarray(in_mask, dtype=bool)
+    out_mask = ~in_mask
+    if (in_mask.sum(0) == 0).any() or (out_mask.sum(0) == 0).any():
+        raise ValueError("every example needs at least one 'in' and one 'out' shadow model")
+    stats_in = np.where(in_mask, in_stats, np.nan)
+    stats_out = np.where(out_mask, out_stats, np.nan)
+    mu_in, mu_out = np.nanmean(stats_in, 0), np.nanmean(stats_out, 0)
+    if fixed_variance:
+        var_in = np.full_like(mu_in, max(np.nanvar(stats_in - mu_in), min_var))
+        var_out = np.full_like(mu_out, max(np.nanvar(stats_out - mu_out), min_var))
+    else:
+        var_in = np.maximum(np.nanvar(stats_in, 0), min_var)
+        var_out = np.maximum(np.nanvar(stats_out, 0), min_var)
+    return _log_normal(target, mu_in, var_in) - _log_normal(target, mu_out, var_out)
+
+
+def balanced_membership(n_examples: int, n_shadows: int, seed: int = 0) -> np.ndarray:
+    """(S, N) boolean: each example is "in" for exactly S/2 shadows (S even), seeded."""
+    if n_shadows < 2 or n_shadows % 2:
+        raise ValueError(f"n_shadows must be an even number >= 2, got {n_shadows}")
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((n_shadows, n_examples), dtype=bool)
+    for j in range(n_examples):
+        mask[rng.permutation(n_shadows)[: n_shadows // 2], j] = True
+    return mask
+
+
+def summarize(scores: np.ndarray) -> dict[str, float]:
+    return {
+        "member_rate": 100.0 * float((scores > 0).mean()),
+        "mean_llr": float(scores.mean()),
+        "median_llr": float(np.median(scores)),
+    }
+
+
+ShadowTrainer = Callable[[SampleSet, int], nn.Module]
+
+
+def shadow_statistics(
+    task: Task, forget: SampleSet, retain: SampleSet, train_shadow: ShadowTrainer, *,
+    n_shadows: int = 8, seed: int = 0, batch_size: int = 256,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Train ``n_shadows`` models on D_r + a balanced half of D_f; return (phi (S, N), in_mask)."""
+    mask = balanced_membership(len(forget), n_shadows, seed)
+    stats = np.zeros((n_shadows, len(forget)))
+    y = forget.columns["y"]
+    for s in range(n_shadows):
+        included = forget.take(torch.as_tensor(np.flatnonzero(mask[s])))
+        data = SampleSet({k: torch.cat([retain.columns[k], included.columns[k]]) for k in retain.columns},
+                         torch.cat([retain.sample_ids, included.sample_ids]))
+        shadow = train_shadow(data, seed * 1000 + s)
+        stats[s] = logit_confidence(logits_of(shadow, task, forget, batch_size), y)
+    return stats, mask
+
+
+def lira_scores(
+    model: nn.Module, task: Task, forget: SampleSet, shadow_stats: np.ndarray, in_mask: np.ndarray, *,
+    fixed_variance: bool = True, batch_size: int = 256,
+) -> dict[str, object]:
+    """Score a (unlearned) target on D_f against precomputed shadow statistics."""
+    target = logit_confidence(logits_of(model, task, forget, batch_size), forget.columns["y"])
+    scores = gaussian_llr(target, shadow_stats, shadow_stats, in_mask, fixed_variance=fixed_variance)
+    return {**summarize(scores), "scores": scores.tolist()}

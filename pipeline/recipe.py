@@ -1,0 +1,119 @@
+"""Training recipes: how a preset is initialised and fitted, reproducibly, so that the Retrain
+baseline can repeat the exact recipe from the exact same start on the retained data.
+
+Objective (``pipeline.training``): L_D(w) = (1/n) sum_i loss(w, z_i) + (lambda/2) ||w||^2 over
+the trainable parameters. Optimisers are looked up in ``OPTIMIZERS`` by name:
+  lbfgs  full-batch L-BFGS to a tight optimum (``max_steps``, ``tolerance``): convex models
+         and the exactness oracles;
+  sgd    mini-batch SGD with momentum and cosine decay (``epochs``, ``lr``, ``batch_size``).
+Initialisation: ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng`` (the caller's
+global RNG is untouched), the preset builds its module, then an optional init checkpoint is
+loaded (``pipeline.models.loading.load_checkpoint``; ``scope: backbone`` keeps the fresh head).
+Dropout draws during SGD come from the same forked, seeded RNG.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.tasks import Task
+from pipeline.training import FitReport, fit_lbfgs, fit_sgd
+
+
+class Recipe(BaseModel):
+    """How to fit: optimiser and its hyper-parameters, weight decay lambda, seed."""
+
+    model_config = ConfigDict(extra="forbid")
+    optimizer: str = "lbfgs"
+    epochs: int = Field(0, ge=0)
+    lr: float = Field(0.0, ge=0)
+    batch_size: int = Field(0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    seed: int = 0
+    max_steps: int = Field(200, gt=0)
+    tolerance: float = Field(1e-8, gt=0)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in OPTIMIZERS:
+            raise ValueError(f"recipe.optimizer '{value}' is unknown; choose one of {sorted(OPTIMIZERS)}")
+        return value
+
+
+class InitSpec(BaseModel):
+    """Where training starts: the preset's seeded initialisation, then an optional checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    checkpoint: str | None = None
+    layout: str = "auto"
+    scope: Literal["full", "backbone"] = "full"
+
+
+FitFn = Callable[[nn.Module, Task, SampleSet, Recipe], FitReport]
+
+
+def _fit_lbfgs(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+    model.eval()  # full-batch: deterministic forward (no dropout, BN running statistics)
+    return fit_lbfgs(model, task, data, recipe.weight_decay, max_steps=recipe.max_steps,
+                     tolerance=recipe.tolerance, batch_size=recipe.batch_size or 4096)
+
+
+def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+    if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1:
+        raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
+    return fit_sgd(model, task, data, recipe.weight_decay, epochs=recipe.epochs, lr=recipe.lr,
+                   batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed)
+
+
+OPTIMIZERS: dict[str, FitFn] = {"lbfgs": _fit_lbfgs, "sgd": _fit_sgd}
+
+
+def initial_model(
+    preset: str, options: dict[str, Any], *, seed: int, init: InitSpec | None = None,
+) -> tuple[nn.Module, Task, dict[str, Any]]:
+    """(module, task, load report) at the recipe's start: seeded build + optional checkpoint."""
+    from pipeline.models import build, load_checkpoint
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module, task = build(preset, options)
+    report: dict[str, Any] = {}
+    if init is not None and init.checkpoint:
+        report = load_checkpoint(module, preset, init.checkpoint, layout=init.layout, scope=init.scope).as_dict()
+    return module, task, report
+
+
+def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+    """Fit in place with the recipe's optimiser; every random draw from the recipe's seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        return OPTIMIZERS[recipe.optimizer](model, task, data, recipe)
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    task: Task
+    fit: FitReport
+    init_report: dict[str, Any]
+    seconds: float
+
+
+def train(
+    preset: str, options: dict[str, Any], data: SampleSet, recipe: Recipe, init: InitSpec | None = None,
+) -> TrainResult:
+    """Build at the recipe's start and fit on ``data``."""
+    import time
+
+    started = time.perf_counter()
+    model, task, report = initial_model(preset, options, seed=recipe.seed, init=init)
+    result = fit(model, task, data, recipe)
+    model.eval()
+    return TrainResult(model, task, result, report, time.perf_counter() - started)
