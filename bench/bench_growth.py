@@ -1,0 +1,303 @@
+"""Benchmark: how one L-FOCI Newton removal grows in time and peak memory.
+
+    .venv/bin/python -m bench.bench_growth            # default (~3-6 min on 2 loaded cores)
+    .venv/bin/python -m bench.bench_growth --quick    # fewer points
+    .venv/bin/python -m bench.bench_growth --smoke    # 2 tiny points per axis (tests)
+
+One removal (``lfoci-newton`` through the method registry: probe -> L-FOCI -> restricted exact
+Hessian, dense Cholesky up to ``dense_max`` entries, CG above -> Newton update) on an MLP
+(``mlp`` preset, tanh, two hidden layers) trained by SGD on scikit-learn's digits (1,437
+training images, 64 features). Four axes, one varied at a time around a base point:
+  slices         slices in the block: L-FOCI with ``max_slices`` = k, and since L-FOCI stops when
+                 no slice adds information (3 slices on this model), the block is padded to k
+                 slices by marginal L-CODEC score (``bench.common.staged_lfoci_newton``, the same
+                 computation as the method; the other axes run the registry's ``lfoci-newton``)
+  perturbations  m_p, the probe's perturbed passes
+  removed        m, the number of forgotten samples
+  width          hidden width of both layers (model size)
+Timing: each point first runs a tiny warm-up removal (the first torch.func call of a process
+costs seconds), then the timed one. Memory: every point runs in a *fresh* Python process (``bench.common.run_point``) that loads
+the (pre-trained, cached) model and data, records its RSS, runs the removal, and reports the
+getrusage peak RSS (``peak``) and the peak minus the RSS just before the removal
+(``removal_extra``): tracemalloc cannot see torch's allocations. Stage times come from the
+method's record (probe, select, gradients, curvature_and_solve, verify).
+
+Writes bench/results/growth.json and growth.png (quick: growth_quick.*, smoke: growth_smoke.*).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (RESULTS_DIR, ROOT, current_rss_bytes, gib, machine_info, peak_rss_bytes, print_table,
+                          run_point, write_json)
+
+BASE = {"width": 256, "slices": 16, "perturbations": 256, "removed": 8}
+AXES: dict[str, dict[str, list[int]]] = {
+    "default": {"slices": [1, 2, 4, 8, 16, 32, 64, 128], "perturbations": [64, 128, 256, 512, 1024, 2048],
+                "removed": [1, 4, 16, 64, 256], "width": [32, 64, 128, 256, 512, 1024]},
+    "quick": {"slices": [1, 4, 16, 64], "perturbations": [64, 256, 1024], "removed": [1, 16, 128],
+              "width": [64, 256, 1024]},
+    "smoke": {"slices": [1], "perturbations": [16], "removed": [1], "width": [8]},
+}
+SMOKE_BASE = {"width": 8, "slices": 1, "perturbations": 16, "removed": 1}
+TRAIN = {"epochs": 30, "lr": 0.1, "batch_size": 64, "weight_decay": 1e-3, "seed": 0}
+TRAIN_SMOKE = {**TRAIN, "epochs": 2}
+STAGES = ("probe", "select", "gradients", "curvature_and_solve", "verify")
+
+
+def settings_for(point: dict[str, Any]) -> dict[str, Any]:
+    return {"perturbations": point["perturbations"], "pass_size": 64, "max_slices": point["slices"],
+            "dense_max": 4096, "damping": 0.01, "cg_rtol": 1e-6, "cg_max_iter": 100}
+
+
+def model_path(workdir: Path, width: int, recipe: dict[str, Any]) -> Path:
+    return workdir / f"mlp-w{width}-e{recipe['epochs']}.safetensors"
+
+
+def ensure_model(workdir: Path, width: int, recipe: dict[str, Any] = TRAIN) -> Path:
+    """Train the MLP of this width once (SGD, seeded) and cache its weights."""
+    import torch
+
+    from pipeline.checkpoint import save_safetensors
+    from pipeline.data import load_source
+    from pipeline.recipe import Recipe, fit, initial_model
+
+    path = model_path(workdir, width, recipe)
+    stamp = path.with_suffix(".json")
+    if path.exists() and stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return path
+    train = load_source("digits")["train"]
+    model, task, _ = initial_model("mlp", {"in_features": 64, "hidden": [width, width]}, seed=0)
+    fit(model, task, train, Recipe(optimizer="sgd", **recipe))
+    save_safetensors({k: v.detach() for k, v in model.state_dict().items()}, path)
+    stamp.write_text(json.dumps(recipe))
+    return path
+
+
+def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
+    """Inside the fresh process: load, remove once, report time and memory."""
+    import torch
+
+    from bench.common import RssSampler
+    from pipeline.checkpoint import read_state_dict
+    from pipeline.data import load_source
+    from pipeline.methods import RemovalProblem, get_method
+    from pipeline.models import build
+
+    if payload.get("threads"):
+        torch.set_num_threads(int(payload["threads"]))
+    point = payload["point"]
+    train = load_source("digits")["train"]
+    model, task = build("mlp", {"in_features": 64, "hidden": [point["width"], point["width"]]})
+    model.load_state_dict(read_state_dict(payload["model"]))
+    model.eval()
+    g = torch.Generator().manual_seed(1234)
+    positions = torch.randperm(len(train), generator=g)[: point["removed"]]
+    method = get_method("lfoci-newton")
+    settings = method.Settings(**settings_for(point))
+    problem = RemovalProblem(model, task, train, positions, TRAIN["weight_decay"], seed=0, batch_size=512)
+    # warm-up: the first torch.func call of a process costs seconds (tracing / dispatch set-up); a
+    # tiny removal on the same model pays it, so the timed removal is the steady-state cost
+    warm = RemovalProblem(model, task, train, positions[:1], TRAIN["weight_decay"], seed=1, batch_size=512)
+    t = time.perf_counter()
+    method.run(warm, method.Settings(perturbations=16, pass_size=16, max_slices=1, dense_max=4096))
+    warmup_seconds = time.perf_counter() - t
+    model.load_state_dict(read_state_dict(payload["model"]))
+    model.eval()
+    rss_before = current_rss_bytes()
+    if payload.get("axis") == "slices":
+        # the method's L-FOCI stops when no slice adds information (at 3 slices here), so this
+        # axis runs the same computation (bench.common.staged_lfoci_newton) with the block padded
+        # to exactly ``slices`` slices by marginal L-CODEC score
+        from bench.common import staged_lfoci_newton
+
+        with RssSampler(interval=0.02) as sampler:
+            t = time.perf_counter()
+            res = staged_lfoci_newton(
+                model, task, train, positions, weight_decay=TRAIN["weight_decay"], perturbations=point["perturbations"],
+                pass_size=64, max_slices=point["slices"], pad_to=point["slices"], damping=0.01, dense_max=4096,
+                cg_rtol=1e-6, cg_max_iter=100, batch_size=512, seed=0, sampler=sampler)
+            seconds = time.perf_counter() - t
+        stages = {k: v for k, v in res["stage_seconds"].items() if k in STAGES}
+        stages["select"] = res["stage_seconds"]["select"] + res["stage_seconds"]["block"]
+        stages["curvature_and_solve"] = res["stage_seconds"]["curvature_and_solve"] + res["stage_seconds"]["update"]
+        summary = {"stages": stages, "slices_selected": res["selection"]["slices_in_block"],
+                   "lfoci_selected": len(res["selection"]["lfoci_selected"]), "padded": len(res["selection"]["padded"]),
+                   "slices_probed": res["selection"]["slices_probed"], "block_numel": res["block"]["numel"],
+                   "solver": res["solver"]["solver"], "solver_iterations": res["solver"]["iterations"],
+                   "retain_gradient_norm_after": res["gradient_norms"]["retain_mean_block_after"],
+                   "path": "bench.common.staged_lfoci_newton (padded block)"}
+    else:
+        with RssSampler(interval=0.02) as sampler:
+            t = time.perf_counter()
+            outcome = method.run(problem, settings)
+            seconds = time.perf_counter() - t
+        rec = outcome.record
+        selected = rec["selection"].get("selected")
+        summary = {"stages": rec["timings"], "slices_selected": len(selected) if isinstance(selected, list) else None,
+                   "slices_probed": rec["selection"].get("slices_probed"), "block_numel": rec["block"]["numel"],
+                   "solver": rec["curvature"]["solver"]["solver"],
+                   "solver_iterations": rec["curvature"]["solver"]["iterations"],
+                   "retain_gradient_norm_after": rec["gradient_norms"]["retain_mean_block_after"],
+                   "path": "pipeline.methods lfoci-newton (registry)"}
+    peak = peak_rss_bytes()
+    return {
+        "point": point, "seconds": seconds, "warmup_seconds": warmup_seconds,
+        "in_process": bool(payload.get("in_process")), **summary,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "rss_before_gib": gib(rss_before), "peak_rss_gib": gib(peak), "sampled_peak_gib": gib(sampler.peak),
+        "removal_extra_gib": gib(max(peak, sampler.peak) - rss_before),
+    }
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"slices": "slices in the block (L-FOCI + padding)", "perturbations": "perturbations m_p",
+              "removed": "removed samples m", "width": "hidden width (2 layers)"}
+    fig, axes = plt.subplots(2, len(results), figsize=(4.2 * len(results), 7), squeeze=False)
+    for col, (axis, points) in enumerate(results.items()):
+        ok = [p for p in points if "error" not in p]
+        xs = [p["point"][axis] for p in ok]
+        ax = axes[0][col]
+        ax.plot(xs, [p["seconds"] for p in ok], "k-o", label="total")
+        for stage in STAGES:
+            ax.plot(xs, [p["stages"].get(stage, 0.0) for p in ok], "--", marker=".", label=stage)
+        for p, x in zip(ok, xs):
+            if p["solver"] == "cg":
+                ax.annotate("CG", (x, p["seconds"]), fontsize=7, textcoords="offset points", xytext=(2, 4))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"time vs {axis}")
+        ax.set_xlabel(labels[axis])
+        ax.set_ylabel("seconds")
+        if col == 0:
+            ax.legend(fontsize=7)
+        ax = axes[1][col]
+        ax.plot(xs, [p["peak_rss_gib"] for p in ok], "b-o", label="peak RSS (getrusage)")
+        ax.plot(xs, [p["removal_extra_gib"] for p in ok], "r-s", label="peak - RSS before removal")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(labels[axis])
+        ax.set_ylabel("GiB")
+        ax.set_title(f"memory vs {axis}")
+        if axis == "slices":
+            twin = ax.twinx()
+            twin.plot(xs, [p["block_numel"] for p in ok], "g:^", label="block numel")
+            twin.set_yscale("log")
+            twin.set_ylabel("block entries", color="g")
+        if axis == "width":
+            for p, x in zip(ok, xs):
+                ax.annotate(f"{p['parameters'] / 1e3:.0f}k", (x, p["peak_rss_gib"]), fontsize=7,
+                            textcoords="offset points", xytext=(2, 4))
+        if col == 0:
+            ax.legend(fontsize=7)
+    fig.suptitle("One L-FOCI Newton removal (MLP on digits, one fresh process per point)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def slope(points: list[dict[str, Any]], axis: str, key: str = "seconds") -> float | None:
+    """Log-log slope of ``key`` against the axis between the first and the last point."""
+    import math
+
+    ok = [p for p in points if "error" not in p and p.get(key)]
+    if len(ok) < 2:
+        return None
+    a, b = ok[0], ok[-1]
+    if a["point"][axis] == b["point"][axis] or a[key] <= 0 or b[key] <= 0:
+        return None
+    return math.log(b[key] / a[key]) / math.log(b["point"][axis] / a["point"][axis])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    parser.add_argument("--point", default=None, help=argparse.SUPPRESS)  # internal: one point, in a fresh process
+    parser.add_argument("--axes", default=None, help="comma-separated subset of slices,perturbations,removed,width")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in each point (default: torch's)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per point")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure every point in this process (no fresh process: peak RSS is then the process's "
+                             "running peak, not the point's); --smoke does this for all points but the first")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench" / "growth")
+    args = parser.parse_args(argv)
+
+    if args.point is not None:
+        print("POINT " + json.dumps(measure_point(json.loads(args.point))), flush=True)
+        return {}
+
+    mode_name = "smoke" if args.smoke else "quick" if args.quick else "default"
+    axes = AXES[mode_name]
+    if args.axes:
+        axes = {k: v for k, v in axes.items() if k in args.axes.split(",")}
+    base = SMOKE_BASE if mode_name == "smoke" else BASE
+    recipe = TRAIN_SMOKE if mode_name == "smoke" else TRAIN
+    out_path = args.out or RESULTS_DIR / ("growth.json" if mode_name == "default" else f"growth_{mode_name}.json")
+    started = time.perf_counter()
+    machine_before = machine_info()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, list[dict[str, Any]]] = {}
+    for axis, values in axes.items():
+        results[axis] = []
+        for value in values:
+            point = {**base, axis: value}
+            path = ensure_model(args.workdir, point["width"], recipe)
+            payload = {"point": point, "axis": axis, "model": str(path), "threads": args.threads}
+            first = not any(results.values()) and not results[axis]
+            if args.in_process or (mode_name == "smoke" and not first):
+                try:
+                    res = measure_point({**payload, "in_process": True})
+                except Exception as err:  # recorded like a failed subprocess point
+                    res = {"error": f"{type(err).__name__}: {err}"}
+            else:
+                res = run_point("bench.bench_growth", payload, timeout=args.timeout)
+            res.setdefault("point", point)
+            res["loadavg"] = machine_info()["loadavg"]
+            results[axis].append(res)
+            if "error" in res:
+                print(f"  {axis}={value}: FAILED {res['error'][-300:]}", file=sys.stderr, flush=True)
+        print_table([{axis: r["point"][axis], **{k: r.get(k) for k in ("seconds", "slices_selected", "block_numel",
+                      "solver", "solver_iterations", "peak_rss_gib", "removal_extra_gib")},
+                      **{s: (r.get("stages") or {}).get(s) for s in STAGES}} for r in results[axis]],
+                    [axis, "seconds", *STAGES, "slices_selected", "block_numel", "solver", "solver_iterations",
+                     "peak_rss_gib", "removal_extra_gib"], title=f"\n== growth vs {axis}")
+
+    png = out_path.with_suffix(".png")
+    plot(results, png)
+    result = {
+        "benchmark": "growth", "mode": mode_name, "base_point": base, "axes": axes,
+        "setup": {"model": "mlp preset, tanh, hidden [width, width], digits (64 features, 10 classes)",
+                  "training": recipe, "n": 1437, "settings": settings_for(base),
+                  "memory": "getrusage peak RSS of a fresh process per point; removal_extra = peak - RSS before the removal"},
+        "results": results,
+        "loglog_slopes_seconds": {axis: slope(points, axis) for axis, points in results.items()},
+        "loglog_slopes_removal_memory": {axis: slope(points, axis, "removal_extra_gib") for axis, points in results.items()},
+        "plot": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
+        "machine": {**machine_before, "loadavg_after": machine_info()["loadavg"]},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    write_json(out_path, result)
+    print(f"\nwrote {out_path} and {png} in {result['wall_seconds']:.0f} s", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

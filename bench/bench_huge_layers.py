@@ -1,0 +1,173 @@
+"""Benchmark: one L-FOCI Newton removal on a VGG-16-size model (138M parameters) on the CPU,
+with a block that contains whole rows of fc6 (25,089 parameters each), solved matrix-free.
+
+    .venv/bin/python -m bench.bench_huge_layers            # VGG-16 (D), 1000 classes, 138.4M params
+    .venv/bin/python -m bench.bench_huge_layers --quick    # same model, fewer perturbations / CG steps
+    .venv/bin/python -m bench.bench_huge_layers --smoke    # width/16, fc 256: seconds (tests)
+
+Cost: an fc6-row block makes every product touch the whole 25088x4096 matrix (the block is
+inserted with ``index_add`` into a full copy, and the backward forms the full weight's gradient),
+and an L-FOCI pick in an early conv layer makes every product a double backward through most of
+the network: about 10-30 s per Hessian-vector product on 2 loaded cores, hence the small n.
+
+Model: the ``vggface`` preset with ``num_classes: 1000`` (torchvision's VGG-16 layout and
+initialisation, random weights: the cost does not depend on the values), 32x32 RGB inputs;
+the adaptive average pool to 7x7 keeps fc6 = ``classifier.0`` = Linear(25088, 4096), so an
+fc6 row has 25,088 weights + 1 bias = 25,089 parameters. Data: Fashion-MNIST upscaled to
+32x32 and repeated to 3 channels (labels 0..9 of the 1000-way head), ``n`` training samples,
+``m`` forgotten.
+
+Stages (each timed, with the RSS before / peak / after from a 20 ms sampler, plus the
+process's getrusage peak):
+  probe       ``pipeline.probe.run_probe``: perturbed passes of the forget batch, one column per
+              slice (13,416 slices: every conv filter and fc unit)
+  select      L-FOCI (``pipeline.selection.lfoci``) with ``max_slices``
+  block       the L-FOCI slices + ``fc6_rows`` forced rows of fc6 (the fc6 units with the largest
+              mean |activation| in the probe): ``ParamBlock.from_rows`` on ``classifier.0.weight``
+              and ``classifier.0.bias`` - whole-parameter selection could not express this
+  gradients   forget gradient (sum) and retain gradient (mean) on the block
+  curvature   H' = (n H_P(S) - H_P(U)) / (n - m) + damping I (``pipeline.curvature``), with
+              H_P(S) on a seeded subsample of ``curvature_samples`` training samples; exact
+              Hessian-vector products (forward-over-reverse), never a dense block: the dense
+              block would be numel^2 float64 (80 GB for 4 fc6 rows)
+  solve       CG (``conjugate_gradient``), at most ``cg_max_iter`` iterations (20) with damping: it
+              is a *bounded* solve, its relative residual is reported. Damping is 1.0: with random
+              weights the restricted Hessian is indefinite (measured: with damping 0.01 CG met
+              negative curvature, Rayleigh quotient about -0.5, at its 2nd iteration)
+  update      w_P += direction / (n - m)
+  verify      retain gradient on the block after the update
+This is the computation of ``pipeline.methods.lfoci_newton`` with a block chooser of our own.
+
+Writes bench/results/huge_layers.json (quick: huge_layers_quick.json, smoke: huge_layers_smoke.json).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.common import (RESULTS_DIR, ROOT, RssSampler, gib, machine_info, peak_rss_bytes, print_table,  # noqa: E402
+                          set_threads, write_json)
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
+                "per_class": 5, "forget": 2, "perturbations": 128, "pass_size": 16, "max_slices": 8, "fc6_rows": 4,
+                "curvature_samples": 16, "cg_max_iter": 20, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
+    "quick": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
+              "per_class": 3, "forget": 2, "perturbations": 64, "pass_size": 16, "max_slices": 4, "fc6_rows": 2,
+              "curvature_samples": 8, "cg_max_iter": 5, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
+    "smoke": {"model": {"num_classes": 10, "width_divisor": 16, "hidden": 256, "pool_size": 7, "image_size": 32},
+              "per_class": 2, "forget": 2, "perturbations": 16, "pass_size": 16, "max_slices": 2, "fc6_rows": 2,
+              "curvature_samples": 8, "cg_max_iter": 3, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
+}
+FC6_WEIGHT, FC6_BIAS = "classifier.0.weight", "classifier.0.bias"
+WEIGHT_DECAY = 5e-4
+
+
+def load_data(profile: dict[str, Any]):
+    from pipeline.data import load_source
+
+    size = profile["model"]["image_size"]
+    return load_source("fashion-mnist", {"per_class": profile["per_class"], "test_per_class": 1, "seed": 0,
+                                         "image_size": size, "channels": 3})["train"]
+
+
+def fc6_rows(count: int):
+    """extra_rows callback: the ``count`` fc6 units with the largest mean |activation| in the probe."""
+    def choose(probe: Any, slice_map: Any) -> dict[str, list[int]]:
+        group = next(g for g in slice_map.groups if g.weight == FC6_WEIGHT)
+        acts = probe.activations[:, group.offset: group.offset + group.units].abs().mean(dim=0)
+        rows = sorted(int(i) for i in torch.topk(acts, count).indices)
+        return {FC6_WEIGHT: rows, FC6_BIAS: rows}
+
+    return choose
+
+
+def run(profile: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    from bench.common import staged_lfoci_newton
+    from pipeline.models import build
+
+    with RssSampler(interval=0.02) as rss:
+        with rss.stage("build_model"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model, task = build("vggface", dict(profile["model"]))
+            model.eval()
+        with rss.stage("load_data"):
+            train = load_data(profile)
+        params = dict(model.named_parameters())
+        forget_pos = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: profile["forget"]].sort().values
+        res = staged_lfoci_newton(
+            model, task, train, forget_pos, weight_decay=WEIGHT_DECAY, perturbations=profile["perturbations"],
+            pass_size=profile["pass_size"], max_slices=profile["max_slices"], curvature_samples=profile["curvature_samples"],
+            damping=profile["damping"], dense_max=0, cg_rtol=profile["cg_rtol"], cg_max_iter=profile["cg_max_iter"],
+            batch_size=profile["batch_size"], seed=seed, extra_rows=fc6_rows(profile["fc6_rows"]), sampler=rss)
+    res["model"] = {
+        "preset": "vggface", "options": profile["model"], "parameters": sum(p.numel() for p in params.values()),
+        "fc6": {"name": "classifier.0", "weight_shape": list(params[FC6_WEIGHT].shape),
+                "row_parameters": int(params[FC6_WEIGHT].shape[1]) + 1},
+    }
+    res["setup_stages"] = {k: rss.stages[k] for k in ("build_model", "load_data")}
+    res["solver"]["bounded"] = ("CG is capped at cg_max_iter iterations with damping: a bounded solve; the relative "
+                                "residual says how far the result is from the exact restricted Newton step")
+    res["peak_rss_gib"] = gib(peak_rss_bytes())
+    res["sampled_peak_rss_gib"] = gib(rss.peak)
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    parser.add_argument("--fc6-rows", type=int, default=None)
+    parser.add_argument("--cg-max-iter", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    mode_name = "smoke" if args.smoke else "quick" if args.quick else "default"
+    profile = {**PROFILES[mode_name], "model": dict(PROFILES[mode_name]["model"])}
+    if args.fc6_rows:
+        profile["fc6_rows"] = args.fc6_rows
+    if args.cg_max_iter:
+        profile["cg_max_iter"] = args.cg_max_iter
+    set_threads(args.threads)
+    out_path = args.out or RESULTS_DIR / ("huge_layers.json" if mode_name == "default" else f"huge_layers_{mode_name}.json")
+    machine_before = machine_info()
+    started = time.perf_counter()
+    res = run(profile)
+    mem_total = machine_before.get("mem_total_gib")
+    result = {
+        "benchmark": "huge_layers", "mode": mode_name, "profile": profile, **res,
+        "within_memory": {"limit_gib": 24, "peak_rss_gib": res["peak_rss_gib"],
+                          "ok": res["peak_rss_gib"] is not None and res["peak_rss_gib"] < 24,
+                          "machine_mem_total_gib": mem_total},
+        "machine": {**machine_before, "loadavg_after": machine_info()["loadavg"]},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    write_json(out_path, result)
+    forced = res["selection"]["forced_rows"].get(FC6_WEIGHT, [])
+    print_table([{"stage": k, **v} for k, v in {**res["setup_stages"], **res["stages"]}.items()],
+                ["stage", "seconds", "rss_before_gib", "rss_peak_gib", "rss_after_gib"],
+                title=f"\n== VGG-16 removal: {res['model']['parameters'] / 1e6:.1f}M parameters, block "
+                      f"{res['block']['numel']:,} entries ({len(forced)} fc6 rows x {res['model']['fc6']['row_parameters']:,}"
+                      f" + {len(res['selection']['lfoci_selected'])} L-FOCI slices)")
+    s = res["solver"]
+    print(f"CG: {s['iterations']} iterations (cap {s['cg_max_iter']}, damping {s['damping']}), relative residual "
+          f"{s['relative_residual']:.2e}, {s['seconds_per_iteration']:.2f} s/iteration; peak RSS {res['peak_rss_gib']:.2f} GiB; "
+          f"removal {res['removal_seconds']:.1f} s", flush=True)
+    print(f"wrote {out_path} in {result['wall_seconds']:.0f} s", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Smoke runs of the benchmark scripts: each runs end to end at tiny sizes (``--smoke``) and
+writes valid JSON (atomically; no NaN) with the keys the summary and the README rely on; then
+``bench.run_all`` builds summary.md from those files. One module-scoped run of each script
+(in this process, to share the interpreter start-up and torch.func's first-call cost; so the
+whole module stays well under a minute on 2 cores - with one torch thread: on a shared, loaded
+machine two intra-op threads made these tiny runs 5x slower); the outputs go to a temporary
+folder, never to bench/results."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _load(path: Path) -> dict:
+    text = path.read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"{path.name} contains {c}"))
+    assert not list(path.parent.glob(f".{path.name}.*")), "a temporary file was left behind"
+    return data
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def fmnist(out_dir: Path) -> dict:
+    from bench import bench_fmnist
+
+    bench_fmnist.main(["--smoke", "--threads", "1", "--out", str(out_dir / "fmnist_smoke.json"), "--workdir", str(out_dir / "fmnist")])
+    return _load(out_dir / "fmnist_smoke.json")
+
+
+@pytest.fixture(scope="module")
+def growth(out_dir: Path) -> dict:
+    from bench import bench_growth
+
+    bench_growth.main(["--smoke", "--threads", "1", "--out", str(out_dir / "growth_smoke.json"), "--workdir", str(out_dir / "growth")])
+    return _load(out_dir / "growth_smoke.json")
+
+
+@pytest.fixture(scope="module")
+def huge(out_dir: Path) -> dict:
+    from bench import bench_huge_layers
+
+    bench_huge_layers.main(["--smoke", "--threads", "1", "--out", str(out_dir / "huge_layers_smoke.json")])
+    return _load(out_dir / "huge_layers_smoke.json")
+
+
+@pytest.fixture(scope="module")
+def gpu(out_dir: Path) -> dict:
+    from bench import bench_gpu_reid
+
+    bench_gpu_reid.main(["--smoke", "--threads", "1", "--out", str(out_dir / "gpu_reid_smoke.json")])
+    return _load(out_dir / "gpu_reid_smoke.json")
+
+
+def _machine(d: dict) -> None:
+    assert d["machine"]["cpus"] >= 1
+    assert len(d["machine"]["loadavg"]) == 3 and d["machine"]["loadavg_after"]
+    assert d["wall_seconds"] > 0
+
+
+def test_fmnist_smoke(fmnist: dict) -> None:
+    from pipeline.methods import METHODS
+
+    assert fmnist["benchmark"] == "fmnist" and fmnist["mode"] == "smoke"
+    assert set(fmnist["scenarios"]) == {"random_1pct", "class_1"}
+    for name, sc in fmnist["scenarios"].items():
+        rows = sc["rows"]
+        assert {"original", "retrain", "finetune"} <= set(rows)
+        for method in METHODS:  # every registered method has a row or a recorded error
+            if method == "mixed-linear":
+                assert "mixed_linear" in sc or method in sc["errors"]
+            else:
+                assert method in rows or method in sc["errors"], (name, method)
+        assert "lfoci-newton" in rows, sc["errors"]
+        for row in rows.values():
+            for key in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
+                assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (name, key)
+        assert rows["retrain"]["AvgGap"] == 0.0 and rows["retrain"]["seconds"] > 0
+        assert sc["ratio_retrain_over_removal"]["lfoci-newton"]["wall"] > 0
+        assert set(sc["stage_timings"]["lfoci-newton"]) >= {"probe", "select", "curvature_and_solve"}
+        if "mixed_linear" in sc:
+            assert sc["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-3  # exact forgetting
+    assert set(fmnist["headline"]) == {"random_1pct", "class_1"}
+    assert fmnist["scenarios"]["class_1"]["m"] > fmnist["scenarios"]["random_1pct"]["m"]
+    _machine(fmnist)
+
+
+def test_growth_smoke(growth: dict, out_dir: Path) -> None:
+    assert growth["benchmark"] == "growth"
+    assert set(growth["results"]) == {"slices", "perturbations", "removed", "width"}
+    points = [p for pts in growth["results"].values() for p in pts]
+    for p in points:
+        assert "error" not in p, p.get("error")
+        assert p["seconds"] > 0 and p["peak_rss_gib"] > 0 and p["block_numel"] >= 1
+        assert set(p["stages"]) >= {"probe", "select", "gradients", "curvature_and_solve", "verify"}
+    assert not points[0]["in_process"], "the first point must run in a fresh process"
+    assert (out_dir / "growth_smoke.png").stat().st_size > 1000
+    _machine(growth)
+
+
+def test_huge_layers_smoke(huge: dict) -> None:
+    assert huge["benchmark"] == "huge_layers"
+    fc6 = huge["model"]["fc6"]
+    assert fc6["row_parameters"] == fc6["weight_shape"][1] + 1
+    forced = huge["selection"]["forced_rows"]["classifier.0.weight"]
+    assert len(forced) == huge["profile"]["fc6_rows"]
+    assert huge["block"]["numel"] >= len(forced) * fc6["row_parameters"]
+    assert huge["solver"]["solver"] == "cg" and 1 <= huge["solver"]["iterations"] <= huge["profile"]["cg_max_iter"]
+    assert set(huge["stage_seconds"]) == {"probe", "select", "block", "gradients", "curvature_and_solve", "update", "verify"}
+    assert huge["peak_rss_gib"] > 0 and huge["within_memory"]["ok"]
+    _machine(huge)
+
+
+def test_gpu_reid_smoke_falls_back(gpu: dict) -> None:
+    assert gpu["benchmark"] == "gpu_reid"
+    assert gpu["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert set(gpu["stage_summary"]) == {"probe", "selection", "curvature_and_solve", "verify"}
+    assert all(v >= 0 for v in gpu["stage_summary"].values())
+    assert gpu["m"] >= 1 and gpu["model"]["options"]["num_classes"] == 751
+    assert gpu["solver"]["iterations"] >= 1 and gpu["removal_seconds"] > 0
+    assert gpu["imports_bypassed"] == []  # the project's environment has pydantic and safetensors
+    _machine(gpu)
+
+
+def test_summary_from_smoke_results(fmnist: dict, growth: dict, huge: dict, gpu: dict, out_dir: Path) -> None:
+    from bench.run_all import BENCHMARKS, write_summary
+
+    assert {"selection", "scaling", "text_r8", "fmnist", "growth", "huge_layers", "gpu_reid"} <= set(BENCHMARKS)
+    (out_dir / "broken.json").write_text("{not json")
+    path = write_summary(out_dir, out_dir / "summary.md", include_smoke=True)
+    text = path.read_text()
+    for section in ("## fmnist_smoke", "## growth_smoke", "## huge_layers_smoke", "## gpu_reid_smoke", "## broken"):
+        assert section in text
+    assert "| lfoci-newton |" in text and "could not" not in text.split("## broken")[0]
+    assert "unreadable" in text
