@@ -20,7 +20,6 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,18 +50,9 @@ def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON: temporary name in the same folder, fsync, rename (0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(jsonable(obj), indent=2, allow_nan=False).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from pipeline.checkpoint import atomic_write_bytes
+
+    atomic_write_bytes(path, json.dumps(jsonable(obj), indent=2, allow_nan=False).encode())
     return path
 
 

@@ -30,6 +30,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jobs.config import describe_validation_error
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
 from pipeline.recipe import InitSpec, Recipe, train
 
@@ -66,15 +67,7 @@ def read_config(path: str | Path) -> TrainConfig:
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as err:
-        raise click.BadParameter(_explain(err, path), param_hint="CONFIG") from err
-
-
-def _explain(err: ValidationError, path: Path) -> str:
-    lines = [f"{path}:"]
-    for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        lines.append(f"  {where}: {item['msg']}")
-    return "\n".join(lines)
+        raise click.BadParameter(describe_validation_error(err, str(path)), param_hint="CONFIG") from err
 
 
 def accuracy(model: torch.nn.Module, task: Any, data: Any, batch_size: int = 256) -> float:
