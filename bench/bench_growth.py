@@ -1,8 +1,9 @@
 """Benchmark: how one L-FOCI Newton removal grows in time and peak memory.
 
-    .venv/bin/python -m bench.bench_growth            # default (~3-6 min on 2 loaded cores)
-    .venv/bin/python -m bench.bench_growth --quick    # fewer points
-    .venv/bin/python -m bench.bench_growth --smoke    # 2 tiny points per axis (tests)
+    .venv/bin/python -m bench.bench_growth --threads 1          # default (~7 min on 2 shared cores)
+    .venv/bin/python -m bench.bench_growth --quick --threads 1  # fewer points
+    .venv/bin/python -m bench.bench_growth --smoke --threads 1  # one tiny point per axis (tests)
+    .venv/bin/python -m bench.bench_growth --replot bench/results/growth.json  # redo plot + derived figures
 
 One removal (``lfoci-newton`` through the method registry: probe -> L-FOCI -> restricted exact
 Hessian, dense Cholesky up to ``dense_max`` entries, CG above -> Newton update) on an MLP
@@ -11,15 +12,21 @@ training images, 64 features). Four axes, one varied at a time around a base poi
   slices         slices in the block: L-FOCI with ``max_slices`` = k, and since L-FOCI stops when
                  no slice adds information (3 slices on this model), the block is padded to k
                  slices by marginal L-CODEC score (``bench.common.staged_lfoci_newton``, the same
-                 computation as the method; the other axes run the registry's ``lfoci-newton``)
+                 computation as the method; the other axes run the registry's ``lfoci-newton``);
+                 solver as the method's default: dense Cholesky up to 4,096 entries, CG above
   perturbations  m_p, the probe's perturbed passes
   removed        m, the number of forgotten samples
   width          hidden width of both layers (model size)
+On the last three axes the solve is always CG (``dense_max`` 1, <= 100 iterations, damping 0.01):
+the dense path costs one Hessian-vector product per block entry, so with it the time would
+follow the number of entries L-FOCI happens to pick rather than the axis (the slices axis shows
+that cost).
 Timing: each point first runs a tiny warm-up removal (the first torch.func call of a process
 costs seconds), then the timed one. Memory: every point runs in a *fresh* Python process (``bench.common.run_point``) that loads
 the (pre-trained, cached) model and data, records its RSS, runs the removal, and reports the
-getrusage peak RSS (``peak``) and the peak minus the RSS just before the removal
-(``removal_extra``): tracemalloc cannot see torch's allocations. Stage times come from the
+process's getrusage peak RSS (``peak_rss_gib``; the warm-up is a tiny CG removal, below the
+timed one) and the peak RSS sampled every 20 ms during the removal minus the RSS just before
+it (``removal_extra_gib``): tracemalloc cannot see torch's allocations. Stage times come from the
 method's record (probe, select, gradients, curvature_and_solve, verify).
 
 Writes bench/results/growth.json and growth.png (quick: growth_quick.*, smoke: growth_smoke.*).
@@ -52,8 +59,10 @@ STAGES = ("probe", "select", "gradients", "curvature_and_solve", "verify")
 
 
 def settings_for(point: dict[str, Any]) -> dict[str, Any]:
+    """The registry method's settings on the perturbations / removed / width axes: CG always
+    (dense_max 1), so that the block size L-FOCI happens to pick does not switch the solver."""
     return {"perturbations": point["perturbations"], "pass_size": 64, "max_slices": point["slices"],
-            "dense_max": 4096, "damping": 0.01, "cg_rtol": 1e-6, "cg_max_iter": 100}
+            "dense_max": 1, "damping": 0.01, "cg_rtol": 1e-6, "cg_max_iter": 100}
 
 
 def model_path(workdir: Path, width: int, recipe: dict[str, Any]) -> Path:
@@ -106,7 +115,7 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
     # tiny removal on the same model pays it, so the timed removal is the steady-state cost
     warm = RemovalProblem(model, task, train, positions[:1], TRAIN["weight_decay"], seed=1, batch_size=512)
     t = time.perf_counter()
-    method.run(warm, method.Settings(perturbations=16, pass_size=16, max_slices=1, dense_max=4096))
+    method.run(warm, method.Settings(perturbations=16, pass_size=16, max_slices=1, dense_max=1, cg_max_iter=2))
     warmup_seconds = time.perf_counter() - t
     model.load_state_dict(read_state_dict(payload["model"]))
     model.eval()
@@ -151,8 +160,8 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
         "point": point, "seconds": seconds, "warmup_seconds": warmup_seconds,
         "in_process": bool(payload.get("in_process")), **summary,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "rss_before_gib": gib(rss_before), "peak_rss_gib": gib(peak), "sampled_peak_gib": gib(sampler.peak),
-        "removal_extra_gib": gib(max(peak, sampler.peak) - rss_before),
+        "rss_before_gib": gib(rss_before), "peak_rss_gib": gib(max(peak, sampler.peak)),
+        "sampled_peak_gib": gib(sampler.peak), "removal_extra_gib": gib(sampler.peak - rss_before),
     }
 
 
@@ -173,7 +182,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
         for stage in STAGES:
             ax.plot(xs, [p["stages"].get(stage, 0.0) for p in ok], "--", marker=".", label=stage)
         for p, x in zip(ok, xs):
-            if p["solver"] == "cg":
+            if axis == "slices" and p["solver"] == "cg":
                 ax.annotate("CG", (x, p["seconds"]), fontsize=7, textcoords="offset points", xytext=(2, 4))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -184,7 +193,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
             ax.legend(fontsize=7)
         ax = axes[1][col]
         ax.plot(xs, [p["peak_rss_gib"] for p in ok], "b-o", label="peak RSS (getrusage)")
-        ax.plot(xs, [p["removal_extra_gib"] for p in ok], "r-s", label="peak - RSS before removal")
+        ax.plot(xs, [p["removal_extra_gib"] for p in ok], "r-s", label="sampled peak during the removal - RSS before")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(labels[axis])
         ax.set_ylabel("GiB")
@@ -211,16 +220,43 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
 
 
 def slope(points: list[dict[str, Any]], axis: str, key: str = "seconds") -> float | None:
-    """Log-log slope of ``key`` against the axis between the first and the last point."""
+    """Log-log slope of ``key`` (a point's field, or ``stage:<name>``) against the axis between
+    the first and the last point."""
     import math
 
-    ok = [p for p in points if "error" not in p and p.get(key)]
+    def value(p: dict[str, Any]) -> float | None:
+        if key.startswith("stage:"):
+            return (p.get("stages") or {}).get(key[6:])
+        return p.get(key)
+
+    ok = [p for p in points if "error" not in p and value(p)]
     if len(ok) < 2:
         return None
     a, b = ok[0], ok[-1]
-    if a["point"][axis] == b["point"][axis] or a[key] <= 0 or b[key] <= 0:
+    va, vb = value(a), value(b)
+    if a["point"][axis] == b["point"][axis] or va <= 0 or vb <= 0:
         return None
-    return math.log(b[key] / a[key]) / math.log(b["point"][axis] / a["point"][axis])
+    return math.log(vb / va) / math.log(b["point"][axis] / a["point"][axis])
+
+
+def derived(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Slopes of the total, of each stage and of the memory; the dense/CG cost per block entry."""
+    out: dict[str, Any] = {
+        "loglog_slopes_seconds": {axis: slope(points, axis) for axis, points in results.items()},
+        "loglog_slopes_by_stage": {axis: {stage: slope(points, axis, f"stage:{stage}") for stage in STAGES}
+                                   for axis, points in results.items()},
+        "loglog_slopes_removal_memory": {axis: slope(points, axis, "removal_extra_gib") for axis, points in results.items()},
+    }
+    per_entry: dict[str, list[float]] = {"cholesky": [], "cg": []}
+    for points in results.values():
+        for p in points:
+            if "error" not in p and p.get("block_numel") and p.get("solver") in per_entry:
+                per_entry[p["solver"]].append(p["stages"]["curvature_and_solve"] / p["block_numel"])
+    out["curvature_seconds_per_block_entry"] = {
+        k: {"median": sorted(v)[len(v) // 2], "points": len(v)} if v else None for k, v in per_entry.items()}
+    out["note"] = ("the dense path (block <= dense_max entries) materialises the block with one Hessian-vector "
+                   "product per entry; CG needs one per iteration: compare curvature_and_solve across the slices axis")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -237,7 +273,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "running peak, not the point's); --smoke does this for all points but the first")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench" / "growth")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="recompute the derived figures and the plot of an existing growth JSON (no measuring)")
     args = parser.parse_args(argv)
+
+    if args.replot is not None:
+        old = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        plot(old["results"], png)
+        old.update(derived(old["results"]))
+        write_json(args.replot, old)
+        print(f"rewrote {args.replot} and {png}", flush=True)
+        return old
 
     if args.point is not None:
         print("POINT " + json.dumps(measure_point(json.loads(args.point))), flush=True)
@@ -288,8 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "training": recipe, "n": 1437, "settings": settings_for(base),
                   "memory": "getrusage peak RSS of a fresh process per point; removal_extra = peak - RSS before the removal"},
         "results": results,
-        "loglog_slopes_seconds": {axis: slope(points, axis) for axis, points in results.items()},
-        "loglog_slopes_removal_memory": {axis: slope(points, axis, "removal_extra_gib") for axis, points in results.items()},
+        **derived(results),
         "plot": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
         "machine": {**machine_before, "loadavg_after": machine_info()["loadavg"]},
         "wall_seconds": time.perf_counter() - started,

@@ -1,14 +1,15 @@
 """Benchmark: one L-FOCI Newton removal on a VGG-16-size model (138M parameters) on the CPU,
 with a block that contains whole rows of fc6 (25,089 parameters each), solved matrix-free.
 
-    .venv/bin/python -m bench.bench_huge_layers            # VGG-16 (D), 1000 classes, 138.4M params
-    .venv/bin/python -m bench.bench_huge_layers --quick    # same model, fewer perturbations / CG steps
-    .venv/bin/python -m bench.bench_huge_layers --smoke    # width/16, fc 256: seconds (tests)
+    .venv/bin/python -m bench.bench_huge_layers --threads 1          # VGG-16 (D), 1000 classes, 138.4M params (~1 min)
+    .venv/bin/python -m bench.bench_huge_layers --quick --threads 1  # same model, fewer perturbations / CG steps
+    .venv/bin/python -m bench.bench_huge_layers --smoke --threads 1  # width/16, fc 256: seconds (tests)
 
 Cost: an fc6-row block makes every product touch the whole 25088x4096 matrix (the block is
 inserted with ``index_add`` into a full copy, and the backward forms the full weight's gradient),
 and an L-FOCI pick in an early conv layer makes every product a double backward through most of
-the network: about 10-30 s per Hessian-vector product on 2 loaded cores, hence the small n.
+the network: 4-30 s per CG iteration on the shared 2-core machine (1 vs 2 torch threads), hence n = 100
+and a 32-sample curvature subsample.
 
 Model: the ``vggface`` preset with ``num_classes: 1000`` (torchvision's VGG-16 layout and
 initialisation, random weights: the cost does not depend on the values), 32x32 RGB inputs;
@@ -59,8 +60,8 @@ from bench.common import (RESULTS_DIR, ROOT, RssSampler, gib, machine_info, peak
 
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
-                "per_class": 5, "forget": 2, "perturbations": 128, "pass_size": 16, "max_slices": 8, "fc6_rows": 4,
-                "curvature_samples": 16, "cg_max_iter": 20, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
+                "per_class": 10, "forget": 2, "perturbations": 128, "pass_size": 16, "max_slices": 8, "fc6_rows": 4,
+                "curvature_samples": 32, "cg_max_iter": 20, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
     "quick": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
               "per_class": 3, "forget": 2, "perturbations": 64, "pass_size": 16, "max_slices": 4, "fc6_rows": 2,
               "curvature_samples": 8, "cg_max_iter": 5, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},

@@ -19,7 +19,8 @@ from torch import Tensor
 
 def to_float_nchw(images: np.ndarray | Tensor, *, scale: float = 255.0) -> Tensor:
     """(N, H, W) or (N, H, W, C) -> float32 (N, C, H, W) in [0, 1] (divided by ``scale``)."""
-    x = torch.as_tensor(np.asarray(images))
+    array = np.asarray(images)
+    x = torch.from_numpy(array if array.flags.writeable else array.copy())
     if x.dim() == 3:
         x = x.unsqueeze(1)
     elif x.dim() == 4:
