@@ -42,6 +42,7 @@ from torch.func import functional_call, grad, vmap
 from pipeline.curvature import BlockHessian, NonFiniteGradientError, block_gradient
 from pipeline.data.sampleset import SampleSet
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
@@ -227,13 +228,8 @@ class FisherScrub(RemovalMethod):
     Settings = FisherScrubSettings
 
     def run(self, problem: RemovalProblem, settings: FisherScrubSettings) -> RemovalOutcome:  # type: ignore[override]
-        model = problem.model
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode_restored(problem.model):
             return self._run(problem, settings)
-        finally:
-            model.train(was_training)
 
     def _run(self, problem: RemovalProblem, settings: FisherScrubSettings) -> RemovalOutcome:
         timings: dict[str, float] = {}

@@ -28,6 +28,7 @@ from pipeline.curvature import (
 )
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.methods.block_choice import CHOOSERS
+from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
     DEFAULT_HESSIAN_LIPSCHITZ, DEFAULT_LIPSCHITZ_LOSS, calibrate, gaussian_noise,
 )
@@ -84,13 +85,8 @@ class LFociNewton(RemovalMethod):
             strong_convexity=settings.strong_convexity or lam,
             lipschitz_loss=settings.lipschitz_loss, hessian_lipschitz=settings.hessian_lipschitz,
         )
-        model = problem.model
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode_restored(problem.model):
             return self._run(problem, settings, noise_cal, n, m, lam)
-        finally:
-            model.train(was_training)
 
     def _run(self, problem, settings, noise_cal, n, m, lam) -> RemovalOutcome:
         timings: dict[str, float] = {}

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from pipeline.data.sampleset import SampleSet
 from pipeline.linearized import LinearizedModel, output_targets
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
 
 
@@ -289,13 +290,8 @@ class NTKScrub(RemovalMethod):
     Settings = NTKScrubSettings
 
     def run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:  # type: ignore[override]
-        model = problem.model
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode_restored(problem.model):
             return self._run(problem, settings)
-        finally:
-            model.train(was_training)
 
     def _run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:
         t0 = time.perf_counter()
