@@ -2,6 +2,7 @@
 solve on the CPU (falls back to a reduced CPU run when there is no CUDA device).
 
     python -m bench.bench_gpu_reid              # GPU: full scale; no GPU: reduced scale on the CPU
+    python -m bench.bench_gpu_reid --threads 1  # the CPU run on a shared, busy machine (~1-3 min)
     python -m bench.bench_gpu_reid --smoke      # tiny (tests; any machine)
     python -m bench.bench_gpu_reid --device cpu # force the CPU run
 
@@ -18,8 +19,10 @@ bilinearly upsampled to 256x128) and its images are the prototype + a random bri
 image of identity 0 (one person asking to be removed).
 Weights: torchvision-style initialisation, ``train_steps`` SGD steps, then the BatchNorm
 statistics recomputed on the data (lightly trained: the timing does not depend on accuracy).
-Damping 1.0: the restricted Hessian of a near-random network is indefinite (measured on the
-CPU profile with damping 0.01: CG met negative curvature at its 2nd iteration).
+Damping: the restricted Hessian of a near-random network is indefinite. GPU profile 1.0 (60 SGD
+steps on 3,004 images; CG converged on the H100). CPU profile 10.0 (5 steps on 128 images):
+measured there with damping 1 / 3 / 10, CG met negative curvature at iteration 3 / 4 / 4 and the
+forget loss went 6.0 -> 18.7 / 11.7 / 7.7 with the retain loss 6.72 -> 6.91 / 6.72 / 6.72.
 Removal (the computation of ``pipeline.methods.lfoci_newton``, epsilon = inf, via
 ``bench.common.staged_lfoci_newton``): probe (``perturbations`` perturbed passes of the forget
 images, one column per slice, on the model's device) -> L-FOCI
@@ -37,8 +40,6 @@ Writes bench/results/gpu_reid.json (``"device": "cuda"`` or ``"cpu"``; smoke: gp
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -59,11 +60,13 @@ PROFILES: dict[str, dict[str, Any]] = {
              "width_px": 128, "ids": 751, "per_id": 4, "train_steps": 60, "train_batch": 64,
              "perturbations": 1000, "pass_size": 32, "max_slices": 16, "curvature_samples": 512,
              "cg_max_iter": 30, "damping": 1.0, "batch_size": 128},
-    # reduced scale, on the CPU (no GPU): quarter width, 128x64 inputs, 32 identities present
-    "cpu": {"model": {"num_classes": 751, "width": 16, "layers": [3, 4, 6, 3], "last_stride": 1}, "height": 128,
-            "width_px": 64, "ids": 32, "per_id": 2, "train_steps": 5, "train_batch": 32,
-            "perturbations": 64, "pass_size": 16, "max_slices": 8, "curvature_samples": 32,
-            "cg_max_iter": 5, "damping": 1.0, "batch_size": 32},
+    # reduced scale, on the CPU (no GPU): the same 25.1M-parameter model, 128x64 inputs, 64
+    # identities present, fewer perturbations, a 32-sample curvature subsample, <= 10 CG steps,
+    # damping 10 (see the module docstring)
+    "cpu": {"model": {"num_classes": 751, "width": 64, "layers": [3, 4, 6, 3], "last_stride": 1}, "height": 128,
+            "width_px": 64, "ids": 64, "per_id": 2, "train_steps": 5, "train_batch": 32,
+            "perturbations": 128, "pass_size": 16, "max_slices": 8, "curvature_samples": 32,
+            "cg_max_iter": 10, "damping": 10.0, "batch_size": 32},
     "smoke": {"model": {"num_classes": 751, "width": 4, "layers": [1, 1, 1, 1], "last_stride": 1}, "height": 32,
               "width_px": 16, "ids": 8, "per_id": 2, "train_steps": 1, "train_batch": 8,
               "perturbations": 16, "pass_size": 16, "max_slices": 2, "curvature_samples": 8,
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "pipeline's method does")
     parser.add_argument("--perturbations", type=int, default=None)
     parser.add_argument("--cg-max-iter", type=int, default=None)
+    parser.add_argument("--damping", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile["perturbations"] = args.perturbations
     if args.cg_max_iter:
         profile["cg_max_iter"] = args.cg_max_iter
+    if args.damping is not None:
+        profile["damping"] = args.damping
     select_device = device if args.select_device == "model" or (args.select_device == "auto" and device == "cuda") else "cpu"
     out_path = args.out or RESULTS_DIR / ("gpu_reid_smoke.json" if args.smoke else "gpu_reid.json")
     machine_before = machine_info()

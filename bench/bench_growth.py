@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(results, png)
     result = {
         "benchmark": "growth", "mode": mode_name, "base_point": base, "axes": axes,
+        "threads_per_point": args.threads or "torch default",
+        "in_process": bool(args.in_process) or (mode_name == "smoke" and "all points but the first"),
         "setup": {"model": "mlp preset, tanh, hidden [width, width], digits (64 features, 10 classes)",
                   "training": recipe, "n": 1437, "settings": settings_for(base),
                   "memory": "getrusage peak RSS of a fresh process per point; removal_extra = peak - RSS before the removal"},

@@ -44,7 +44,6 @@ Writes bench/results/huge_layers.json (quick: huge_layers_quick.json, smoke: hug
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import (RESULTS_DIR, ROOT, RssSampler, gib, machine_info, peak_rss_bytes, print_table,  # noqa: E402
+from bench.common import (RESULTS_DIR, RssSampler, gib, machine_info, peak_rss_bytes, print_table,  # noqa: E402
                           set_threads, write_json)
 
 PROFILES: dict[str, dict[str, Any]] = {

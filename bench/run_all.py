@@ -156,8 +156,24 @@ def summarise_growth(d: dict[str, Any]) -> list[str]:
                      f"{_f(a.get('peak_rss_gib'))} -> {_f(b.get('peak_rss_gib'))}",
                      f"{_f(a.get('removal_extra_gib'))} -> {_f(b.get('removal_extra_gib'))}",
                      f"{_f(a.get('block_numel'))} -> {_f(b.get('block_numel'))}"])
-    return [f"One L-FOCI Newton removal, MLP on digits, base point {d.get('base_point')}; one fresh process per point "
-            f"(getrusage peak). Plot: `{d.get('plot')}`."] + [""] + _table(header, body)
+    lines = [f"One L-FOCI Newton removal, MLP on digits, base point {d.get('base_point')}; one fresh process per point "
+             f"(getrusage peak). Plot: `{d.get('plot')}`."] + [""] + _table(header, body)
+    per_entry = d.get("curvature_seconds_per_block_entry") or {}
+    dense, cg = per_entry.get("cholesky"), per_entry.get("cg")
+    if dense and cg:
+        lines.append(f"- curvature + solve per block entry (median): dense Cholesky {dense['median'] * 1e3:.2f} ms "
+                     f"({dense['points']} points), CG {cg['median'] * 1e3:.2f} ms ({cg['points']} points): the dense "
+                     "path costs one Hessian-vector product per entry")
+    slices = [p for p in d.get("results", {}).get("slices", []) if "error" not in p]
+    if slices:
+        worst = max(slices, key=lambda p: p["seconds"])
+        lines.append(f"- slices axis: slowest point {worst['point']['slices']} slices = {worst['block_numel']:,} entries, "
+                     f"{worst['solver']}, {_f(worst['seconds'])} s")
+    by_stage = d.get("loglog_slopes_by_stage") or {}
+    if by_stage.get("perturbations"):
+        st = by_stage["perturbations"]
+        lines.append(f"- vs perturbations: log-log slope probe {_f(st.get('probe'))}, select {_f(st.get('select'))}")
+    return lines
 
 
 def summarise_huge(d: dict[str, Any]) -> list[str]:
@@ -178,7 +194,8 @@ def summarise_gpu(d: dict[str, Any]) -> list[str]:
     s, m = d.get("solver", {}), d.get("model", {})
     rows = [["device", d.get("device")], ["scale", d.get("scale")], ["parameters", m.get("parameters")],
             ["input", "x".join(str(v) for v in m.get("input", []))], ["n / m", f"{d.get('n')} / {d.get('m')}"],
-            ["perturbations", d.get("selection", {}).get("perturbations")], ["block entries", d.get("block", {}).get("numel")],
+            ["perturbations", d.get("selection", {}).get("perturbations")],
+            ["L-FOCI ran on", d.get("selection", {}).get("select_device")], ["block entries", d.get("block", {}).get("numel")],
             ["CG iterations (cap)", f"{s.get('iterations')} ({s.get('cg_max_iter')})"],
             ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
     rows += [[f"{k} (s)", v] for k, v in d.get("stage_summary", {}).items()]
@@ -244,7 +261,7 @@ def _load_note(d: dict[str, Any]) -> str:
     if machine.get("gpu") or machine.get("cuda_device"):
         parts.append(str(machine.get("gpu") or machine.get("cuda_device")))
     if load:
-        parts.append(f"load average at start {load}")
+        parts.append(f"load average at start {[round(float(x), 2) for x in load]}")
     return ", ".join(parts)
 
 

@@ -9,16 +9,21 @@ has a pydantic ``Settings`` model that the YAML configs mirror field for field.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from enum import IntEnum
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleIdError, SampleSet
+from pipeline.privacy.release import PrivacyRelease
 from pipeline.tasks import Task
 
 
@@ -26,6 +31,38 @@ from pipeline.tasks import Task
 ProbeRunner = Callable[..., Any]
 # (model, task, data, block, weight_decay, reduction=..., batch_size=...) -> LinearOperator
 CurvatureFactory = Callable[..., Any]
+
+
+class RandomStream(IntEnum):
+    """The named, seeded random streams of a removal (reproducible parts only).
+
+    Privacy noise is NOT among them: it is drawn from the OS CSPRNG
+    (``pipeline.privacy.noise.secret_standard_normal``) and no seed regenerates it."""
+
+    PROBE = 1                # perturbations of the forget samples
+    CURVATURE_SUBSAMPLE = 2  # training samples the curvature is estimated on
+    FISHER_LABELS = 6        # labels sampled from the model for the predictive Fisher
+    SELECTION_TIES = 7       # L-CODEC tie-breaking jitter
+
+
+MAX_SEED = 2**63 - 1
+
+
+def stream_seed(seed: int, stream: "RandomStream | int") -> int:
+    """A 63-bit generator seed for (seed, stream), hashed so that any seed in [0, 2^63) works
+    (no overflow, no two (seed, stream) pairs that collide by arithmetic)."""
+    if not 0 <= int(seed) <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2^63 - 1], got {seed}")
+    digest = hashlib.sha256(f"{int(seed)}:{int(stream)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & MAX_SEED
+
+
+class StageHook(Protocol):
+    """Told when each stage of a removal starts and ends (timing, progress display)."""
+
+    def started(self, stage: str) -> None: ...
+
+    def finished(self, stage: str, seconds: float) -> None: ...
 
 
 class MethodSettings(BaseModel):
@@ -47,6 +84,8 @@ class RemovalProblem:
     # How the distributed parts run; None = in this process. cluster/ supplies Ray versions.
     probe_runner: "ProbeRunner | None" = None
     curvature_factory: "CurvatureFactory | None" = None
+    # Told of every stage's start and end (bench/ times the real methods through it).
+    stage_hook: "StageHook | None" = None
 
     def __post_init__(self) -> None:
         self.forget_positions = torch.as_tensor(self.forget_positions, dtype=torch.long)
@@ -76,17 +115,34 @@ class RemovalProblem:
     def retain(self) -> SampleSet:
         return self.train.without(self.forget_positions)
 
-    def generator(self, stream: int = 0) -> torch.Generator:
+    def generator(self, stream: RandomStream) -> torch.Generator:
         """A CPU generator for one named random stream of this removal (seed, stream)."""
         g = torch.Generator(device="cpu")
-        g.manual_seed(self.seed * 1_000_003 + stream)
+        g.manual_seed(stream_seed(self.seed, stream))
         return g
+
+    @contextmanager
+    def stage(self, name: str, timings: dict[str, float] | None = None) -> Iterator[None]:
+        """Time one stage: adds its seconds to ``timings[name]`` and tells ``stage_hook``."""
+        if self.stage_hook is not None:
+            self.stage_hook.started(name)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - t
+            if timings is not None:
+                timings[name] = timings.get(name, 0.0) + seconds
+            if self.stage_hook is not None:
+                self.stage_hook.finished(name, seconds)
 
 
 @dataclass
 class RemovalOutcome:
     new_parameters: dict[str, Tensor]
     record: dict[str, Any]
+    # What noise was added and what it may claim; the record carries it as record["release"].
+    release: PrivacyRelease = field(default_factory=PrivacyRelease.non_private)
 
 
 class RemovalMethod(ABC):

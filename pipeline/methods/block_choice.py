@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from pipeline.methods.base import RemovalProblem
+from pipeline.methods.base import RandomStream, RemovalProblem
 from pipeline.param_block import ParamBlock
 from pipeline.probe import ProbeResult, SliceMap, run_probe
 
@@ -47,7 +47,7 @@ def choose_lfoci(problem: RemovalProblem, settings: Any) -> tuple[ParamBlock, di
     timings["probe"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     result = lfoci(probe.losses, probe.activations.double(), max_picks=settings.max_slices,
-                   generator=problem.generator(stream=1))
+                   generator=problem.generator(RandomStream.PROBE))
     timings["select"] = time.perf_counter() - t1
     picks = [int(i) for i in result.picks]
     block = slice_map.block_for(problem.model, picks)

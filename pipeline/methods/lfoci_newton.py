@@ -26,11 +26,13 @@ from pydantic import Field, field_validator
 from pipeline.curvature import (
     BlockHessian, Combination, block_gradient, conjugate_gradient, solve_dense,
 )
-from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.methods.base import (
+    MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
+)
 from pipeline.methods.block_choice import CHOOSERS
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
-    DEFAULT_HESSIAN_LIPSCHITZ, DEFAULT_LIPSCHITZ_LOSS, calibrate, gaussian_noise,
+    DEFAULT_HESSIAN_LIPSCHITZ, DEFAULT_LIPSCHITZ_LOSS, calibrate, secret_gaussian_noise,
 )
 
 
@@ -103,7 +105,7 @@ class LFociNewton(RemovalMethod):
         t = time.perf_counter()
         curv_data, curv_note = problem.train, "all training samples"
         if settings.curvature_samples is not None and settings.curvature_samples < n:
-            gen = problem.generator(stream=2)
+            gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
             pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
             curv_data = problem.train.take(pick)
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
@@ -118,7 +120,7 @@ class LFociNewton(RemovalMethod):
         timings["curvature_and_solve"] = time.perf_counter() - t
 
         step = direction / (n - m)
-        noise = gaussian_noise(block.numel, noise_cal.sigma, problem.generator(stream=3))
+        noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
         block.add_to_model(model, step + noise)
         params = dict(model.named_parameters())
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}

@@ -1,9 +1,13 @@
 """Privacy: noise calibration (``noise``) and the composition of epsilon across a model's
 removals (``accountant``)."""
 from pipeline.privacy.accountant import COMPOSITION, Budget, Decision, Release, Spend, check_budget, compose
-from pipeline.privacy.noise import NoiseCalibration, calibrate, gaussian_noise, validate_budget
+from pipeline.privacy.noise import (
+    NoiseCalibration, calibrate, secret_gaussian_noise, secret_standard_normal, validate_budget,
+)
+from pipeline.privacy.release import Guarantee, PrivacyRelease
 
 __all__ = [
     "COMPOSITION", "Budget", "Decision", "Release", "Spend", "check_budget", "compose",
-    "NoiseCalibration", "calibrate", "gaussian_noise", "validate_budget",
+    "NoiseCalibration", "calibrate", "secret_gaussian_noise", "secret_standard_normal", "validate_budget",
+    "Guarantee", "PrivacyRelease",
 ]

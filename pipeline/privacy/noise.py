@@ -12,6 +12,7 @@ epsilon = infinity means no noise (and no privacy guarantee).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,8 +67,30 @@ def calibrate(
     return NoiseCalibration(epsilon, delta, gamma, sigma, lipschitz_loss, hessian_lipschitz, strong_convexity, m, n)
 
 
-def gaussian_noise(size: int, sigma: float, generator: torch.Generator) -> Tensor:
-    """N(0, sigma^2 I) of the given size, CPU float64, from an explicit generator."""
+def secret_standard_normal(size: int | tuple[int, ...]) -> Tensor:
+    """N(0, I) of the given shape, CPU float64, from the OS CSPRNG (``os.urandom``).
+
+    Privacy noise must be secret: it is never drawn from a seeded generator, and nothing in a
+    record or seed can regenerate it. Box-Muller on 53-bit uniforms built from urandom bytes:
+    z = sqrt(-2 ln u1) cos(2 pi u2), u1 in (0, 1], u2 in [0, 1)."""
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=torch.float64)
+    pairs = (count + 1) // 2
+    raw = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64).reshape(2, pairs)
+    bits = (raw >> 11) & ((1 << 53) - 1)  # 53 random bits, non-negative
+    scale = 1.0 / float(1 << 53)
+    u1 = (bits[0].to(torch.float64) + 1.0) * scale
+    u2 = bits[1].to(torch.float64) * scale
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    angle = 2.0 * math.pi * u2
+    z = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
+    return z.reshape(shape)
+
+
+def secret_gaussian_noise(size: int, sigma: float) -> Tensor:
+    """N(0, sigma^2 I) of the given size, CPU float64, from the OS CSPRNG (see above)."""
     if sigma == 0.0:
         return torch.zeros(size, dtype=torch.float64)
-    return sigma * torch.randn(size, generator=generator, dtype=torch.float64)
+    return sigma * secret_standard_normal(size)
