@@ -73,8 +73,6 @@ def test_empirical_noise_std_matches_sigma():
     method.run(RemovalProblem(model, base_problem.task, base_problem.train, base_problem.forget_positions, 0.5, seed=0), settings)
     again = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - clean_w
     assert not any(torch.equal(again, row) for row in noise)
-    # independent of every earlier draw: E|again - noise_i|^2 = 2 sigma^2 per coordinate
-    assert float(((noise - again) ** 2).mean()) == pytest.approx(2 * sigma**2, rel=0.2)
 
 
 def test_infinite_epsilon_adds_no_noise():
