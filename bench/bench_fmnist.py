@@ -17,7 +17,7 @@ Set-up (everything seeded, offline; Fashion-MNIST from the Debian package):
                 training split; this is the model the removals start from;
   Retrain       the same recipe from the same w_pre on D_r = D \\ D_f (``pipeline.evaluate``);
   Fine-tune     2 SGD epochs on D_r from the trained weights.
-Methods (every method of the registry, through ``jobs.evaluate``, i.e. ``unlearn eval``):
+Methods (every method of the registry, through ``pipeline.evaluate.protocol``, i.e. what ``unlearn eval`` runs):
   lfoci-newton  probe (``perturbations`` passes) -> L-FOCI (<= 32 slices) -> restricted exact
                 Hessian on a 256-sample curvature subsample, CG (<= 20 iterations), damping 1.0:
                 the SGD-trained CNN is not at a minimum and its restricted Hessian is indefinite;
@@ -76,7 +76,7 @@ def method_settings(profile: dict[str, Any]) -> dict[str, dict[str, Any]]:
         # diagonal curvature (105k > dense_max) the step diverges on this SGD-trained, non-convex
         # model (measured: step norm ~120, accuracy 88 % -> 10 %; see setup.notes)
         "fisher": {"parameters": "all", "curvature": "diagonal", "newton_step": False},
-        "ntk": {"parameters": OUTPUT_LAYER},  # w0_path (= w_pre) is supplied by jobs.evaluate
+        "ntk": {"parameters": OUTPUT_LAYER},  # w0_path (= w_pre) is supplied by pipeline.evaluate.protocol
         "mixed-linear": {"user_last_modules": 1, "cg_rtol": 1e-8},
     }
 
@@ -131,13 +131,13 @@ def pretrain(profile: dict[str, Any], directory: Path, exclude_class: int) -> di
                "core_accuracy": task_accuracy(model, task, core), "test_accuracy": task_accuracy(model, task, splits["test"])}
     directory.mkdir(parents=True, exist_ok=True)
     save_safetensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, ckpt)
-    (directory / "pretrain.json").write_text(json.dumps(summary))
-    (directory / "bench-config.json").write_text(json.dumps(config))
+    write_json(directory / "pretrain.json", summary)
+    write_json(directory / "bench-config.json", config)
     return {"reused": False, "checkpoint": str(ckpt), **summary}
 
 
 def train(profile: dict[str, Any], checkpoint: str, directory: Path) -> dict[str, Any]:
-    from jobs.train import TrainConfig, run_training
+    from pipeline.trainer import TrainConfig, run_training
 
     raw = {
         "model": {"preset": "small-cnn", "options": model_options(profile),
@@ -152,8 +152,8 @@ def train(profile: dict[str, Any], checkpoint: str, directory: Path) -> dict[str
     if _stamp_ok(directory, stamp, "model.json"):
         return {"reused": True, **json.loads((directory / "bench-train.json").read_text())}
     summary = run_training(TrainConfig.model_validate(raw), directory)
-    (directory / "bench-train.json").write_text(json.dumps(summary))
-    (directory / "bench-config.json").write_text(json.dumps(stamp))
+    write_json(directory / "bench-train.json", summary)
+    write_json(directory / "bench-config.json", stamp)
     return {"reused": False, **summary}
 
 
@@ -171,13 +171,13 @@ class LinearizedNet(torch.nn.Module):
 
 def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int] | None,
                        settings: dict[str, Any], reference: dict[str, float]) -> dict[str, Any]:
-    from jobs.removal import training_set
+    from pipeline.removal import training_set
     from pipeline.data import load_source
     from pipeline.evaluate.baselines import init_of, recipe_of
     from pipeline.evaluate.scorecard import avg_gap, score, split_for_scenario
     from pipeline.linearized import LinearizedModel
     from pipeline.methods import RemovalProblem, get_method
-    from pipeline.methods.mixed_linear import train_user_weights, user_block
+    from pipeline.methods.mixed_linear import UserWeights, train_user_weights, user_block
     from pipeline.models.card import load_model_dir
     from pipeline.recipe import initial_model
 
@@ -200,11 +200,12 @@ def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int
     exact = train_user_weights(lin, sets.retain, lam, rtol=parsed.cg_rtol)
     retrain_seconds = time.perf_counter() - t
     problem = RemovalProblem(core, task, train_set, train_set.positions_of(forget_ids), lam, seed=0,
-                             batch_size=256, extras={"user_weights": trained.user_weights.clone()})
+                             batch_size=256, extras={"user_weights": UserWeights(trained.user_weights.clone(), lam,
+                                                                                 train_set.sample_ids.tolist())})
     t = time.perf_counter()
     outcome = method.run(problem, parsed)
     forget_seconds = time.perf_counter() - t
-    forgotten = problem.extras["user_weights"]
+    forgotten = problem.extras["user_weights"].weights
 
     rows: dict[str, dict[str, Any]] = {}
     for name, w, seconds in (("ml-original", trained.user_weights, 0.0), ("ml-retrain", exact.user_weights, retrain_seconds),
@@ -229,7 +230,7 @@ def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int
 # -- one scenario -----------------------------------------------------------------------------------
 def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], settings: dict[str, dict[str, Any]],
                  cache: Path, finetune_epochs: int) -> dict[str, Any]:
-    from jobs.evaluate import EvalConfig, evaluate
+    from pipeline.evaluate.protocol import EvalConfig, evaluate
 
     network_methods = {m: settings.get(m, {}) for m in methods if m != "mixed-linear"}
     config = EvalConfig.model_validate({
@@ -250,12 +251,12 @@ def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], se
         ratios[name] = {"wall": retrain_s / row["seconds"] if row["seconds"] else None,
                         "compute": retrain_s / compute if compute else None}
     out: dict[str, Any] = {
-        "m": result["m"], "n": result["n"], "forget_ids": result["forget_ids"], "rows": rows, "stage_timings": timings,
+        "m": result["m"], "n": result["n"], "forget_ids": result["sample_ids"], "rows": rows, "stage_timings": timings,
         "ratio_retrain_over_removal": ratios, "method_records": records, "errors": result["method_errors"],
     }
     if "mixed-linear" in methods:
         try:
-            out["mixed_linear"] = mixed_linear_block(model_dir, result["forget_ids"], forget.get("classes"),
+            out["mixed_linear"] = mixed_linear_block(model_dir, result["sample_ids"], forget.get("classes"),
                                                      settings.get("mixed-linear", {}), rows["retrain"])
         except Exception as err:  # recorded, never silently dropped
             out["errors"]["mixed-linear"] = f"{type(err).__name__}: {err}"
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workdir", type=Path, default=None, help="default runs/bench/fmnist/<mode>")
     args = parser.parse_args(argv)
 
-    from jobs.evaluate import BASELINE_NAMES
+    from pipeline.evaluate.protocol import BASELINE_NAMES
     from pipeline.methods import METHODS
 
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "default"

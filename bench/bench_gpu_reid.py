@@ -6,9 +6,8 @@ solve on the CPU (falls back to a reduced CPU run when there is no CUDA device).
     python -m bench.bench_gpu_reid --smoke      # tiny (tests; any machine)
     python -m bench.bench_gpu_reid --device cpu # force the CPU run
 
-Needs only torch and this repository: no Ray, no data sets, no network. Where pydantic /
-safetensors are not installed (a bare GPU image) the pipeline's maths modules are imported
-without the package ``__init__`` files that need them (``bench.common.light_pipeline_imports``).
+Needs the project's environment (torch, pydantic, safetensors) and this repository: no Ray,
+no data sets, no network.
 
 Model: the ``reid-resnet50`` preset (ResNet-50 v1.5 backbone, last stride 1, BNNeck, 751
 identities = Market-1501's training identities, label smoothing 0.1; 25.1M parameters at full
@@ -23,14 +22,13 @@ Damping: the restricted Hessian of a near-random network is indefinite. GPU prof
 steps on 3,004 images; CG converged on the H100). CPU profile 10.0 (5 steps on 128 images):
 measured there with damping 1 / 3 / 10, CG met negative curvature at iteration 3 / 4 / 4 and the
 forget loss went 6.0 -> 18.7 / 11.7 / 7.7 with the retain loss 6.72 -> 6.91 / 6.72 / 6.72.
-Removal (the computation of ``pipeline.methods.lfoci_newton``, epsilon = inf, via
-``bench.common.staged_lfoci_newton``): probe (``perturbations`` perturbed passes of the forget
-images, one column per slice, on the model's device) -> L-FOCI
-(``--select-device``; default: the GPU on a GPU run, since one L-FOCI pick over 27k slices x 1000
-perturbations took 63 s on 2 loaded CPU cores) -> block -> gradients -> restricted exact Hessian-vector products on the model's device with the
-CG vectors and solve on the CPU in float64 (``pipeline.curvature``; at most ``cg_max_iter``
-iterations, damping) -> update -> verify (retain gradient on the block, forget / retain loss
-before and after). Stage times, CG iterations, peak RSS and peak GPU memory are reported.
+Removal: the registered ``lfoci-newton`` method (epsilon = inf), run through
+``bench.common.measure_removal``: its stages are timed through ``RemovalProblem.stage_hook``
+under the method's own names (or from its record's ``timings`` where it reports none there),
+with ``torch.cuda.synchronize`` before each stage ends on a GPU. Probe on the model's device;
+L-FOCI, the CG vectors and the solve on the CPU as the method does; at most ``cg_max_iter``
+CG iterations with damping. Forget / retain losses are measured before and after; stage
+times, CG iterations, peak RSS and peak GPU memory are reported.
 
 Reference (REFERENCE.md): the published code takes about 3 minutes for one unlearning step of a
 ResNet-50 re-ID model on a GPU.
@@ -51,8 +49,8 @@ if str(ROOT) not in sys.path:  # run as a file on a bare machine
 
 import torch  # noqa: E402
 
-from bench.common import (RESULTS_DIR, RssSampler, gib, light_pipeline_imports, machine_info, peak_rss_bytes,  # noqa: E402
-                          print_table, set_threads, staged_lfoci_newton, write_json)
+from bench.common import (RESULTS_DIR, RssSampler, gib, machine_info, measure_removal, peak_rss_bytes,  # noqa: E402
+                          print_table, record_summary, set_threads, write_json)
 
 PROFILES: dict[str, dict[str, Any]] = {
     # full scale, on the GPU
@@ -141,7 +139,9 @@ def mean_loss(model: Any, task: Any, data: Any, batch_size: int) -> float:
     return total / len(data)
 
 
-def run(profile: dict[str, Any], device: str, select_device: str, seed: int = 0) -> dict[str, Any]:
+def run(profile: dict[str, Any], device: str, seed: int = 0) -> dict[str, Any]:
+    from pipeline.methods import RemovalProblem
+
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else None
     if cuda:
@@ -157,13 +157,20 @@ def run(profile: dict[str, Any], device: str, select_device: str, seed: int = 0)
         forget, retain_probe = train.take(forget_pos), train.take(torch.arange(len(forget_pos), min(len(train), 256 + len(forget_pos))))
         bs = profile["batch_size"]
         before = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs)}
-        res = staged_lfoci_newton(
-            model, task, train, forget_pos, weight_decay=WEIGHT_DECAY, perturbations=profile["perturbations"],
-            pass_size=profile["pass_size"], max_slices=profile["max_slices"], curvature_samples=profile["curvature_samples"],
-            damping=profile["damping"], dense_max=0, cg_rtol=1e-8, cg_max_iter=profile["cg_max_iter"], batch_size=bs,
-            seed=seed, select_device=select_device, sampler=rss, sync=sync)
+        problem = RemovalProblem(model, task, train, forget_pos, WEIGHT_DECAY, seed=seed, batch_size=bs)
+        settings = {"perturbations": profile["perturbations"], "pass_size": profile["pass_size"],
+                    "max_slices": profile["max_slices"], "curvature_samples": profile["curvature_samples"],
+                    "damping": profile["damping"], "dense_max": 1, "cg_rtol": 1e-8, "cg_max_iter": profile["cg_max_iter"]}
+        res = measure_removal(problem, "lfoci-newton", settings, sampler=rss, sync=sync)
+        res.pop("new_parameters")
+        record = res.pop("record")
         with rss.stage("metrics"):
             after = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs)}
+    summary = record_summary(record)
+    res.update({"n": len(train), "m": int(forget_pos.numel()), "settings": settings, "method_record": record,
+                "block": {"numel": summary["block_numel"]},
+                "solver": {**((record.get("curvature") or {}).get("solver") or {}),
+                           "cg_max_iter": profile["cg_max_iter"], "damping": profile["damping"]}})
     res["verify_losses"] = {"before": before, "after": after,
                             "note": "mean per-sample loss on the forgotten identity's images and on 256 retained images"}
     res["model"] = {"preset": "reid-resnet50", "options": profile["model"],
@@ -175,11 +182,8 @@ def run(profile: dict[str, Any], device: str, select_device: str, seed: int = 0)
                              "last_loss": train_losses[-1] if train_losses else None}
     res["setup_stages"] = {k: rss.stages[k] for k in ("make_data", "prepare_model")}
     res["metrics_stage"] = rss.stages["metrics"]
-    # the four stages the brief names, summed from the finer ones
-    st = res["stage_seconds"]
-    res["stage_summary"] = {"probe": st["probe"], "selection": st["select"] + st["block"],
-                            "curvature_and_solve": st["gradients"] + st["curvature_and_solve"] + st["update"],
-                            "verify": st["verify"] + rss.stages["metrics"]["seconds"]}
+    # the method's stages as it reports them, plus the benchmark's own loss measurement
+    res["stage_summary"] = {**res["stage_seconds"], "metrics": rss.stages["metrics"]["seconds"]}
     res["peak_rss_gib"] = gib(peak_rss_bytes())
     if cuda:
         res["gpu"] = {"name": torch.cuda.get_device_name(0), "peak_allocated_gib": gib(torch.cuda.max_memory_allocated()),
@@ -193,9 +197,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--smoke", action="store_true", help="tiny model and data (seconds; any machine)")
     parser.add_argument("--quick", action="store_true", help="same as the default (one removal); accepted for run_all")
-    parser.add_argument("--select-device", choices=["auto", "cpu", "model"], default="auto",
-                        help="where L-FOCI runs: the model's device (auto: on a GPU run), or the CPU as the "
-                             "pipeline's method does")
     parser.add_argument("--perturbations", type=int, default=None)
     parser.add_argument("--cg-max-iter", type=int, default=None)
     parser.add_argument("--damping", type=float, default=None)
@@ -203,7 +204,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    bypassed = light_pipeline_imports()
     set_threads(args.threads)
     has_cuda = torch.cuda.is_available()
     if args.device == "cuda" and not has_cuda:
@@ -217,14 +217,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile["cg_max_iter"] = args.cg_max_iter
     if args.damping is not None:
         profile["damping"] = args.damping
-    select_device = device if args.select_device == "model" or (args.select_device == "auto" and device == "cuda") else "cpu"
     out_path = args.out or RESULTS_DIR / ("gpu_reid_smoke.json" if args.smoke else "gpu_reid.json")
     machine_before = machine_info()
     started = time.perf_counter()
-    res = run(profile, device, select_device)
+    res = run(profile, device)
     result = {
         "benchmark": "gpu_reid", "device": device, "scale": "smoke" if args.smoke else ("full" if device == "cuda" else "reduced"),
-        "cuda_available": has_cuda, "profile": profile, **res, "imports_bypassed": bypassed,
+        "cuda_available": has_cuda, "profile": profile, **res,
         "reference": "published code: ~3 min per unlearning step of a ResNet-50 re-ID model on a GPU (Mehta et al. 2022)",
         "machine": {**machine_before, "loadavg_after": machine_info()["loadavg"]},
         "wall_seconds": time.perf_counter() - started,
@@ -238,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s = res["solver"]
     print(f"summary (s): {', '.join(f'{k} {v:.2f}' for k, v in res['stage_summary'].items())}; removal {res['removal_seconds']:.1f} s",
           flush=True)
-    print(f"CG: {s['iterations']} iterations (cap {s['cg_max_iter']}), relative residual {s['relative_residual']:.2e}; "
+    print(f"solver {s.get('solver')}: {s.get('iterations')} iterations (cap {s['cg_max_iter']}), "
+          f"relative residual {s.get('relative_residual')}; "
           f"losses before {res['verify_losses']['before']} after {res['verify_losses']['after']}", flush=True)
     print(f"wrote {out_path} in {result['wall_seconds']:.0f} s", flush=True)
     return result

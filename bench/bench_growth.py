@@ -9,11 +9,9 @@ One removal (``lfoci-newton`` through the method registry: probe -> L-FOCI -> re
 Hessian, dense Cholesky up to ``dense_max`` entries, CG above -> Newton update) on an MLP
 (``mlp`` preset, tanh, two hidden layers) trained by SGD on scikit-learn's digits (1,437
 training images, 64 features). Four axes, one varied at a time around a base point:
-  slices         slices in the block: L-FOCI with ``max_slices`` = k, and since L-FOCI stops when
-                 no slice adds information (3 slices on this model), the block is padded to k
-                 slices by marginal L-CODEC score (``bench.common.staged_lfoci_newton``, the same
-                 computation as the method; the other axes run the registry's ``lfoci-newton``);
-                 solver as the method's default: dense Cholesky up to 4,096 entries, CG above
+  slices         L-FOCI's cap ``max_slices`` = k (L-FOCI stops earlier when no slice adds
+                 information: ``slices_selected`` reports what it took); solver as the method's
+                 default: dense Cholesky up to 4,096 entries, CG above
   perturbations  m_p, the probe's perturbed passes
   removed        m, the number of forgotten samples
   width          hidden width of both layers (model size)
@@ -26,8 +24,9 @@ costs seconds), then the timed one. Memory: every point runs in a *fresh* Python
 the (pre-trained, cached) model and data, records its RSS, runs the removal, and reports the
 process's getrusage peak RSS (``peak_rss_gib``; the warm-up is a tiny CG removal, below the
 timed one) and the peak RSS sampled every 20 ms during the removal minus the RSS just before
-it (``removal_extra_gib``): tracemalloc cannot see torch's allocations. Stage times come from the
-method's record (probe, select, gradients, curvature_and_solve, verify).
+it (``removal_extra_gib``): tracemalloc cannot see torch's allocations. Stage times are the
+method's own: what it reports through ``RemovalProblem.stage_hook`` (``bench.common.measure_removal``),
+or its record's ``timings`` where it reports none there; the stage names are the method's.
 
 Writes bench/results/growth.json and growth.png (quick: growth_quick.*, smoke: growth_smoke.*).
 """
@@ -55,7 +54,13 @@ AXES: dict[str, dict[str, list[int]]] = {
 SMOKE_BASE = {"width": 8, "slices": 1, "perturbations": 16, "removed": 1}
 TRAIN = {"epochs": 30, "lr": 0.1, "batch_size": 64, "weight_decay": 1e-3, "seed": 0}
 TRAIN_SMOKE = {**TRAIN, "epochs": 2}
-STAGES = ("probe", "select", "gradients", "curvature_and_solve", "verify")
+def stages_of(points: list[dict[str, Any]]) -> list[str]:
+    """The stage names the method reported, in first-seen order."""
+    names: dict[str, None] = {}
+    for p in points:
+        for name in p.get("stages") or {}:
+            names.setdefault(name)
+    return list(names)
 
 
 def settings_for(point: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +90,7 @@ def ensure_model(workdir: Path, width: int, recipe: dict[str, Any] = TRAIN) -> P
     model, task, _ = initial_model("mlp", {"in_features": 64, "hidden": [width, width]}, seed=0)
     fit(model, task, train, Recipe(optimizer="sgd", **recipe))
     save_safetensors({k: v.detach() for k, v in model.state_dict().items()}, path)
-    stamp.write_text(json.dumps(recipe))
+    write_json(stamp, recipe)
     return path
 
 
@@ -93,7 +98,7 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
     """Inside the fresh process: load, remove once, report time and memory."""
     import torch
 
-    from bench.common import RssSampler
+    from bench.common import RssSampler, measure_removal, record_summary
     from pipeline.checkpoint import read_state_dict
     from pipeline.data import load_source
     from pipeline.methods import RemovalProblem, get_method
@@ -120,41 +125,13 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
     model.load_state_dict(read_state_dict(payload["model"]))
     model.eval()
     rss_before = current_rss_bytes()
-    if payload.get("axis") == "slices":
-        # the method's L-FOCI stops when no slice adds information (at 3 slices here), so this
-        # axis runs the same computation (bench.common.staged_lfoci_newton) with the block padded
-        # to exactly ``slices`` slices by marginal L-CODEC score
-        from bench.common import staged_lfoci_newton
-
-        with RssSampler(interval=0.02) as sampler:
-            t = time.perf_counter()
-            res = staged_lfoci_newton(
-                model, task, train, positions, weight_decay=TRAIN["weight_decay"], perturbations=point["perturbations"],
-                pass_size=64, max_slices=point["slices"], pad_to=point["slices"], damping=0.01, dense_max=4096,
-                cg_rtol=1e-6, cg_max_iter=100, batch_size=512, seed=0, sampler=sampler)
-            seconds = time.perf_counter() - t
-        stages = {k: v for k, v in res["stage_seconds"].items() if k in STAGES}
-        stages["select"] = res["stage_seconds"]["select"] + res["stage_seconds"]["block"]
-        stages["curvature_and_solve"] = res["stage_seconds"]["curvature_and_solve"] + res["stage_seconds"]["update"]
-        summary = {"stages": stages, "slices_selected": res["selection"]["slices_in_block"],
-                   "lfoci_selected": len(res["selection"]["lfoci_selected"]), "padded": len(res["selection"]["padded"]),
-                   "slices_probed": res["selection"]["slices_probed"], "block_numel": res["block"]["numel"],
-                   "solver": res["solver"]["solver"], "solver_iterations": res["solver"]["iterations"],
-                   "retain_gradient_norm_after": res["gradient_norms"]["retain_mean_block_after"],
-                   "path": "bench.common.staged_lfoci_newton (padded block)"}
-    else:
-        with RssSampler(interval=0.02) as sampler:
-            t = time.perf_counter()
-            outcome = method.run(problem, settings)
-            seconds = time.perf_counter() - t
-        rec = outcome.record
-        selected = rec["selection"].get("selected")
-        summary = {"stages": rec["timings"], "slices_selected": len(selected) if isinstance(selected, list) else None,
-                   "slices_probed": rec["selection"].get("slices_probed"), "block_numel": rec["block"]["numel"],
-                   "solver": rec["curvature"]["solver"]["solver"],
-                   "solver_iterations": rec["curvature"]["solver"]["iterations"],
-                   "retain_gradient_norm_after": rec["gradient_norms"]["retain_mean_block_after"],
-                   "path": "pipeline.methods lfoci-newton (registry)"}
+    # every axis runs the registered method; on the slices axis max_slices caps L-FOCI, which
+    # stops earlier when no slice adds information (``slices_selected`` says how many it took)
+    with RssSampler(interval=0.02) as sampler:
+        res = measure_removal(problem, "lfoci-newton", settings, sampler=sampler)
+    seconds = res["removal_seconds"]
+    summary = {"stages": res["stage_seconds"], "stage_rss": res["stages"], "stage_source": res["stage_source"],
+               **record_summary(res["record"]), "path": "pipeline.methods lfoci-newton (registry, stage hook)"}
     peak = peak_rss_bytes()
     return {
         "point": point, "seconds": seconds, "warmup_seconds": warmup_seconds,
@@ -171,7 +148,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"slices": "slices in the block (L-FOCI + padding)", "perturbations": "perturbations m_p",
+    labels = {"slices": "max_slices (L-FOCI cap)", "perturbations": "perturbations m_p",
               "removed": "removed samples m", "width": "hidden width (2 layers)"}
     fig, axes = plt.subplots(2, len(results), figsize=(4.2 * len(results), 7), squeeze=False)
     for col, (axis, points) in enumerate(results.items()):
@@ -179,7 +156,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path:
         xs = [p["point"][axis] for p in ok]
         ax = axes[0][col]
         ax.plot(xs, [p["seconds"] for p in ok], "k-o", label="total")
-        for stage in STAGES:
+        for stage in stages_of(ok):
             ax.plot(xs, [p["stages"].get(stage, 0.0) for p in ok], "--", marker=".", label=stage)
         for p, x in zip(ok, xs):
             if axis == "slices" and p["solver"] == "cg":
@@ -243,7 +220,7 @@ def derived(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Slopes of the total, of each stage and of the memory; the dense/CG cost per block entry."""
     out: dict[str, Any] = {
         "loglog_slopes_seconds": {axis: slope(points, axis) for axis, points in results.items()},
-        "loglog_slopes_by_stage": {axis: {stage: slope(points, axis, f"stage:{stage}") for stage in STAGES}
+        "loglog_slopes_by_stage": {axis: {stage: slope(points, axis, f"stage:{stage}") for stage in stages_of(points)}
                                    for axis, points in results.items()},
         "loglog_slopes_removal_memory": {axis: slope(points, axis, "removal_extra_gib") for axis, points in results.items()},
     }
@@ -323,8 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {axis}={value}: FAILED {res['error'][-300:]}", file=sys.stderr, flush=True)
         print_table([{axis: r["point"][axis], **{k: r.get(k) for k in ("seconds", "slices_selected", "block_numel",
                       "solver", "solver_iterations", "peak_rss_gib", "removal_extra_gib")},
-                      **{s: (r.get("stages") or {}).get(s) for s in STAGES}} for r in results[axis]],
-                    [axis, "seconds", *STAGES, "slices_selected", "block_numel", "solver", "solver_iterations",
+                      **{s: (r.get("stages") or {}).get(s) for s in stages_of(results[axis])}} for r in results[axis]],
+                    [axis, "seconds", *stages_of(results[axis]), "slices_selected", "block_numel", "solver", "solver_iterations",
                      "peak_rss_gib", "removal_extra_gib"], title=f"\n== growth vs {axis}")
 
     png = out_path.with_suffix(".png")

@@ -1,5 +1,5 @@
 """Benchmark: one L-FOCI Newton removal on a VGG-16-size model (138M parameters) on the CPU,
-with a block that contains whole rows of fc6 (25,089 parameters each), solved matrix-free.
+the registered ``lfoci-newton`` method solved matrix-free (CG).
 
     .venv/bin/python -m bench.bench_huge_layers --threads 1          # VGG-16 (D), 1000 classes, 138.4M params (~1 min)
     .venv/bin/python -m bench.bench_huge_layers --quick --threads 1  # same model, fewer perturbations / CG steps
@@ -18,26 +18,15 @@ fc6 row has 25,088 weights + 1 bias = 25,089 parameters. Data: Fashion-MNIST ups
 32x32 and repeated to 3 channels (labels 0..9 of the 1000-way head), ``n`` training samples,
 ``m`` forgotten.
 
-Stages (each timed, with the RSS before / peak / after from a 20 ms sampler, plus the
-process's getrusage peak):
-  probe       ``pipeline.probe.run_probe``: perturbed passes of the forget batch, one column per
-              slice (13,416 slices: every conv filter and fc unit)
-  select      L-FOCI (``pipeline.selection.lfoci``) with ``max_slices``
-  block       the L-FOCI slices + ``fc6_rows`` forced rows of fc6 (the fc6 units with the largest
-              mean |activation| in the probe): ``ParamBlock.from_rows`` on ``classifier.0.weight``
-              and ``classifier.0.bias`` - whole-parameter selection could not express this
-  gradients   forget gradient (sum) and retain gradient (mean) on the block
-  curvature   H' = (n H_P(S) - H_P(U)) / (n - m) + damping I (``pipeline.curvature``), with
-              H_P(S) on a seeded subsample of ``curvature_samples`` training samples; exact
-              Hessian-vector products (forward-over-reverse), never a dense block: the dense
-              block would be numel^2 float64 (80 GB for 4 fc6 rows)
-  solve       CG (``conjugate_gradient``), at most ``cg_max_iter`` iterations (20) with damping: it
-              is a *bounded* solve, its relative residual is reported. Damping is 1.0: with random
-              weights the restricted Hessian is indefinite (measured: with damping 0.01 CG met
-              negative curvature, Rayleigh quotient about -0.5, at its 2nd iteration)
-  update      w_P += direction / (n - m)
-  verify      retain gradient on the block after the update
-This is the computation of ``pipeline.methods.lfoci_newton`` with a block chooser of our own.
+Stages: the method's own (``RemovalProblem.stage_hook``, or its record's ``timings`` where it
+reports none there; ``bench.common.measure_removal``), each with the RSS before / peak / after
+from a 20 ms sampler, plus the process's getrusage peak. The curvature is H' = (n H_P(S) -
+H_P(U)) / (n - m) + damping I with H_P(S) on a seeded subsample of ``curvature_samples``
+training samples; exact Hessian-vector products, never a dense block (``dense_max`` 1); CG is
+capped at ``cg_max_iter`` iterations with damping 1.0 (random weights: the restricted Hessian is
+indefinite), a *bounded* solve whose relative residual is reported. The record says which
+slices L-FOCI chose; ``block.fc6_parts`` lists any rows of fc6 among them (an fc6 row has
+25,089 parameters: every product then touches the whole 25088x4096 matrix).
 
 Writes bench/results/huge_layers.json (quick: huge_layers_quick.json, smoke: huge_layers_smoke.json).
 """
@@ -59,13 +48,13 @@ from bench.common import (RESULTS_DIR, RssSampler, gib, machine_info, peak_rss_b
 
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
-                "per_class": 10, "forget": 2, "perturbations": 128, "pass_size": 16, "max_slices": 8, "fc6_rows": 4,
+                "per_class": 10, "forget": 2, "perturbations": 128, "pass_size": 16, "max_slices": 8,
                 "curvature_samples": 32, "cg_max_iter": 20, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
     "quick": {"model": {"num_classes": 1000, "width_divisor": 1, "hidden": 4096, "pool_size": 7, "image_size": 32},
-              "per_class": 3, "forget": 2, "perturbations": 64, "pass_size": 16, "max_slices": 4, "fc6_rows": 2,
+              "per_class": 3, "forget": 2, "perturbations": 64, "pass_size": 16, "max_slices": 4,
               "curvature_samples": 8, "cg_max_iter": 5, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
     "smoke": {"model": {"num_classes": 10, "width_divisor": 16, "hidden": 256, "pool_size": 7, "image_size": 32},
-              "per_class": 2, "forget": 2, "perturbations": 16, "pass_size": 16, "max_slices": 2, "fc6_rows": 2,
+              "per_class": 2, "forget": 2, "perturbations": 16, "pass_size": 16, "max_slices": 2,
               "curvature_samples": 8, "cg_max_iter": 3, "cg_rtol": 1e-6, "damping": 1.0, "batch_size": 16},
 }
 FC6_WEIGHT, FC6_BIAS = "classifier.0.weight", "classifier.0.bias"
@@ -80,19 +69,9 @@ def load_data(profile: dict[str, Any]):
                                          "image_size": size, "channels": 3})["train"]
 
 
-def fc6_rows(count: int):
-    """extra_rows callback: the ``count`` fc6 units with the largest mean |activation| in the probe."""
-    def choose(probe: Any, slice_map: Any) -> dict[str, list[int]]:
-        group = next(g for g in slice_map.groups if g.weight == FC6_WEIGHT)
-        acts = probe.activations[:, group.offset: group.offset + group.units].abs().mean(dim=0)
-        rows = sorted(int(i) for i in torch.topk(acts, count).indices)
-        return {FC6_WEIGHT: rows, FC6_BIAS: rows}
-
-    return choose
-
-
 def run(profile: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    from bench.common import staged_lfoci_newton
+    from bench.common import measure_removal, record_summary
+    from pipeline.methods import RemovalProblem
     from pipeline.models import build
 
     with RssSampler(interval=0.02) as rss:
@@ -105,11 +84,24 @@ def run(profile: dict[str, Any], seed: int = 0) -> dict[str, Any]:
             train = load_data(profile)
         params = dict(model.named_parameters())
         forget_pos = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: profile["forget"]].sort().values
-        res = staged_lfoci_newton(
-            model, task, train, forget_pos, weight_decay=WEIGHT_DECAY, perturbations=profile["perturbations"],
-            pass_size=profile["pass_size"], max_slices=profile["max_slices"], curvature_samples=profile["curvature_samples"],
-            damping=profile["damping"], dense_max=0, cg_rtol=profile["cg_rtol"], cg_max_iter=profile["cg_max_iter"],
-            batch_size=profile["batch_size"], seed=seed, extra_rows=fc6_rows(profile["fc6_rows"]), sampler=rss)
+        problem = RemovalProblem(model, task, train, forget_pos, WEIGHT_DECAY, seed=seed, batch_size=profile["batch_size"])
+        settings = {"perturbations": profile["perturbations"], "pass_size": profile["pass_size"],
+                    "max_slices": profile["max_slices"], "curvature_samples": profile["curvature_samples"],
+                    "damping": profile["damping"], "dense_max": 1, "cg_rtol": profile["cg_rtol"],
+                    "cg_max_iter": profile["cg_max_iter"]}
+        res = measure_removal(problem, "lfoci-newton", settings, sampler=rss)
+    record = res.pop("record")
+    res.pop("new_parameters")
+    summary = record_summary(record)
+    fc6_parts = [p for p in (record.get("block") or {}).get("parts", []) or []
+                 if isinstance(p, dict) and p.get("name") in (FC6_WEIGHT, FC6_BIAS)]
+    res.update({
+        "n": len(train), "m": int(forget_pos.numel()), "settings": settings, "method_record": record,
+        "block": {"numel": summary["block_numel"], "fc6_parts": fc6_parts},
+        "selection": record.get("selection"),
+        "solver": {**((record.get("curvature") or {}).get("solver") or {}), "cg_max_iter": profile["cg_max_iter"],
+                   "damping": profile["damping"]},
+    })
     res["model"] = {
         "preset": "vggface", "options": profile["model"], "parameters": sum(p.numel() for p in params.values()),
         "fc6": {"name": "classifier.0", "weight_shape": list(params[FC6_WEIGHT].shape),
@@ -128,7 +120,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true")
     mode.add_argument("--smoke", action="store_true")
-    parser.add_argument("--fc6-rows", type=int, default=None)
     parser.add_argument("--cg-max-iter", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -136,8 +127,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "default"
     profile = {**PROFILES[mode_name], "model": dict(PROFILES[mode_name]["model"])}
-    if args.fc6_rows:
-        profile["fc6_rows"] = args.fc6_rows
     if args.cg_max_iter:
         profile["cg_max_iter"] = args.cg_max_iter
     set_threads(args.threads)
@@ -155,15 +144,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_seconds": time.perf_counter() - started,
     }
     write_json(out_path, result)
-    forced = res["selection"]["forced_rows"].get(FC6_WEIGHT, [])
     print_table([{"stage": k, **v} for k, v in {**res["setup_stages"], **res["stages"]}.items()],
                 ["stage", "seconds", "rss_before_gib", "rss_peak_gib", "rss_after_gib"],
                 title=f"\n== VGG-16 removal: {res['model']['parameters'] / 1e6:.1f}M parameters, block "
-                      f"{res['block']['numel']:,} entries ({len(forced)} fc6 rows x {res['model']['fc6']['row_parameters']:,}"
-                      f" + {len(res['selection']['lfoci_selected'])} L-FOCI slices)")
+                      f"{res['block']['numel']:,} entries ({len(res['block']['fc6_parts'])} fc6 parameter parts)")
     s = res["solver"]
-    print(f"CG: {s['iterations']} iterations (cap {s['cg_max_iter']}, damping {s['damping']}), relative residual "
-          f"{s['relative_residual']:.2e}, {s['seconds_per_iteration']:.2f} s/iteration; peak RSS {res['peak_rss_gib']:.2f} GiB; "
+    print(f"solver {s.get('solver')}: {s.get('iterations')} iterations (cap {s['cg_max_iter']}, damping {s['damping']}), "
+          f"relative residual {s.get('relative_residual')}; peak RSS {res['peak_rss_gib']:.2f} GiB; "
           f"removal {res['removal_seconds']:.1f} s", flush=True)
     print(f"wrote {out_path} in {result['wall_seconds']:.0f} s", flush=True)
     return result

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from bench.common import write_json
+
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.json"
 PRESET, OPTIONS = "small-cnn", {"image_size": 28, "in_channels": 1}
 DATA_OPTIONS = {"image_size": 28}
@@ -226,13 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if 2 in by_workers:
             ratio = by_workers[1]["probe"]["median_s"] / by_workers[2]["probe"]["median_s"]
             result["goal_probe_speedup_1_6x_met"] = ratio >= 1.6
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = args.output.with_suffix(".json.tmp")
-    with open(tmp_path, "w") as fh:
-        json.dump(result, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp_path, args.output)
+    write_json(args.output, result)
     print(json.dumps({k: result[k] for k in ("in_process_1_thread", "ray", "fit") if k in result}, indent=2))
     return result
 

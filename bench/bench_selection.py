@@ -27,13 +27,13 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from bench.common import write_json
 from pipeline.selection import codec_scores, lcodec_jitter, lfoci, rank_stats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
@@ -107,20 +107,6 @@ def loop_foci(y: Tensor, z: Tensor, max_picks: int | None) -> tuple[list[int], l
 
 
 # ----------------------------------------------------------------------------------------
-def _write_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _sync(dev: torch.device) -> None:
@@ -260,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     out = run(args)
-    _write_atomic(args.out, out)
+    write_json(args.out, out)
     print(f"vectorised {out['times_s']['vectorised']:.2f}s  loop {out['times_s']['loop']:.1f}s"
           f"{' (extrapolated)' if out['loop']['extrapolated'] else ''}  ratio {out['ratio']:.1f}  "
           f"identical {out['identical']}  -> {args.out}")

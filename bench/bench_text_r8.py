@@ -34,6 +34,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from bench.common import write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "models" / "minilm-r8.yaml"
 RESULTS = ROOT / "bench" / "results" / "text_r8.json"
@@ -48,7 +50,7 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     "lfoci-newton": {"perturbations": 32, "pass_size": 16, "max_slices": 16, "curvature_samples": 64,
                      "damping": 0.01, "dense_max": 256, "cg_rtol": 1e-6, "cg_max_iter": 20},
     "fisher": {"parameters": POOLER_HEAD, "curvature": "diagonal"},
-    "ntk": {"parameters": HEAD},  # w0_path: the recipe's start weights, supplied by jobs.evaluate
+    "ntk": {"parameters": HEAD},  # w0_path: the recipe's start weights, supplied by pipeline.evaluate.protocol
     "mixed-linear": {"user_last_modules": 1},
 }
 QUICK_DATA = {"per_class": 6, "test_per_class": 4, "max_length": 32}
@@ -65,20 +67,20 @@ def train_config(quick: bool) -> dict[str, Any]:
 
 def ensure_model(raw: dict[str, Any], directory: Path) -> dict[str, Any]:
     """Train once; reuse the directory when its recorded config is the same."""
-    from jobs.train import TrainConfig, run_training
+    from pipeline.trainer import TrainConfig, run_training
 
     stamp = directory / "bench-config.json"
     if stamp.exists() and json.loads(stamp.read_text()) == raw and (directory / "model.json").exists():
         return {"reused": True, **json.loads((directory / "bench-train.json").read_text())}
     summary = run_training(TrainConfig.model_validate(raw), directory)
-    (directory / "bench-train.json").write_text(json.dumps(summary, indent=2))
-    stamp.write_text(json.dumps(raw))
+    write_json(directory / "bench-train.json", summary)
+    write_json(stamp, raw)
     return {"reused": False, **summary}
 
 
 def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], cache: Path, plots: Path) -> dict[str, Any]:
     """Baselines (cached) and every method on one forget set; a failing method is recorded."""
-    from jobs.evaluate import EvalConfig, evaluate
+    from pipeline.evaluate.protocol import EvalConfig, evaluate
 
     config = EvalConfig.model_validate({
         "model_dir": str(model_dir), "forget": forget, "cache_dir": str(cache), "finetune": {"epochs": 2},
@@ -86,7 +88,7 @@ def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], ca
         "methods": {name: METHOD_SETTINGS.get(name, {}) for name in methods},
     })
     result = evaluate(config)
-    return {"m": result["m"], "forget_ids": result["forget_ids"], "rows": result["rows"],
+    return {"m": result["m"], "forget_ids": result["sample_ids"], "rows": result["rows"],
             "method_records": result["method_records"], "errors": result["method_errors"]}
 
 
@@ -106,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads (default: all cores; 1 is faster on a shared, busy machine)")
     args = parser.parse_args(argv)
 
-    from pipeline.checkpoint import atomic_write_bytes
     from pipeline.methods import METHODS
-    from jobs.evaluate import BASELINE_NAMES
+    from pipeline.evaluate.protocol import BASELINE_NAMES
 
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     started = time.perf_counter()
@@ -137,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {method}: FAILED {err}", flush=True)
     out["wall_seconds"] = time.perf_counter() - started
     path = args.out or (RESULTS if not args.quick else RESULTS.with_name("text_r8_quick.json"))
-    from jobs.evaluate import _jsonable
-
-    atomic_write_bytes(path, json.dumps(_jsonable(out), indent=2).encode())
+    write_json(path, out)
     print(f"\nwrote {path} in {out['wall_seconds']:.0f} s", flush=True)
     return 0
 

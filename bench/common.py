@@ -1,4 +1,7 @@
-"""Helpers shared by the benchmark scripts: atomic JSON, machine description, timers, memory.
+"""Helpers shared by the benchmark scripts: JSON (``write_json``, the one writer: strict JSON,
+atomic), machine description, timers, memory, and ``measure_removal``: a registered method run
+with a ``StageRecorder`` as its ``RemovalProblem.stage_hook`` (the real methods, timed per stage
+under their own stage names; no re-implementation here).
 
 Memory. ``tracemalloc`` does not see torch's allocations, so peak memory is measured as the
 process's resident set size (RSS):
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import resource
@@ -30,30 +32,8 @@ RESULTS_DIR = ROOT / "bench" / "results"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-# -- JSON --------------------------------------------------------------------------------------
-def jsonable(obj: Any) -> Any:
-    """Plain JSON types: tensors -> lists, numpy scalars -> numbers, non-finite floats -> None."""
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):  # tensors, numpy arrays/scalars
-        return jsonable(obj.tolist())
-    return obj
-
-
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented JSON: temporary name in the same folder, fsync, rename (0644)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.checkpoint import atomic_write_bytes
-
-    atomic_write_bytes(path, json.dumps(jsonable(obj), indent=2, allow_nan=False).encode())
-    return path
+# -- JSON: every bench script writes its results through ``write_json`` (strict JSON, atomic) --
+from pipeline.jsonio import jsonable, write_json  # noqa: E402,F401  (the project's one JSON writer)
 
 
 # -- the machine ---------------------------------------------------------------------------------
@@ -220,165 +200,75 @@ def print_table(rows: list[dict[str, Any]], columns: list[str], title: str | Non
     return text
 
 
-# -- running the pipeline's maths on a machine with only torch ------------------------------------
-def _bare_package(name: str) -> None:
-    """Register package ``name`` (a folder of the repo) without executing its ``__init__``."""
-    import importlib.machinery
-    import importlib.util
+# -- the real methods, timed through their stage hook ----------------------------------------------
+class StageRecorder:
+    """A ``RemovalProblem.stage_hook``: wall seconds and RSS (before / peak / after) of every
+    stage the method reports, under the method's own stage names. ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs before each stage ends so GPU work is attributed."""
 
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    module = importlib.util.module_from_spec(spec)
-    module.__path__ = [str(ROOT / name.replace(".", "/"))]
-    sys.modules[name] = module
+    def __init__(self, sampler: "RssSampler", sync: Any = None) -> None:
+        self.sampler = sampler
+        self.sync = sync or (lambda: None)
+        self.seconds: dict[str, float] = {}
+        self._open: dict[str, Any] = {}
 
+    def started(self, stage: str) -> None:
+        cm = self.sampler.stage(stage)
+        cm.__enter__()
+        self._open[stage] = cm
 
-def light_pipeline_imports() -> list[str]:
-    """Make ``pipeline``'s maths modules importable where only torch is installed (a bare GPU
-    machine). ``pipeline.data`` and ``pipeline.models`` register every source / preset in their
-    ``__init__``, which pulls pydantic (configs) and datasets; when pydantic is missing they are
-    registered as bare packages so that e.g. ``pipeline.data.sampleset`` and
-    ``pipeline.models.reid_resnet50`` import alone. When safetensors is missing a stub stands in
-    (checkpoint reading is then unavailable; nothing here reads checkpoints). Returns notes on
-    what was bypassed (empty in the project's own environment)."""
-    import types
-
-    notes: list[str] = []
-    try:
-        import pydantic  # noqa: F401
-    except ImportError:
-        for pkg in ("pipeline.data", "pipeline.models"):
-            if pkg not in sys.modules:
-                _bare_package(pkg)
-                notes.append(f"{pkg}: imported without its __init__ (pydantic is not installed)")
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        def _missing(*_: Any, **__: Any) -> Any:
-            raise ImportError("safetensors is not installed")
-
-        top, sub = types.ModuleType("safetensors"), types.ModuleType("safetensors.torch")
-        sub.load_file = sub.save_file = _missing  # type: ignore[attr-defined]
-        top.torch = sub  # type: ignore[attr-defined]
-        sys.modules.setdefault("safetensors", top)
-        sys.modules.setdefault("safetensors.torch", sub)
-        notes.append("safetensors: stubbed (not installed; checkpoints are not read here)")
-    return notes
+    def finished(self, stage: str, seconds: float) -> None:
+        self.sync()
+        cm = self._open.pop(stage, None)
+        if cm is not None:
+            cm.__exit__(None, None, None)
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
-def staged_lfoci_newton(
-    model: Any, task: Any, train: Any, forget_positions: Any, *, weight_decay: float, perturbations: int,
-    pass_size: int, max_slices: int | None, sigma: float = 0.1, curvature_samples: int | None = None,
-    damping: float = 0.0, dense_max: int = 0, cg_rtol: float = 1e-8, cg_max_iter: int | None = None,
-    batch_size: int = 256, seed: int = 0, select_device: str = "cpu", extra_rows: Any = None,
-    pad_to: int | None = None, sampler: "RssSampler | None" = None, sync: Any = None,
-) -> dict[str, Any]:
-    """One L-FOCI Newton removal, the computation of ``pipeline.methods.lfoci_newton`` (without
-    the noise, epsilon = inf) with every stage timed and its memory sampled:
-    probe -> select -> block (+ ``extra_rows(probe, slice_map) -> {param: rows}``) -> gradients
-    -> curvature_and_solve (dense Cholesky when the block has <= ``dense_max`` entries, else CG)
-    -> update -> verify (retain gradient on the block after the update).
-    ``pad_to``: when L-FOCI stops (best T <= 0) before ``pad_to`` slices, the block is filled up
-    to ``pad_to`` slices with the remaining slices of highest marginal L-CODEC score T(Y, Z_j)
-    (a block of a chosen size, for growth measurements; recorded as ``padded``).
-    Products run where the model lives; probe columns, vectors and solves are on the CPU."""
-    import torch
+def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSampler | None" = None,
+                    sync: Any = None) -> dict[str, Any]:
+    """Run the registered ``method`` (``pipeline.methods``) on ``problem`` with its stage hook
+    set to a ``StageRecorder``; returns the record, the release and the stage timings. Stages
+    are those the method reports through the hook; a method that reports none there is timed
+    by its record's ``timings`` (seconds only)."""
+    from pipeline.methods import get_method
 
-    from pipeline.curvature import BlockHessian, Combination, block_gradient, conjugate_gradient, solve_dense
-    from pipeline.param_block import ParamBlock
-    from pipeline.probe import SliceMap, run_probe
-    from pipeline.selection import lfoci
-
+    impl = get_method(method)
+    parsed = settings if isinstance(settings, impl.Settings) else impl.Settings.model_validate(settings or {})
     own = sampler is None
     sampler = sampler or RssSampler(interval=0.02)
     if own:
         sampler.__enter__()
-    sync = sync or (lambda: None)
-
-    def stage(name: str):
-        @contextlib.contextmanager
-        def run() -> Iterator[None]:
-            with sampler.stage(name):
-                yield
-                sync()
-        return run()
-
-    model.eval()
-    n = len(train)
-    pos = torch.as_tensor(forget_positions, dtype=torch.long)
-    m = int(pos.numel())
-    forget, retain = train.take(pos), train.without(pos)
+    recorder = StageRecorder(sampler, sync)
+    problem.stage_hook = recorder
     try:
-        with stage("probe"):
-            slice_map = SliceMap(model)
-            probe = run_probe(model, task, forget.columns, seed=seed, start=0, stop=perturbations, pass_size=pass_size,
-                              perturb_options={"sigma": sigma}, slice_map=slice_map)
-        with stage("select"):
-            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 1)
-            y, z = probe.losses, probe.activations.double()
-            if select_device != "cpu":
-                y, z = y.to(select_device), z.to(select_device)
-            result = lfoci(y, z, max_picks=max_slices, generator=gen)
-            picks = [int(i) for i in result.picks]
-            padded: list[int] = []
-            if pad_to is not None and len(picks) < pad_to:
-                from pipeline.selection import codec_scores
-
-                marginal = codec_scores(y, z, generator=torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 5))
-                taken = set(picks)
-                for j in torch.argsort(marginal.cpu(), descending=True).tolist():
-                    if len(picks) + len(padded) >= pad_to:
-                        break
-                    if j not in taken:
-                        padded.append(int(j))
-        with stage("block"):
-            rows = {k: list(v) for k, v in slice_map.rows_for(picks + padded).items()}
-            forced: dict[str, list[int]] = extra_rows(probe, slice_map) if extra_rows else {}
-            for name, extra in forced.items():
-                rows[name] = sorted(set(rows.get(name, [])) | set(int(i) for i in extra))
-            block = ParamBlock.from_rows(model, rows)
-        with stage("gradients"):
-            g_forget = block_gradient(model, task, forget, block, weight_decay, reduction="sum", batch_size=batch_size)
-            g_retain_before = block_gradient(model, task, retain, block, weight_decay, reduction="mean", batch_size=batch_size)
-        with stage("curvature_and_solve"):
-            curv = train
-            if curvature_samples is not None and curvature_samples < n:
-                pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 2))
-                curv = train.take(pick[:curvature_samples].sort().values)
-            h_train = BlockHessian(model, task, curv, block, weight_decay, reduction="mean", batch_size=batch_size)
-            h_forget = BlockHessian(model, task, forget, block, weight_decay, reduction="sum", batch_size=batch_size)
-            h_new = Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)], damping=damping)
-            t = time.perf_counter()
-            if block.numel <= dense_max:
-                direction, info = solve_dense(h_new.to_dense(), g_forget)
-            else:
-                direction, info = conjugate_gradient(h_new, g_forget, rtol=cg_rtol, max_iter=cg_max_iter)
-            solve_seconds = time.perf_counter() - t
-        with stage("update"):
-            step = direction / (n - m)
-            block.add_to_model(model, step)
-        with stage("verify"):
-            g_retain_after = block_gradient(model, task, retain, block, weight_decay, reduction="mean", batch_size=batch_size)
+        t = time.perf_counter()
+        outcome = impl.run(problem, parsed)
+        (sync or (lambda: None))()
+        seconds = time.perf_counter() - t
     finally:
+        problem.stage_hook = None
         if own:
             sampler.__exit__(None, None, None)
-    norm = lambda t: float(torch.linalg.vector_norm(t))  # noqa: E731
-    timed = ("probe", "select", "block", "gradients", "curvature_and_solve", "update", "verify")
-    return {
-        "n": n, "m": m, "curvature_samples": len(curv),
-        "selection": {"slices_probed": slice_map.size, "perturbations": int(probe.losses.shape[0]),
-                      "select_device": select_device,
-                      "lfoci_selected": [{**slice_map.describe(i), "T": float(s)} for i, s in zip(picks, result.scores)],
-                      "forced_rows": forced, "padded": padded, "slices_in_block": len(picks) + len(padded)},
-        "block": {"numel": block.numel, "parts": block.describe() if block.numel < 200_000 else len(block.parts),
-                  "dense_would_be_gib": block.numel ** 2 * 8 / 2**30},
-        "solver": {**info.__dict__, "cg_max_iter": cg_max_iter, "cg_rtol": cg_rtol, "damping": damping,
-                   "dense_max": dense_max, "solve_seconds": solve_seconds,
-                   "seconds_per_iteration": solve_seconds / info.iterations if info.iterations else None,
-                   "hessian_vector_products": {"train": h_train.products, "forget": h_forget.products}},
-        "gradient_norms": {"forget_sum_block": norm(g_forget), "retain_mean_block_before": norm(g_retain_before),
-                           "retain_mean_block_after": norm(g_retain_after)},
-        "step_norm": norm(step),
-        "stages": {k: sampler.stages[k] for k in timed},
-        "stage_seconds": {k: sampler.stages[k]["seconds"] for k in timed},
-        "removal_seconds": sum(sampler.stages[k]["seconds"] for k in timed),
-    }
+    record = outcome.record
+    if recorder.seconds:
+        source, stage_seconds = "stage_hook", dict(recorder.seconds)
+    else:
+        source, stage_seconds = "record timings", {k: float(v) for k, v in (record.get("timings") or {}).items()}
+    stages = {k: sampler.stages.get(k, {"seconds": round(v, 4)}) for k, v in stage_seconds.items()}
+    return {"record": record, "release": outcome.release.model_dump(mode="json"), "stages": stages,
+            "stage_seconds": stage_seconds, "stage_source": source, "removal_seconds": seconds,
+            "new_parameters": outcome.new_parameters}
+
+
+def record_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The figures the benchmarks report, read from an L-FOCI Newton record (missing keys: None)."""
+    solver = (record.get("curvature") or {}).get("solver") or {}
+    selection = record.get("selection") or {}
+    selected = selection.get("selected")
+    norms = record.get("gradient_norms") or {}
+    return {"block_numel": (record.get("block") or {}).get("numel"),
+            "slices_selected": len(selected) if isinstance(selected, list) else None,
+            "slices_probed": selection.get("slices_probed"), "solver": solver.get("solver"),
+            "solver_iterations": solver.get("iterations"), "relative_residual": solver.get("relative_residual"),
+            "retain_gradient_norm_after": norms.get("retain_mean_block_after")}

@@ -27,24 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from cluster.pool import Call, WorkerPool
+from cluster.shards import aligned_ranges
 from pipeline.curvature import LinearOperator, NonFiniteGradientError
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
-
-
-def plan_data_shards(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) sample ranges, boundaries at multiples of ``batch_size``."""
-    if n < 1:
-        raise ValueError("the curvature needs at least one sample")
-    batches = -(-n // batch_size)
-    shards = max(1, min(shards, batches))
-    base, extra = divmod(batches, shards)
-    out, first = [], 0
-    for s in range(shards):
-        count = base + (1 if s < extra else 0)
-        out.append((first * batch_size, min(n, (first + count) * batch_size)))
-        first += count
-    return out
 
 
 def _finite(t: Tensor, what: str) -> Tensor:
@@ -76,7 +62,7 @@ class ShardedBlockHessian(LinearOperator):
         self.exact_order, self.max_exact_bytes = exact_order, max_exact_bytes
         self.key = f"op-{uuid.uuid4().hex}"
         self.weights = pool.weights_for(model)
-        self.shards = plan_data_shards(self.n, batch_size, pool.size)
+        self.shards = aligned_ranges(self.n, batch_size, pool.size, "curvature samples")
         block_ref = ray.put(block)
         self._specs: list[list[Any]] = []
         self._refs = [block_ref]

@@ -20,26 +20,8 @@ import torch
 from torch import nn
 
 from cluster.pool import Call, WorkerPool
+from cluster.shards import aligned_ranges
 from pipeline.probe import ProbeResult, gather
-
-
-def plan_shards(perturbations: int, pass_size: int, shards: int) -> list[tuple[int, int]]:
-    """Split [0, perturbations) into at most ``shards`` contiguous ranges whose starts are
-    multiples of ``pass_size`` (whole passes, spread as evenly as possible)."""
-    if perturbations < 1:
-        raise ValueError(f"perturbations must be >= 1, got {perturbations}")
-    if pass_size < 1:
-        raise ValueError(f"pass_size must be >= 1, got {pass_size}")
-    passes = -(-perturbations // pass_size)
-    shards = max(1, min(shards, passes))
-    base, extra = divmod(passes, shards)
-    ranges, first = [], 0
-    for s in range(shards):
-        count = base + (1 if s < extra else 0)
-        start, stop = first * pass_size, min(perturbations, (first + count) * pass_size)
-        ranges.append((start, stop))
-        first += count
-    return ranges
 
 
 def forget_to_numpy(forget: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -69,7 +51,7 @@ class RayProbeRunner:
         if task is not None:
             self.pool.check_task(task)
         weights = self.pool.weights_for(model)
-        ranges = plan_shards(perturbations, pass_size, self.pool.size * self.shards_per_worker)
+        ranges = aligned_ranges(perturbations, pass_size, self.pool.size * self.shards_per_worker, "perturbations")
         forget_ref = ray.put(forget_to_numpy(forget))
         calls = [
             Call("probe", (k, weights, forget_ref),

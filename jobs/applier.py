@@ -1,6 +1,6 @@
 """Apply one scheduled batch of requests to a model: the step campaigns and the stream service
 share. It wires the ledger and the version store (pipeline/store) to the maths
-(``jobs.removal.remove``) in an order that survives a kill at any point:
+(``pipeline.removal.remove``) in an order that survives a kill at any point:
 
   1. the ledger already holds "batch k: requests [...] on parent version v, seed s"
      (``Ledger.schedule_batch``, committed before anything is computed);
@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-from jobs.measure import removal_metrics
-from jobs.removal import remove
+from pipeline.evaluate.removal_metrics import removal_metrics
+from pipeline.removal import remove
 from jobs.specs import Limits
 from pipeline.data.sampleset import SampleIdError
 from pipeline.privacy.accountant import Release, check_budget
@@ -79,13 +79,13 @@ class BatchApplier:
                  settings: dict[str, Any], limits: Limits, cluster: Any = None) -> None:
         self.store, self.ledger, self.model = store, ledger, model
         self.method, self.settings, self.limits = method, settings, limits
-        self.cluster = cluster  # jobs.distributed.ClusterOptions, or None: in this process
+        self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
 
     def _remove(self, model_dir: Any, batch: BatchRow):
         """The removal itself, in process or with its probe and curvature on Ray workers."""
         if self.cluster is None:
             return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed)
-        from jobs.distributed import ray_removal_hooks
+        from cluster.hooks import ray_removal_hooks
 
         with ray_removal_hooks(model_dir, self.cluster) as hooks:
             describe = hooks.pop("describe")

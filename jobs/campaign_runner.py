@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from jobs.applier import BatchApplier, BatchResult, sync_rollbacks
-from jobs.removal import training_set
+from pipeline.removal import training_set
 from jobs.report import write_report
 from jobs.specs import CampaignSpec
 from pipeline.data.requests import DeletionRequest, read_requests

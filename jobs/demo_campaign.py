@@ -9,7 +9,7 @@ import click
 import torch
 import yaml
 
-from jobs.removal import training_set
+from pipeline.removal import training_set
 from pipeline.models.card import read_card
 
 DEMO_METHOD = {

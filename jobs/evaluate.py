@@ -1,352 +1,19 @@
 """``unlearn eval``: judge removal methods against Retrain on one forget set; JSON + PNG out.
 
-For a trained model directory and a forget set (random samples, a whole class / identity, or
-explicit ids) it runs
-  * the Retrain baseline (the model's own recipe from the same start on D_r; cached per forget
-    set) and the fine-tune baseline (a few SGD epochs on D_r from the trained weights; cached),
-  * every requested removal method through ``jobs.removal.remove``,
-and reports for each: UA, RA, TA, MIA-efficacy, Avg. Gap to Retrain, wall time, KL to
-Retrain's outputs on D_f, distance to Retrain's weights (absolute and relative to the
-original's), the residual gradient norm on D_r, optionally a LiRA per-example attack with a
-handful of shadow models, mAP / rank-1 for models with a retrieval ``features(x)`` method, and
-optionally a removal curve over sequential removals. See ``EvalConfig`` for every field.
+The protocol itself (``EvalConfig``, ``evaluate``) is ``pipeline.evaluate.protocol``; this
+module reads the YAML (``pipeline.config``), applies the command-line overrides and turns the
+protocol's errors into a clear message and exit status 1.
 """
 from __future__ import annotations
 
-import copy
-import json
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import click
-import numpy as np
-import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from torch import nn
 
-from pipeline.checkpoint import atomic_write_bytes
-from pipeline.data import SampleSet, load_source
-from pipeline.evaluate.baselines import Baseline, FineTuneSettings, finetune, init_of, recipe_of, retrain
-from pipeline.evaluate.curves import removal_curve
-from pipeline.evaluate.divergence import KL_BY_KIND
-from pipeline.evaluate.forget_sets import build_forget_set
-from pipeline.evaluate.lira import lira_scores, shadow_statistics
-from pipeline.evaluate.predict import features_of, output_kind, retrieval_method
-from pipeline.evaluate.retrieval import query_gallery_split, retrieval_metrics
-from pipeline.evaluate.scorecard import EvalSets, avg_gap, format_table, predict_sets, score, split_for_scenario
-from pipeline.evaluate.weights import relative_distance, residual_gradient_norm, trainable_state, weight_distance
-from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
-from pipeline.recipe import fit, initial_model
-
-# Method names that mean the baselines (never run twice if a method registry also has them).
-BASELINE_NAMES: frozenset[str] = frozenset({"retrain", "finetune", "fine-tune"})
-
-
-class ForgetSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    scenario: Literal["random", "class", "ids"] = "random"
-    fraction: float | None = Field(None, gt=0, lt=1)
-    count: int | None = Field(None, gt=0)
-    classes: list[int] | None = None
-    ids: list[int] | None = None
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _complete(self) -> "ForgetSpec":
-        needs = {"random": ("fraction", "count"), "class": ("classes",), "ids": ("ids",)}[self.scenario]
-        if not any(getattr(self, f) for f in needs):
-            raise ValueError(f"forget.scenario '{self.scenario}' needs forget.{' or forget.'.join(needs)}")
-        return self
-
-
-class CurveSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    method: str = "lfoci-newton"
-    step: int = Field(1, ge=1)
-    steps: int = Field(5, ge=1)
-
-
-class EvalConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model_dir: str
-    forget: ForgetSpec = Field(default_factory=lambda: ForgetSpec(fraction=0.01))
-    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"lfoci-newton": {}})
-    baselines: list[Literal["retrain", "finetune"]] = Field(default_factory=lambda: ["retrain", "finetune"])
-    finetune: FineTuneSettings = Field(default_factory=FineTuneSettings)
-    retrain_seeds: list[int] | None = None
-    test_split: str = "test"
-    mia_feature: str = "confidence"
-    residual_gradient: bool = True
-    lira_shadows: int = Field(0, ge=0)
-    retrieval: bool | None = None
-    curve: CurveSpec | None = None
-    seed: int = 0
-    batch_size: int = Field(256, gt=0)
-    continue_on_error: bool = Field(False, description="record a failing method's error and go on")
-    cache_dir: str | None = "runs/cache/baselines"
-    out: str | None = None
-    plots: str | None = None
-
-    @model_validator(mode="after")
-    def _lira_even(self) -> "EvalConfig":
-        if self.lira_shadows and self.lira_shadows % 2:
-            raise ValueError("lira_shadows must be even (each forget sample is 'in' for half of the shadows)")
-        if "retrain" not in self.baselines and (self.methods or "finetune" in self.baselines):
-            raise ValueError("baselines must include 'retrain': every comparison is against Retrain")
-        return self
-
-
-# ---------------------------------------------------------------------------------------------
-def _with_state(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    twin = copy.deepcopy(model)
-    twin.load_state_dict(state, strict=True)
-    twin.eval()
-    return twin
-
-
-def _card_digest(card: ModelCard) -> str:
-    import hashlib
-
-    return hashlib.sha256(card.model_dump_json().encode()).hexdigest()[:20]
-
-
-def _reference_row(rows: list[dict[str, float]]) -> dict[str, float]:
-    keys = set.intersection(*(set(r) for r in rows))
-    return {k: float(np.mean([r[k] for r in rows])) for k in keys if isinstance(rows[0][k], (int, float))}
-
-
-class Evaluation:
-    """One evaluation run (state shared by the steps below)."""
-
-    def __init__(self, config: EvalConfig) -> None:
-        from jobs.removal import training_set
-
-        self.config = config
-        self.model, self.task, self.card = load_model_dir(config.model_dir)
-        self.model.eval()
-        self.train = training_set(self.card)
-        splits = load_source(self.card.data.source, self.card.data.options)
-        if config.test_split not in splits:
-            raise click.BadParameter(f"test_split '{config.test_split}' not in {sorted(splits)}", param_hint="test_split")
-        self.test: SampleSet = splits[config.test_split]
-        spec = config.forget
-        options = spec.model_dump(exclude={"scenario"}, exclude_none=True)
-        self.forget_ids = sorted(spec.ids) if spec.scenario == "ids" else build_forget_set(spec.scenario, self.train, **options)
-        self.sets: EvalSets = split_for_scenario(self.train, self.test, self.forget_ids,
-                                                 spec.classes if spec.scenario == "class" else None)
-        self.kind = output_kind(self.task)
-        self.models: dict[str, nn.Module] = {"original": self.model}
-        self.rows: dict[str, dict[str, Any]] = {}
-        self.errors: dict[str, str] = {}
-        self._w0_path: Path | None = None
-        self.forget_logits: dict[str, torch.Tensor] = {}
-
-    # -- rows ------------------------------------------------------------------------------
-    def score_row(self, name: str, model: nn.Module, seconds: float, extra: dict[str, Any] | None = None) -> None:
-        logits = predict_sets(model, self.task, self.sets, self.config.batch_size)
-        row: dict[str, Any] = score(model, self.task, self.sets, mia_feature=self.config.mia_feature,
-                                    seed=self.config.seed, batch_size=self.config.batch_size, logits=logits)
-        self.forget_logits[name] = logits["forget"]
-        row["seconds"] = seconds
-        row.update(extra or {})
-        self.rows[name] = row
-        self.models[name] = model
-
-    def run_baselines(self) -> None:
-        cfg = self.config
-        if "retrain" in cfg.baselines:
-            seeds = cfg.retrain_seeds or [recipe_of(self.card).seed]
-            runs: list[Baseline] = [retrain(self.card, self.sets.retain, self.forget_ids, cache_dir=cfg.cache_dir, seed=s)
-                                    for s in seeds]
-            for i, run in enumerate(runs):
-                name = "retrain" if i == 0 else f"retrain-seed{seeds[i]}"
-                self.score_row(name, run.model, run.seconds, {"cached": run.cached})
-            if len(runs) > 1:
-                self.rows["retrain-mean"] = _reference_row([self.rows["retrain"]] +
-                                                           [self.rows[f"retrain-seed{s}"] for s in seeds[1:]])
-        if "finetune" in cfg.baselines:
-            run = finetune(self.card, self.model, self.task, self.sets.retain, self.forget_ids,
-                           settings=cfg.finetune, cache_dir=cfg.cache_dir)
-            self.score_row("finetune", run.model, run.seconds, {"cached": run.cached})
-
-    def run_methods(self) -> dict[str, Any]:
-        from jobs.removal import remove
-
-        records = {}
-        for name, settings in self.config.methods.items():
-            if name in BASELINE_NAMES:
-                continue
-            try:
-                settings = self.with_start_weights(name, settings)  # not part of the method's time
-                started = time.perf_counter()
-                run = remove(self.config.model_dir, self.forget_ids, method=name, settings=settings,
-                             seed=self.config.seed, batch_size=self.config.batch_size)
-            except Exception as err:
-                if not self.config.continue_on_error:
-                    raise
-                self.errors[name] = f"{type(err).__name__}: {err}"
-                continue
-            seconds = time.perf_counter() - started
-            self.score_row(name, _with_state(self.model, run.new_state), seconds)
-            records[name] = {k: v for k, v in run.record.items() if k != "forget_ids"}
-        return records
-
-    def with_start_weights(self, method: str, settings: dict[str, Any]) -> dict[str, Any]:
-        """Methods linearised around the pre-training weights (NTK scrubbing: settings field
-        ``w0_path``) get the recipe's start - the seeded initialisation plus the init checkpoint,
-        exactly what training began from - written once to the cache, unless a path is given."""
-        from pipeline.methods import get_method
-
-        fields = get_method(method).Settings.model_fields
-        if "w0_path" not in fields or settings.get("w0_path"):
-            return settings
-        if self._w0_path is None:
-            from pipeline.checkpoint import save_safetensors
-
-            start, _, _ = initial_model(self.card.preset, self.card.options, seed=recipe_of(self.card).seed,
-                                        init=init_of(self.card))
-            folder = Path(self.config.cache_dir) if self.config.cache_dir else Path(tempfile.mkdtemp(prefix="unlearn-w0-"))
-            self._w0_path = folder / f"w0-{_card_digest(self.card)}.safetensors"
-            if not self._w0_path.exists():
-                save_safetensors({k: v.detach().cpu() for k, v in start.state_dict().items()}, self._w0_path)
-        return {**settings, "w0_path": str(self._w0_path)}
-
-    # -- comparisons with Retrain ----------------------------------------------------------------
-    def compare(self) -> None:
-        if "retrain" not in self.rows:
-            return
-        reference = self.rows.get("retrain-mean", self.rows["retrain"])
-        ref_model = self.models["retrain"]
-        ref_logits = self.forget_logits["retrain"]
-        ref_state, orig_state = trainable_state(ref_model), trainable_state(self.model)
-        kl = KL_BY_KIND[self.kind]
-        for name, row in self.rows.items():
-            if name.startswith("retrain") and name != "retrain":
-                continue
-            model = self.models[name]
-            row["AvgGap"] = avg_gap(row, reference)
-            row["KL_forget_vs_retrain"] = kl(self.forget_logits[name], ref_logits)
-            state = trainable_state(model)
-            row["distance_to_retrain"] = weight_distance(state, ref_state)
-            row["relative_distance_to_retrain"] = relative_distance(state, orig_state, ref_state)
-            if self.config.residual_gradient:
-                row["residual_gradient_norm"] = residual_gradient_norm(
-                    model, self.task, self.sets.retain, self.card.training.weight_decay, self.config.batch_size)
-
-    def retrieval(self) -> None:
-        wanted = self.config.retrieval
-        has_features = retrieval_method(self.model) is not None and "x" in self.test.columns
-        if wanted is False or (wanted is None and not has_features):
-            return
-        query_pos, gallery_pos = query_gallery_split(self.sets.test.columns["y"])
-        query, gallery = self.sets.test.take(query_pos), self.sets.test.take(gallery_pos)
-        for name, row in self.rows.items():
-            if name not in self.models:
-                continue
-            model = self.models[name]
-            metrics = retrieval_metrics(features_of(model, query, self.config.batch_size), query.columns["y"],
-                                        features_of(model, gallery, self.config.batch_size), gallery.columns["y"])
-            row["mAP"], row["rank1"] = metrics["mAP"], metrics["rank1"]
-
-    def lira(self) -> dict[str, Any] | None:
-        n = self.config.lira_shadows
-        if not n:
-            return None
-        recipe, init = recipe_of(self.card), init_of(self.card)
-
-        def train_shadow(data: SampleSet, seed: int) -> nn.Module:
-            model, task, _ = initial_model(self.card.preset, self.card.options, seed=recipe.seed, init=init)
-            fit(model, task, data, recipe.model_copy(update={"seed": recipe.seed + 1 + seed}))
-            return model.eval()
-
-        started = time.perf_counter()
-        stats, mask = shadow_statistics(self.task, self.sets.forget, self.sets.retain, train_shadow,
-                                        n_shadows=n, seed=self.config.seed, batch_size=self.config.batch_size)
-        for name, row in self.rows.items():
-            if name in self.models:
-                result = lira_scores(self.models[name], self.task, self.sets.forget, stats, mask,
-                                     batch_size=self.config.batch_size)
-                row["LiRA_member_rate"] = result["member_rate"]
-                row["LiRA_mean_llr"] = result["mean_llr"]
-        return {"shadows": n, "seconds": time.perf_counter() - started}
-
-    def curve(self) -> dict[str, Any] | None:
-        spec = self.config.curve
-        if spec is None:
-            return None
-        from jobs.removal import remove
-
-        order = list(self.forget_ids)[: spec.step * spec.steps]
-        settings = self.config.methods.get(spec.method, {})
-        with tempfile.TemporaryDirectory(prefix="unlearn-curve-") as tmp:
-            current = {"dir": Path(self.config.model_dir)}
-
-            def step_fn(ids: list[int]) -> nn.Module:
-                run = remove(current["dir"], ids, method=spec.method, settings=settings, seed=self.config.seed,
-                             batch_size=self.config.batch_size)
-                nxt = Path(tmp) / f"step{len(list(Path(tmp).iterdir()))}"
-                write_model_dir(nxt, run.new_state, run.card)
-                current["dir"] = nxt
-                return _with_state(self.model, run.new_state)
-
-            curve = removal_curve(self.model, self.task, self.train, self.test, order, spec.step, step_fn,
-                                  label=spec.method, batch_size=self.config.batch_size)
-        self.curve_result = curve
-        return curve.as_dict()
-
-
-def evaluate(config: EvalConfig) -> dict[str, Any]:
-    """Run the whole evaluation; returns the JSON-ready result (also written to ``config.out``)."""
-    started = time.perf_counter()
-    ev = Evaluation(config)
-    ev.score_row("original", ev.model, 0.0)
-    ev.run_baselines()
-    records = ev.run_methods()
-    ev.compare()
-    ev.retrieval()
-    lira = ev.lira()
-    curve = ev.curve()
-    result: dict[str, Any] = {
-        "model_dir": config.model_dir, "preset": ev.card.preset, "data": ev.card.data.model_dump(),
-        "n": len(ev.train), "scenario": config.forget.model_dump(exclude_none=True),
-        "forget_ids": ev.forget_ids, "m": len(ev.forget_ids), "rows": ev.rows, "method_records": records,
-        "method_errors": ev.errors,
-        "lira": lira, "curve": curve, "table": format_table({k: v for k, v in ev.rows.items()}),
-        "config": config.model_dump(mode="json"), "wall_seconds": time.perf_counter() - started,
-    }
-    if config.plots:
-        from pipeline.evaluate.plots import plot_removal_curves, plot_scorecard
-
-        plots = {"scorecard": str(plot_scorecard(ev.rows, Path(config.plots) / "scorecard.png"))}
-        if curve is not None:
-            plots["curve"] = str(plot_removal_curves([ev.curve_result], Path(config.plots) / "removal_curve.png"))
-        result["plots"] = plots
-    if config.out:
-        atomic_write_bytes(Path(config.out), json.dumps(_jsonable(result), indent=2).encode())
-    return result
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    if isinstance(obj, (np.floating, np.integer)):
-        return obj.item()
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    return obj
-
-
-def read_eval_config(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise click.BadParameter(f"{path} does not exist", param_hint="--config")
-    return yaml.safe_load(path.read_text()) or {}
+from jobs.usererrors import user_errors
+from pipeline.config import load_yaml, parse
+from pipeline.evaluate.protocol import EvalConfig, evaluate
 
 
 @click.command("eval")
@@ -357,18 +24,19 @@ def read_eval_config(path: Path) -> dict[str, Any]:
 @click.option("--fraction", type=float, default=None, help="random scenario: share of the training set")
 @click.option("--count", type=int, default=None, help="random scenario: number of samples")
 @click.option("--classes", type=str, default=None, help="class scenario: comma-separated labels, e.g. 3 or 1,4")
-@click.option("--ids", type=str, default=None, help="ids scenario: comma-separated sample ids")
+@click.option("--ids", type=str, default=None, help="ids scenario: comma-separated sample ids (forget.sample_ids)")
 @click.option("--method", "methods", multiple=True, help="removal method (repeatable); settings via --config")
 @click.option("--lira-shadows", type=int, default=None, help="train this many shadow models for LiRA (even; 0 = off)")
 @click.option("--seed", type=int, default=None)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON result file")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), default=None, help="folder for PNG plots")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@user_errors
 def command(model_dir: Path | None, config_path: Path | None, scenario: str | None, fraction: float | None,
             count: int | None, classes: str | None, ids: str | None, methods: tuple[str, ...],
             lira_shadows: int | None, seed: int | None, out: Path | None, plots: Path | None, cache_dir: Path | None) -> None:
     """Evaluate removal methods on MODEL_DIR against Retrain and fine-tune (UA/RA/TA/MIA/Avg. Gap)."""
-    raw: dict[str, Any] = read_eval_config(config_path) if config_path else {}
+    raw: dict[str, Any] = load_yaml(config_path, "evaluation config") if config_path else {}
     if model_dir is not None:
         raw["model_dir"] = str(model_dir)
     forget = dict(raw.get("forget") or {})
@@ -378,7 +46,7 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
     if classes:
         forget["classes"] = [int(c) for c in classes.split(",")]
     if ids:
-        forget["ids"] = [int(i) for i in ids.split(",")]
+        forget["sample_ids"] = [int(i) for i in ids.split(",")]
     if forget:
         raw["forget"] = forget
     if methods:
@@ -387,11 +55,7 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
     for key, value in (("lira_shadows", lira_shadows), ("seed", seed), ("out", out), ("plots", plots), ("cache_dir", cache_dir)):
         if value is not None:
             raw[key] = str(value) if isinstance(value, Path) else value
-    try:
-        config = EvalConfig.model_validate(raw)
-    except ValidationError as err:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
-        raise click.BadParameter("invalid evaluation config:\n" + "\n".join(lines)) from err
+    config = parse(EvalConfig, raw, f"evaluation config {config_path or '(command line)'}")
     result = evaluate(config)
     click.echo(result["table"])
     if config.out:

@@ -3,18 +3,18 @@
 Config (YAML; see configs/forget/*.yaml):
     model: path/to/model_dir          # model.safetensors + model.json (from `unlearn train`)
     forget: {sample_ids: [..]}        # or {ids_file: path}: one id a line, or CSV with sample_id
-    method: {name: lfoci-newton, settings: {...}}
+    method: {name: lfoci-newton, settings: {...}}   # or a bare name: configs/methods/<name>.yaml
     seed: 0
     device: cpu
     output: path/to/new_model_dir     # must not exist; written atomically
 Writes output/model.safetensors, output/model.json (the card, n and removed ids updated) and
-output/removal.json (the record: selected slices and T values, sigma, epsilon, timings ...).
+output/removal.json (the record: selected slices and T values, sigma, epsilon, timings ...;
+strict JSON: a non-finite number such as an infinite epsilon is written as null).
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -26,12 +26,14 @@ import click
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import ClusterError
-from jobs.config import ConfigError, load_config
-from jobs.distributed import ClusterOptions
-from jobs.removal import USER_WEIGHTS_FILE
-from pipeline.checkpoint import CheckpointMismatchError, save_safetensors
+from cluster.hooks import ClusterOptions
+from pipeline.checkpoint import CheckpointMismatchError
+from pipeline.config import ConfigError, load_config
 from pipeline.curvature import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
+from pipeline.jsonio import dumps
+from pipeline.methods.base import MethodRef
+from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
 from pipeline.models.card import write_model_dir
 
 
@@ -45,6 +47,11 @@ class ForgetSet(BaseModel):
         if (self.sample_ids is None) == (self.ids_file is None):
             raise ValueError("give exactly one of forget.sample_ids or forget.ids_file")
         return self
+
+    @property
+    def field(self) -> str:
+        """The field the user wrote the ids in (quoted by errors about unknown ids)."""
+        return "forget.sample_ids" if self.sample_ids is not None else f"forget.ids_file ({self.ids_file})"
 
     def resolve(self, base: Path) -> list[int]:
         if self.sample_ids is not None:
@@ -64,26 +71,25 @@ class ForgetSet(BaseModel):
         return ids
 
 
-class MethodChoice(BaseModel):
-    """The method to run and its settings; ``per_method`` holds settings for methods chosen
-    with ``--method`` on the command line."""
+class MethodChoice(MethodRef):
+    """The method to run and its parsed settings (a bare name loads configs/methods/<name>.yaml);
+    ``per_method`` holds settings for methods chosen with ``--method`` on the command line."""
 
-    model_config = ConfigDict(extra="forbid")
-    name: str = "lfoci-newton"
-    settings: dict[str, Any] = Field(default_factory=dict)
     per_method: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     def choose(self, name: str | None) -> "MethodChoice":
         if name is None or name == self.name:
             return self
-        return MethodChoice(name=name, settings=self.per_method.get(name, {}), per_method=self.per_method)
+        if name in self.per_method:
+            return MethodChoice(name=name, settings=self.per_method[name], per_method=self.per_method)
+        return MethodChoice.model_validate(name).model_copy(update={"per_method": self.per_method})
 
 
 class ForgetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Path
     forget: ForgetSet
-    method: MethodChoice = Field(default_factory=MethodChoice)
+    method: MethodChoice = Field(default_factory=lambda: MethodChoice.model_validate({}))
     seed: int = 0
     device: str = "cpu"
     batch_size: int = Field(1024, gt=0)
@@ -94,18 +100,10 @@ USER_ERRORS = (ConfigError, SampleIdError, CheckpointMismatchError, NonFiniteGra
                FileNotFoundError, ValueError, KeyError)
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, float) and math.isinf(obj):
-        return None
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
-
-
 def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None" = None) -> dict:
     """Run the removal and write the output directory atomically; returns the record.
-    ``cluster``: run the probe and the curvature on Ray workers (``jobs.distributed``)."""
-    from jobs.removal import remove
+    ``cluster``: run the probe and the curvature on Ray workers (``cluster.hooks``)."""
+    from pipeline.removal import remove
 
     model_dir = config.model if config.model.is_absolute() else base / config.model
     output = config.output if config.output.is_absolute() else base / config.output
@@ -115,12 +113,13 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
     with contextlib.ExitStack() as stack:
         hooks: dict[str, Any] = {}
         if cluster is not None:
-            from jobs.distributed import ray_removal_hooks
+            from cluster.hooks import ray_removal_hooks
 
             hooks = stack.enter_context(ray_removal_hooks(model_dir, cluster))
         describe = hooks.pop("describe", None)
         run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
-                     seed=config.seed, device=config.device, batch_size=config.batch_size, **hooks)
+                     seed=config.seed, device=config.device, batch_size=config.batch_size,
+                     field=config.forget.field, **hooks)
         if describe is not None:
             run.record["distributed"] = describe()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -128,8 +127,8 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
     try:
         write_model_dir(staging, run.new_state, run.card)
         if run.user_weights is not None:
-            save_safetensors(run.user_weights, staging / USER_WEIGHTS_FILE)
-        record_bytes = json.dumps(run.record, indent=2, default=_json_default).encode()
+            save_user_weights(staging / USER_WEIGHTS_FILE, run.user_weights)
+        record_bytes = dumps(run.record).encode()
         with open(staging / "removal.json", "wb") as fh:
             fh.write(record_bytes)
             fh.flush()
@@ -172,4 +171,4 @@ def command(config_path: Path, method_name: str | None, output: Path | None,
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     summary = {k: record.get(k) for k in ("method", "n_before", "n_after", "epsilon_spent", "wall_seconds")}
-    click.echo(json.dumps(summary, default=_json_default))
+    click.echo(dumps(summary, indent=None))

@@ -1,116 +1,60 @@
 """``unlearn mixed-linear-dist``: Mixed-Linear training + forgetting data-parallel across
 DeepSpeed ranks on this machine (loopback), launched with torchrun or the deepspeed launcher.
 
-Config (YAML; unknown fields are errors):
+Config (YAML; unknown fields are errors; example: configs/mixed-linear-dist/digits-mlp.yaml):
     model: runs/models/core          # model directory holding the core weights w_c
-    user_data: {source: digits, options: {dtype: float64}, split: train, sample_ids: null}
+    user_data: {source: digits, options: {}, split: train, sample_ids: null}
                                      # default: the model card's data, whole split
     forget: {sample_ids: [3, 30]}    # optional; without it only the user weights are trained
     init_user_weights: null          # OUTPUT/user_weights.safetensors of an earlier run: forget only
     settings: {user_last_modules: 1, user_parameters: [], sigma: 0.0, cg_rtol: 1.0e-10, cg_max_iter: null}
     weight_decay: 0.01
-    zero_stage: 0                    # ZeRO stage of the engine holding the user weights (0-3)
-    dtype: float64
+    dtype: float64                   # the core model AND the user data are cast to it
     batch_size: 256
-    seed: 0
+    zero_stage: 0                    # ZeRO stage of the engine holding the user weights (0-3)
+    backend: auto                    # auto | gloo | nccl
     output: runs/mixed-linear/core-users   # must not exist; written atomically by rank 0
 
-Each rank holds a contiguous shard of the user data; the products inside conjugate gradient
-are all-reduced (gloo on CPU, NCCL on GPU). See ``cluster.deepspeed_mixed_linear``.
+The job itself is ``pipeline.methods.mixed_linear.DataParallelJob`` / ``run_data_parallel``;
+``cluster.deepspeed_mixed_linear`` runs it on each rank.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import click
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from jobs.config import ConfigError, load_config
-
-
-class UserData(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    source: str | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
-    split: str = "train"
-    sample_ids: list[int] | None = None
+from cluster.net import LOOPBACK, free_port
+from jobs.usererrors import user_errors
+from pipeline.config import ConfigError, load_config
+from pipeline.methods.mixed_linear import DataParallelJob
 
 
-class ForgetIds(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    sample_ids: list[int] = Field(default_factory=list)
+class MixedLinearDistConfig(DataParallelJob):
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the engine holding the user weights")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo")
 
 
-class MixedSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    user_parameters: list[str] = Field(default_factory=list)
-    user_last_modules: int = Field(1, ge=1)
-    sigma: float = Field(0.0, ge=0)
-    cg_rtol: float = Field(1e-10, gt=0)
-    cg_max_iter: int | None = Field(None, gt=0)
+def to_spec(config: MixedLinearDistConfig):
+    """The rank-side spec for ``cluster.deepspeed_mixed_linear`` (paths already absolute)."""
+    from cluster.deepspeed_mixed_linear import RankSpec
 
-
-class MixedLinearDistConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: Path
-    user_data: UserData = Field(default_factory=UserData)
-    forget: ForgetIds = Field(default_factory=ForgetIds)
-    init_user_weights: Path | None = None
-    settings: MixedSettings = Field(default_factory=MixedSettings)
-    weight_decay: float = Field(0.01, ge=0)
-    zero_stage: int = Field(0, ge=0, le=3)
-    dtype: str = Field("float64", pattern="^(float32|float64)$")
-    batch_size: int = Field(256, gt=0)
-    seed: int = 0
-    backend: str = Field("auto", pattern="^(auto|gloo|nccl)$")
-    output: Path
-
-
-def _abs(base: Path, p: Path | None) -> str | None:
-    if p is None:
-        return None
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def to_spec(config: MixedLinearDistConfig, base: Path):
-    """The rank-side spec (absolute paths) for ``cluster.deepspeed_mixed_linear``."""
-    from cluster.deepspeed_mixed_linear import DistMixedLinearSpec
-
-    model_dir = _abs(base, config.model)
-    if not (Path(model_dir) / "model.json").exists():
-        raise ConfigError(f"model: {model_dir} is not a model directory (model.json missing)")
-    output = _abs(base, config.output)
-    if Path(output).exists():
-        raise ConfigError(f"output {output} already exists: choose a new output directory")
-    init = _abs(base, config.init_user_weights)
-    if init is not None and not Path(init).exists():
-        raise ConfigError(f"init_user_weights: {init} does not exist")
-    spec = DistMixedLinearSpec(
-        model_dir=model_dir, output=output, data_source=config.user_data.source,
-        data_options=config.user_data.options, data_split=config.user_data.split,
-        user_ids=config.user_data.sample_ids, forget_ids=config.forget.sample_ids,
-        weight_decay=config.weight_decay, user_parameters=config.settings.user_parameters,
-        user_last_modules=config.settings.user_last_modules, init_user_weights=init,
-        zero_stage=config.zero_stage, dtype=config.dtype, batch_size=config.batch_size,
-        cg_rtol=config.settings.cg_rtol, cg_max_iter=config.settings.cg_max_iter,
-        sigma=config.settings.sigma, seed=config.seed, backend=config.backend,
-    )
-    spec.validate()
-    return spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    if not (config.model / "model.json").exists():
+        raise ConfigError(f"model: {config.model} is not a model directory (model.json missing)")
+    if config.output.exists():
+        raise ConfigError(f"output: {config.output} already exists: choose a new output directory")
+    if config.init_user_weights is not None and not config.init_user_weights.exists():
+        raise ConfigError(f"init_user_weights: {config.init_user_weights} does not exist")
+    job = DataParallelJob.model_validate(config.model_dump(exclude={"zero_stage", "backend"}))
+    return RankSpec(job=job, zero_stage=config.zero_stage, backend=config.backend)
 
 
 def launch_command(launcher: str, nproc: int, port: int, spec_path: Path) -> list[str]:
@@ -118,12 +62,12 @@ def launch_command(launcher: str, nproc: int, port: int, spec_path: Path) -> lis
     module_args = ["cluster.deepspeed_mixed_linear", "--spec", str(spec_path)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                "--master_addr=127.0.0.1", f"--master_port={port}", "-m", *module_args]
+                f"--master_addr={LOOPBACK}", f"--master_port={port}", "-m", *module_args]
     deepspeed_bin = Path(sys.executable).with_name("deepspeed")
     if not deepspeed_bin.exists():
         raise click.ClickException(f"the deepspeed launcher is not installed next to {sys.executable}; "
                                    "use --launcher torchrun")
-    return [str(deepspeed_bin), f"--num_gpus={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
+    return [str(deepspeed_bin), f"--num_gpus={nproc}", f"--master_addr={LOOPBACK}", f"--master_port={port}",
             "--module", *module_args]
 
 
@@ -153,24 +97,30 @@ def command(config_path: Path, nproc: int, launcher: str, master_port: int | Non
     Writes OUTPUT/user_weights.safetensors and OUTPUT/mixed_linear.json (rank 0, atomically).
     """
     try:
-        config = load_config(MixedLinearDistConfig, config_path)
+        config = load_config(MixedLinearDistConfig, config_path, "mixed-linear-dist config", relative_paths=True)
         if zero_stage is not None:
             config.zero_stage = zero_stage
         if output is not None:
-            config.output = output
-        spec = to_spec(config, config_path.resolve().parent)
-    except (ConfigError, ValueError) as err:
+            config.output = output.resolve()
+        spec = to_spec(config)
+    except ValueError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
+    _launch(spec, launcher, nproc, master_port)
+
+
+@user_errors
+def _launch(spec, launcher: str, nproc: int, master_port: int | None) -> None:
     with tempfile.TemporaryDirectory(prefix="mixed-linear-dist-") as tmp:
         spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(spec.to_json())
+        spec_path.write_text(spec.model_dump_json())
         cmd = launch_command(launcher, nproc, master_port or free_port(), spec_path)
         proc = subprocess.run(cmd, env=launch_env())
     if proc.returncode != 0:
         click.echo(f"error: the {launcher} run failed with exit code {proc.returncode} (see the rank logs above)",
                    err=True)
         sys.exit(proc.returncode)
-    record = json.loads((Path(spec.output) / "mixed_linear.json").read_text())
-    click.echo(json.dumps({"output": spec.output, "world_size": record["world_size"],
+    output = spec.job.output
+    record = json.loads((Path(output) / "mixed_linear.json").read_text())
+    click.echo(json.dumps({"output": str(output), "world_size": record["world_size"],
                            "zero_stage": record["zero_stage"], "seconds": record["seconds"]}))

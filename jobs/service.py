@@ -10,7 +10,7 @@ Limits: body size (413), per-client token-bucket rate limit (429), JSON only (41
 
 Worker: pending (accepted) stream requests are applied in arrival order, in batches of at most
 ``batching.max_requests``, as soon as that many are pending or the oldest has waited
-``batching.max_wait_s``. The maths are ``jobs.removal.remove`` via ``jobs.applier``. On shutdown
+``batching.max_wait_s``. The maths are ``pipeline.removal.remove`` via ``jobs.applier``. On shutdown
 the HTTP server stops first, then the worker finishes the batch in flight and stops; requests
 still pending stay accepted in the ledger and are applied by the next start.
 """
@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobs.applier import BatchApplier, sync_rollbacks
-from jobs.removal import training_set
+from pipeline.removal import training_set
 from jobs.specs import ServiceConfig
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.data.requests import DeletionRequest

@@ -1,14 +1,18 @@
 """YAML specs of campaigns and of the stream service, validated with pydantic (unknown fields
-are errors). ``load_spec`` turns any problem into a ``SpecError`` whose message names the
-field and the fix. Relative paths in a spec are relative to the spec file's folder."""
+are errors). ``load_spec`` reads them through the one config loader (``pipeline.config``):
+any problem is a ``ConfigError`` whose message names the field and the fix. Relative paths in
+a spec are relative to the spec file's folder. ``method:`` is a ``MethodRef`` (a bare name
+loads configs/methods/<name>.yaml; the settings stay parsed)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline.config import ConfigError, load_config
+from pipeline.methods.base import MethodRef
 
 from pipeline.privacy.accountant import Budget
 from pipeline.store.versions import MODEL_NAME_PATTERN
@@ -16,8 +20,8 @@ from pipeline.store.versions import MODEL_NAME_PATTERN
 LEDGER_FILE = "ledger.sqlite3"
 
 
-class SpecError(ValueError):
-    """A spec or configuration file is invalid; the message lists each field and its fix."""
+class SpecError(ConfigError):
+    """A spec value is unusable at run time (e.g. a token source); the message names the fix."""
 
 
 class Strict(BaseModel):
@@ -27,25 +31,6 @@ class Strict(BaseModel):
 class ModelRef(Strict):
     store: Path = Field(description="folder of the version store (see `unlearn versions import`)")
     name: str = Field(pattern=MODEL_NAME_PATTERN.pattern, description="model name inside the store")
-
-
-class MethodRef(Strict):
-    name: str = Field(default="lfoci-newton", description="a registered removal method")
-    settings: dict[str, Any] = Field(default_factory=dict, description="the method's settings (its Settings fields)")
-
-    @model_validator(mode="after")
-    def _known_method(self) -> "MethodRef":
-        from pipeline.methods.base import get_method
-
-        impl = get_method(self.name)  # ValueError listing the known methods
-        try:
-            impl.Settings.model_validate(self.settings)
-        except ValidationError as err:
-            raise ValueError(
-                f"settings of method '{self.name}' are invalid: "
-                + "; ".join("settings." + line for line in format_errors(err, impl.Settings))
-            ) from None
-        return self
 
 
 class Limits(Strict):
@@ -63,7 +48,7 @@ class RaySpec(Strict):
     workers: int | None = Field(default=None, gt=0, description="number of workers; null = one per GPU, else per CPU")
 
     def options(self):
-        from jobs.distributed import ClusterOptions
+        from cluster.hooks import ClusterOptions
 
         return ClusterOptions(address=self.address, workers=self.workers)
 
@@ -159,87 +144,7 @@ class ServiceConfig(Strict):
 Spec = TypeVar("Spec", bound=BaseModel)
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation (``X``, ``X | None``, ``list[X]``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _submodel(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _walk(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, Any]:
-    """(the model class reached by ``loc``, the FieldInfo of its last named part)."""
-    owner: type[BaseModel] | None = cls
-    info = None
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if owner is None or part not in owner.model_fields:
-            return None, None
-        info = owner.model_fields[part]
-        owner = _submodel(info.annotation)
-    return owner, info
-
-
-def format_errors(err: ValidationError, cls: type[BaseModel]) -> list[str]:
-    """One line per error: the field path, what is wrong, and how to fix it."""
-    lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            owner, _ = _walk(cls, loc[:-1])
-            allowed = sorted(owner.model_fields) if owner is not None else []
-            lines.append(f"{where}: unknown field; remove it" + (f" (allowed here: {', '.join(allowed)})" if allowed else ""))
-            continue
-        _, info = _walk(cls, loc)
-        hint = f"; expected: {info.description}" if info is not None and info.description else ""
-        if e["type"] == "missing":
-            lines.append(f"{where}: required field is missing; add it{hint}")
-            continue
-        got = e.get("input")
-        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None else ""
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}{shown}{hint}")
-    return lines
-
-
-def _resolve_paths(obj: BaseModel, base: Path) -> None:
-    for name in type(obj).model_fields:
-        value = getattr(obj, name)
-        if isinstance(value, Path) and not value.is_absolute():
-            object.__setattr__(obj, name, (base / value).resolve())
-        elif isinstance(value, BaseModel):
-            _resolve_paths(value, base)
-        elif isinstance(value, list):
-            for item in value:
-                if isinstance(item, BaseModel):
-                    _resolve_paths(item, base)
-
-
 def load_spec(path: str | Path, cls: type[Spec], what: str = "spec") -> Spec:
-    """Read and validate a YAML spec; relative paths become relative to the file's folder."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"{what} {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise SpecError(f"{what} {path} is not valid YAML{at}: {problem}; fix the syntax") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{what} {path} is not UTF-8 text") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{what} {path} must be a YAML mapping of fields (got {type(raw).__name__}); "
-                        f"fields: {', '.join(cls.model_fields)}")
-    try:
-        spec = cls.model_validate(raw)
-    except ValidationError as err:
-        raise SpecError(f"{what} {path} is invalid:\n  - " + "\n  - ".join(format_errors(err, cls))) from None
-    _resolve_paths(spec, path.parent.resolve())
-    return spec
+    """Read and validate a YAML spec (``pipeline.config``); relative paths become relative to
+    the file's folder."""
+    return load_config(cls, path, what, relative_paths=True)

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 Batch = dict[str, Tensor]
@@ -71,6 +72,26 @@ def output_logits(outputs: Any) -> Tensor:
     return logits
 
 
+class PerturbOptions(BaseModel):
+    """How the probe perturbs the forget samples; the field names are the method settings'
+    (``perturb_sigma``, ``token_replacements``) all the way down, and unknown keys are errors.
+
+    It is also a read-only mapping of its fields, so ``task.perturb(batch, g, **options)``
+    works and re-validates."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    perturb_sigma: float = Field(0.1, ge=0, description="std of the input noise (dense inputs)")
+    token_replacements: int = Field(2, ge=1, description="tokens replaced per sequence (text)")
+
+    def keys(self) -> list[str]:
+        return list(type(self).model_fields)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
 @dataclass
 class Task:
     """Base task. Subclasses say which batch keys feed the model and how to perturb them."""
@@ -98,6 +119,11 @@ class Task:
 
     # -- perturbations for the probe -------------------------------------------------------
     def perturb(self, batch: Batch, generator: torch.Generator, **options: Any) -> Batch:
+        """A perturbed copy of ``batch``. ``options`` are ``PerturbOptions`` fields (a
+        ``PerturbOptions`` can be splatted): an unknown or misspelt key is an error."""
+        return self._perturb(batch, generator, PerturbOptions.model_validate(options))
+
+    def _perturb(self, batch: Batch, generator: torch.Generator, options: "PerturbOptions") -> Batch:
         raise NotImplementedError
 
 
@@ -110,10 +136,10 @@ class DenseInputTask(Task):
     def model_args(self, batch: Batch) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
         return (batch["x"],), {}
 
-    def perturb(self, batch: Batch, generator: torch.Generator, *, sigma: float = 0.1, **_: Any) -> Batch:
+    def _perturb(self, batch: Batch, generator: torch.Generator, options: "PerturbOptions") -> Batch:
         x = batch["x"]
         noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device="cpu").to(x.device)
-        return {**batch, "x": x + sigma * noise}
+        return {**batch, "x": x + options.perturb_sigma * noise}
 
 
 @dataclass
@@ -131,7 +157,8 @@ class TokenTask(Task):
             kwargs["attention_mask"] = batch["attention_mask"]
         return (), kwargs
 
-    def perturb(self, batch: Batch, generator: torch.Generator, *, k: int = 2, **_: Any) -> Batch:
+    def _perturb(self, batch: Batch, generator: torch.Generator, options: "PerturbOptions") -> Batch:
+        k = options.token_replacements
         ids = batch["input_ids"].clone()
         special = torch.tensor(self.special_ids, dtype=ids.dtype)
         mask = batch.get("attention_mask")

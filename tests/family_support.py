@@ -21,7 +21,7 @@ LFOCI_SMALL: dict[str, Any] = {"perturbations": 24, "pass_size": 24, "max_slices
 def train_model_dir(directory: Path, preset: str, options: dict, source: str, data_options: dict,
                     recipe: dict, init: dict | None = None) -> Path:
     """Train with the real ``unlearn train`` code path and return the model directory."""
-    from jobs.train import TrainConfig, run_training
+    from pipeline.trainer import TrainConfig, run_training
 
     config = TrainConfig.model_validate({
         "model": {"preset": preset, "options": options, **({"init": init} if init else {})},

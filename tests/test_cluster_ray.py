@@ -11,7 +11,7 @@ from cluster.curvature_pool import RayCurvatureFactory, plan_data_shards
 from cluster.pool import WorkerPool
 from cluster.probe_pool import RayProbeRunner, plan_shards
 from cluster.worker import FaultPlan
-from jobs.removal import remove
+from pipeline.removal import remove
 from pipeline.curvature import BlockHessian
 from pipeline.data import load_source
 from pipeline.models.card import load_model_dir

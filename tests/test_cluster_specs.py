@@ -11,7 +11,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from jobs.config import parse
+from pipeline.config import parse
 from jobs.forget import ForgetConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,6 +48,10 @@ def write_config(tmp_path: Path, model_dir: Path, **overrides) -> Path:
     return path
 
 
+def _reject_non_json(constant: str):
+    raise AssertionError(f"removal.json holds {constant}, which is not JSON")
+
+
 def invoke(path: Path, *extra: str):
     return CliRunner().invoke(cli, ["forget", "--config", str(path), *extra])
 
@@ -56,9 +60,11 @@ def test_forget_writes_model_and_record(tmp_path, model_dir):
     result = invoke(write_config(tmp_path, model_dir))
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
-    record = json.loads((out / "removal.json").read_text())
+    text = (out / "removal.json").read_text()
+    record = json.loads(text, parse_constant=_reject_non_json)  # strict JSON: no Infinity / NaN
+    assert record["settings"]["epsilon"] is None  # epsilon = infinity (no noise) is written as null
     card = json.loads((out / "model.json").read_text())
-    assert record["forget_ids"] == [1, 2, 3] and record["n_after"] == record["n_before"] - 3
+    assert record["sample_ids"] == [1, 2, 3] and record["n_after"] == record["n_before"] - 3
     assert card["training"]["removed_ids"] == [1, 2, 3] and card["training"]["n"] == record["n_after"]
     new = load_file(out / "model.safetensors")
     old = load_file(model_dir / "model.safetensors")
@@ -78,7 +84,7 @@ def test_help_lists_forget():
 
 
 BAD_INPUTS = {
-    "unknown id": (dict(forget={"sample_ids": [0, 99999]}), "not in the training set"),
+    "unknown id": (dict(forget={"sample_ids": [0, 99999]}), "forget.sample_ids has sample ids not in the training set"),
     "duplicate id": (dict(forget={"sample_ids": [1, 1]}), "duplicate"),
     "empty forget set": (dict(forget={"sample_ids": []}), "empty"),
     "epsilon zero": (dict(method={"name": "lfoci-newton", "settings": {"selection": "all", "epsilon": 0}}), "epsilon"),
@@ -144,12 +150,12 @@ def test_existing_output_is_not_overwritten(tmp_path, model_dir):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
-def test_forget_mixed_linear_from_the_cli_matches_retraining_the_user_weights(tmp_path):
-    """`unlearn forget --method mixed-linear` on a model directory with user weights:
-    the written user weights equal those trained on the retained data (float64 model)."""
-    from pipeline.checkpoint import save_safetensors
+def _mixed_linear_model_dir(tmp_path: Path, weight_decay: float = 0.01):
+    """A float64 MLP model directory with Mixed-Linear user weights trained on its whole
+    training set with ``weight_decay`` (and bound to it)."""
     from pipeline.linearized import LinearizedModel
-    from pipeline.methods.mixed_linear import train_user_weights, user_block, user_state
+    from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, UserWeights, save_user_weights, train_user_weights
+    from pipeline.methods.mixed_linear import user_block, user_state
 
     train = load_source("digits", {"dtype": "float64"})["train"]
     torch.manual_seed(0)
@@ -162,8 +168,19 @@ def test_forget_mixed_linear_from_the_cli_matches_retraining_the_user_weights(tm
     write_model_dir(core, model.state_dict(), card)
     block = user_block(model, last_modules=1)
     lin = LinearizedModel(model, task, block)
-    w_u = train_user_weights(lin, train, 0.01).user_weights
-    save_safetensors(user_state(block, model, w_u), core / "user_weights.safetensors")
+    w_u = train_user_weights(lin, train, weight_decay).user_weights
+    save_user_weights(core / USER_WEIGHTS_FILE, UserWeights(user_state(block, model, w_u), weight_decay,
+                                                            train.sample_ids.tolist()))
+    return core, model, block, lin, train
+
+
+def test_forget_mixed_linear_from_the_cli_matches_retraining_the_user_weights(tmp_path):
+    """`unlearn forget --method mixed-linear` on a model directory with user weights:
+    the written user weights equal those trained on the retained data (float64 model), and
+    they are bound to the retained ids: forgetting an already forgotten id is refused."""
+    from pipeline.methods.mixed_linear import read_user_weights, train_user_weights, user_state
+
+    core, model, block, lin, train = _mixed_linear_model_dir(tmp_path)
     forget_ids = [6, 17, 41]
     path = write_config(tmp_path, core, forget={"sample_ids": forget_ids},
                         method={"name": "lfoci-newton", "per_method": {"mixed-linear": {"cg_rtol": 1e-12}}})
@@ -175,7 +192,72 @@ def test_forget_mixed_linear_from_the_cli_matches_retraining_the_user_weights(tm
     for name, value in expected.items():
         rel = float(torch.linalg.vector_norm(written[name] - value) / torch.linalg.vector_norm(value))
         assert rel <= 1e-6, (name, rel)
+    bound = read_user_weights(tmp_path / "out" / "user_weights.safetensors")
+    assert bound.weight_decay == 0.01 and sorted(bound.sample_ids) == sorted(retain.sample_ids.tolist())
     # The core weights are untouched.
     new_core = load_file(tmp_path / "out" / "model.safetensors")
     for name, value in model.state_dict().items():
         assert torch.equal(new_core[name], value)
+
+
+def test_forget_mixed_linear_refuses_user_weights_of_another_lambda(tmp_path):
+    """User weights trained with lambda 0.05 on a model whose card says 0.01: refused, nothing written."""
+    core, *_ = _mixed_linear_model_dir(tmp_path, weight_decay=0.05)
+    path = write_config(tmp_path, core, forget={"sample_ids": [6]}, method={"name": "mixed-linear"})
+    result = invoke(path)
+    assert result.exit_code == 2 and "weight decay 0.05" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_forget_mixed_linear_refuses_user_weights_of_other_data(tmp_path):
+    """User weights trained on the whole split, but the model's training set has lost a sample
+    since (its card lists a removed id): the weights do not belong to this data; refused."""
+    core, *_ = _mixed_linear_model_dir(tmp_path)
+    card = json.loads((core / "model.json").read_text())
+    card["training"]["removed_ids"] = [3]
+    card["training"]["n"] -= 1
+    (core / "model.json").write_text(json.dumps(card))
+    path = write_config(tmp_path, core, forget={"sample_ids": [6]}, method={"name": "mixed-linear"})
+    result = invoke(path)
+    assert result.exit_code == 2 and "trained on other data" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_forget_mixed_linear_refuses_unbound_user_weights(tmp_path):
+    """A user-weights file that does not say which lambda and data it belongs to is refused."""
+    from pipeline.checkpoint import save_safetensors
+
+    core, *_ = _mixed_linear_model_dir(tmp_path)
+    save_safetensors(load_file(core / "user_weights.safetensors"), core / "user_weights.safetensors")
+    result = invoke(write_config(tmp_path, core, forget={"sample_ids": [6]}, method={"name": "mixed-linear"}))
+    assert result.exit_code == 2 and "does not say which lambda and data" in result.output, result.output
+
+
+def test_bare_method_name_loads_its_config_file(tmp_path, model_dir):
+    """`method: lfoci-newton` loads configs/methods/lfoci-newton.yaml; the record's settings are
+    exactly that file's (parsed once, kept typed)."""
+    from pipeline.config import CONFIGS_DIR
+    from pipeline.methods.base import MethodRef
+
+    ref = MethodRef.model_validate("lfoci-newton")
+    on_disk = yaml.safe_load((CONFIGS_DIR / "methods" / "lfoci-newton.yaml").read_text())
+    assert ref.settings == type(ref.settings).model_validate(on_disk["settings"])
+    for name in ("fisher", "ntk", "mixed-linear", "lfoci-newton"):
+        assert (CONFIGS_DIR / "methods" / f"{name}.yaml").exists(), name
+    # a bare name in a forget config; the file's default (selection lfoci, 1000 perturbations) runs
+    ids_config = write_config(tmp_path, model_dir, method="fisher")
+    result = invoke(ids_config)
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "out" / "removal.json").read_text())
+    assert record["method"] == "fisher" and record["settings"]["tradeoff"] == 1.0e-4
+
+
+def test_deeply_nested_config_is_refused_cleanly(tmp_path, model_dir):
+    """A YAML bomb of nesting gets a clear error, not a RecursionError traceback."""
+    path = tmp_path / "forget.yaml"
+    path.write_text("model: x\nforget: " + "[" * 5000 + "]" * 5000 + "\n")
+    result = invoke(path)
+    assert result.exit_code == 2 and "nests" in result.output and "Traceback" not in result.output, result.output
+    path.write_text("model: x\nforget: " + "[" * 80 + "]" * 80 + "\n")
+    result = invoke(path)
+    assert result.exit_code == 2 and "nests more than 64 levels" in result.output, result.output

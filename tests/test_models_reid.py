@@ -94,7 +94,7 @@ def test_removal_end_to_end_tiny(tiny_model_dir):
 
 @pytest.mark.slow
 def test_identity_forgetting_scorecard_has_retrieval_metrics(tiny_model_dir, tmp_path):
-    from jobs.evaluate import EvalConfig, evaluate
+    from pipeline.evaluate.protocol import EvalConfig, evaluate
 
     result = evaluate(EvalConfig.model_validate({
         "model_dir": str(tiny_model_dir), "forget": {"scenario": "class", "classes": [2]}, "methods": {},

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.config import load_config
+from pipeline.config import load_config
 from jobs.forget import ForgetConfig, run_forget
 from jobs.submit import DEFAULT_EXCLUDES, JOB_ENV
 from tests.ray_fixtures import LoopbackHead, write_trained_model_dir

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jobs.evaluate import EvalConfig, evaluate
+from pipeline.evaluate.protocol import EvalConfig, evaluate
 from jobs.train import command as train_command
 from pipeline.models.card import read_card
 
@@ -70,7 +70,7 @@ def test_eval_random_scenario_against_retrain_with_cache(model_dir, tmp_path):
     # convex model, all parameters: one Newton step lands much closer to Retrain than the original
     assert newton["relative_distance_to_retrain"] < 0.5
     assert newton["KL_forget_vs_retrain"] < rows["original"]["KL_forget_vs_retrain"]
-    assert len(result["forget_ids"]) == 12 and result["curve"]["removed"] == [0, 4, 8]
+    assert len(result["sample_ids"]) == 12 and result["curve"]["removed"] == [0, 4, 8]
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["rows"]["retrain"]["UA"] == pytest.approx(rows["retrain"]["UA"])
     assert (tmp_path / "plots" / "scorecard.png").stat().st_size > 1000

@@ -50,7 +50,7 @@ class SampleSet:
             {k: v[pos.to(v.device)] for k, v in self.columns.items()}, self.sample_ids[pos]
         )
 
-    def positions_of(self, ids: Sequence[int] | Tensor, *, field: str = "forget_ids") -> Tensor:
+    def positions_of(self, ids: Sequence[int] | Tensor, *, field: str = "sample_ids") -> Tensor:
         """Positions of the given sample ids; unknown, duplicate or no ids raise SampleIdError."""
         wanted = torch.as_tensor(list(ids) if not isinstance(ids, Tensor) else ids, dtype=torch.long)
         if wanted.numel() == 0:

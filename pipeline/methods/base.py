@@ -12,25 +12,52 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from pathlib import Path
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleIdError, SampleSet
 from pipeline.privacy.release import PrivacyRelease
-from pipeline.tasks import Task
+from pipeline.tasks import Batch, PerturbOptions, Task
+
+if TYPE_CHECKING:
+    from pipeline.curvature import LinearOperator
+    from pipeline.param_block import ParamBlock
+    from pipeline.probe import ProbeResult
+
+__all__ = [
+    "CurvatureFactory", "METHODS", "MethodRef", "MethodSettings", "PerturbOptions", "ProbeRunner", "RandomStream",
+    "RemovalMethod", "RemovalOutcome", "RemovalProblem", "StageHook", "get_method", "register_method", "stream_seed",
+]
 
 
-# (model, task, forget batch, seed, perturbations, pass_size, perturb options) -> ProbeResult
-ProbeRunner = Callable[..., Any]
-# (model, task, data, block, weight_decay, reduction=..., batch_size=...) -> LinearOperator
-CurvatureFactory = Callable[..., Any]
+class ProbeRunner(Protocol):
+    """Runs the probe: ``perturbations`` perturbed forward passes of the forget batch, one
+    scalar per slice per perturbation (``pipeline.probe.run_probe`` in this process;
+    ``cluster.probe_pool.RayProbeRunner`` on Ray workers). The result is the same either way."""
+
+    def __call__(
+        self, model: nn.Module, task: Task, forget: Batch, *, seed: int, perturbations: int,
+        pass_size: int, perturb_options: PerturbOptions,
+    ) -> "ProbeResult": ...
+
+
+class CurvatureFactory(Protocol):
+    """Builds the restricted Hessian H_P(data) (+ lambda I) as a linear operator
+    (``pipeline.curvature.BlockHessian`` in this process; ``cluster.curvature_pool.
+    RayCurvatureFactory`` on Ray workers)."""
+
+    def __call__(
+        self, model: nn.Module, task: Task, data: SampleSet, block: "ParamBlock", weight_decay: float, *,
+        reduction: str = "mean", batch_size: int = 1024,
+    ) -> "LinearOperator": ...
 
 
 class RandomStream(IntEnum):
@@ -174,3 +201,68 @@ def get_method(name: str) -> RemovalMethod:
 def parse_settings(name: str, raw: dict[str, Any] | None) -> MethodSettings:
     method = get_method(name)
     return method.Settings.model_validate(raw or {})
+
+
+def method_config_path(name: str) -> "Path":
+    """``configs/methods/<name>.yaml``: the method's settings file that a bare name refers to."""
+    from pipeline.config import CONFIGS_DIR
+
+    return CONFIGS_DIR / "methods" / f"{name}.yaml"
+
+
+class MethodRef(BaseModel):
+    """A removal method and its parsed, typed settings, as written in a config:
+
+        method: fisher                                   # bare name: configs/methods/fisher.yaml
+        method: {name: lfoci-newton, settings: {epsilon: 1.0}}
+
+    The settings are parsed once, here, into the method's ``Settings`` and kept (never dropped
+    and re-parsed); errors name the field (``method.settings.<field>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("lfoci-newton", description="a registered removal method")
+    settings: SerializeAsAny[MethodSettings] = Field(
+        default_factory=MethodSettings, description="the method's settings (its Settings fields)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, raw: Any) -> Any:
+        if raw is None:
+            raw = {}
+        if isinstance(raw, str):
+            raw = cls._from_file(raw)
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        name = raw.setdefault("name", "lfoci-newton")
+        impl = get_method(str(name))  # ValueError listing the known methods
+        settings = raw.get("settings")
+        if not isinstance(settings, impl.Settings):
+            try:
+                raw["settings"] = impl.Settings.model_validate(settings or {})
+            except ValidationError as err:
+                from pipeline.config import format_errors
+
+                raise ValueError(f"settings of method '{name}' are invalid: "
+                                 + "; ".join(format_errors(err, impl.Settings, prefix="settings."))) from None
+        return raw
+
+    @staticmethod
+    def _from_file(name: str) -> dict[str, Any]:
+        from pipeline.config import load_yaml
+
+        get_method(name)  # unknown names fail with the list of methods, before any file is read
+        path = method_config_path(name)
+        if not path.exists():
+            return {"name": name}
+        raw = load_yaml(path, f"method config for '{name}'")
+        if raw.get("name", name) != name:
+            raise ValueError(f"{path} configures method '{raw.get('name')}', not '{name}'")
+        return {"name": name, "settings": raw.get("settings") or {}}
+
+    @model_validator(mode="after")
+    def _typed(self) -> "MethodRef":
+        impl = get_method(self.name)
+        if not isinstance(self.settings, impl.Settings):
+            raise ValueError(f"settings of type {type(self.settings).__name__} do not belong to method '{self.name}'")
+        return self

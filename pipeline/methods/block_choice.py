@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from pipeline.methods.base import RandomStream, RemovalProblem
+from pipeline.methods.base import PerturbOptions, RandomStream, RemovalProblem
 from pipeline.param_block import ParamBlock
 from pipeline.probe import ProbeResult, SliceMap, run_probe
 
@@ -41,7 +41,7 @@ def choose_lfoci(problem: RemovalProblem, settings: Any) -> tuple[ParamBlock, di
     slice_map = SliceMap(problem.model)
     forget = problem.forget.columns
     runner = problem.probe_runner or local_probe
-    options = {"sigma": settings.perturb_sigma, "k": settings.token_replacements}
+    options = PerturbOptions(perturb_sigma=settings.perturb_sigma, token_replacements=settings.token_replacements)
     probe = runner(problem.model, problem.task, forget, seed=problem.seed,
                    perturbations=settings.perturbations, pass_size=settings.pass_size, perturb_options=options)
     timings["probe"] = time.perf_counter() - t0

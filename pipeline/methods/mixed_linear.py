@@ -19,7 +19,7 @@ Training and forgetting are both one exact Newton step on this quadratic, solved
 by conjugate gradient on Jacobian-vector (``torch.func.jvp``) and vector-Jacobian
 (``torch.func.vjp``) products, to a relative residual ``rtol``:
     train:   w_u = w_init - H_D^{-1} grad L_D(w_init)       (any w_init; default 0)
-    forget:  w_u <- w_u - H_Dr^{-1} grad L_Dr(w_u)  (+ sigma * N(0, I), seeded)
+    forget:  w_u <- w_u - H_Dr^{-1} grad L_Dr(w_u)  (+ sigma * N(0, I), secret)
 so forgetting D_f lands on the weights retrained on D_r = D \\ D_f up to the CG tolerance,
 and sequential requests compose exactly. Forgetting all user data is w_u = 0 (the core model).
 
@@ -28,21 +28,32 @@ count) is computed on this process's shard and then passed through ``allreduce``
 default). To run across ranks, pass e.g.
     def allreduce(t): torch.distributed.all_reduce(t); return t
 The tensors handed to ``allreduce`` are float64 on the model's device (NCCL supports float64).
-Vectors (w_u, CG iterates) are CPU float64 and identical on every rank, so CG stays in step;
-noise draws must use the same seed on every rank.
+Vectors (w_u, CG iterates) are CPU float64 and identical on every rank, so CG stays in step.
+Noise is secret (OS CSPRNG, ``pipeline.privacy.noise.secret_standard_normal``): the root rank
+draws it and the others contribute zeros to one ``allreduce``, so every rank adds the same
+draw and nothing (no seed, no record) can regenerate it. ``run_data_parallel`` is the whole
+data-parallel job of one rank (load the core model and the user data, shard, train and/or
+forget); ``cluster.deepspeed_mixed_linear`` supplies the process group, the reduction and the
+ZeRO store of the weights.
+
+Binding: user weights are only meaningful for the lambda and the data they were trained on.
+``UserWeights`` carries both (the file ``USER_WEIGHTS_FILE`` keeps them in its metadata), and a
+forget against another lambda or other data is refused (``UserWeightsBindingError``).
 
 Defects of the one public reimplementation avoided: it crashes at the forgetting step, trains
 with SGD instead of solving, has a Hessian scale mismatch and adds no noise.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from pipeline.curvature import LinearOperator, SolveInfo, conjugate_gradient
@@ -50,12 +61,80 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.linearized import BatchProducts, LinearizedModel, batch_products, output_targets
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.param_block import ParamBlock
+from pipeline.privacy.noise import secret_standard_normal
+from pipeline.privacy.release import Guarantee, PrivacyRelease
+from pipeline.probe import eval_mode_restored
 
 Allreduce = Callable[[Tensor], Tensor]
 
 #: Prefix of the user-weight entries in ``RemovalOutcome.new_parameters`` (full parameter
 #: shapes, zero outside the block's rows); the core parameters are never changed.
 USER_WEIGHT_PREFIX = "mixed_linear.user."
+
+#: Mixed-Linear models keep their user weights w_u beside the core weights, in this file of
+#: the model directory (full parameter shapes, zero outside the user block; the metadata holds
+#: the lambda and the sample ids they were trained on).
+USER_WEIGHTS_FILE = "user_weights.safetensors"
+
+#: The flat block-coordinate vector inside a user-weights file written by the data-parallel job.
+FLAT_KEY = "mixed_linear.flat"
+
+_FORMAT = "mixed-linear-user-weights/1"
+
+
+class UserWeightsBindingError(ValueError):
+    """User weights used with a lambda or data other than those they were trained on."""
+
+
+@dataclass
+class UserWeights:
+    """w_u (per-parameter full-shaped tensors, or a flat block vector) and what they are bound
+    to: the weight decay lambda and the ids of the user data they minimise L_D on."""
+
+    weights: dict[str, Tensor] | Tensor
+    weight_decay: float
+    sample_ids: list[int]
+
+    def check(self, weight_decay: float, sample_ids: Sequence[int]) -> None:
+        """Refuse a use against another lambda or other data (``UserWeightsBindingError``)."""
+        if not math.isclose(self.weight_decay, weight_decay, rel_tol=1e-12, abs_tol=0.0):
+            raise UserWeightsBindingError(
+                f"the user weights were trained with weight decay {self.weight_decay!r} but this forget uses "
+                f"{weight_decay!r}: forget with the lambda they were trained with, or retrain the user weights")
+        trained, given = set(self.sample_ids), {int(i) for i in sample_ids}
+        if trained != given:
+            extra, missing = sorted(given - trained), sorted(trained - given)
+            raise UserWeightsBindingError(
+                "the user weights were trained on other data than this model's training set "
+                f"({len(missing)} of their samples are missing here, e.g. {missing[:5]}; {len(extra)} samples "
+                f"here were never trained on, e.g. {extra[:5]}): retrain the user weights on this data")
+
+
+def save_user_weights(path: str | Path, user: UserWeights) -> str:
+    """Write ``user`` (a dict of tensors) with its binding in the safetensors metadata."""
+    from pipeline.checkpoint import save_safetensors
+
+    if isinstance(user.weights, Tensor):
+        raise TypeError("save per-parameter tensors (user_state(...)), not a flat vector")
+    metadata = {"format": _FORMAT, "weight_decay": repr(float(user.weight_decay)),
+                "sample_ids": json.dumps(sorted(int(i) for i in user.sample_ids))}
+    return save_safetensors(user.weights, path, metadata=metadata)
+
+
+def read_user_weights(path: str | Path) -> UserWeights:
+    """A user-weights file and its binding; a file without one is refused."""
+    from safetensors import safe_open
+
+    from pipeline.checkpoint import read_state_dict
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    if meta.get("format") != _FORMAT:
+        raise UserWeightsBindingError(
+            f"{path} does not say which lambda and data its user weights were trained on; "
+            "retrain them (unlearn mixed-linear-dist) or save them with pipeline.methods.mixed_linear.save_user_weights")
+    return UserWeights(read_state_dict(path), weight_decay=float(meta["weight_decay"]),
+                       sample_ids=[int(i) for i in json.loads(meta["sample_ids"])])
 
 
 def no_allreduce(t: Tensor) -> Tensor:
@@ -206,18 +285,16 @@ def train_user_weights(
 
 def forget_user_data(
     lin: LinearizedModel, user_weights: Tensor, retain: SampleSet, weight_decay: float, *,
-    sigma: float = 0.0, generator: torch.Generator | None = None, rtol: float = 1e-10,
+    sigma: float = 0.0, root: bool = True, rtol: float = 1e-10,
     max_iter: int | None = None, allreduce: Allreduce = no_allreduce, batch_size: int = 256,
     outputs: int | None = None, cache: bool = True,
 ) -> MixedLinearResult:
     """Forget everything not in ``retain`` (this rank's retained user samples):
     w_u <- w_u - H_Dr^{-1} grad L_Dr(w_u) + sigma * N(0, I). Exact (up to ``rtol``) for the
-    quadratic; apply it again for a later request. ``generator`` is required when sigma > 0
-    and must be seeded identically on every rank."""
+    quadratic; apply it again for a later request. The noise is secret: the ``root`` rank
+    draws it from the OS CSPRNG and ``allreduce`` hands the same draw to every rank."""
     if sigma < 0 or not math.isfinite(sigma):
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
-    if sigma > 0 and generator is None:
-        raise ValueError("sigma > 0 needs an explicit seeded torch.Generator (same seed on every rank)")
     t = time.perf_counter()
     objective = UserObjective(lin, retain, weight_decay, allreduce, batch_size, outputs, cache)
     if objective.count == 0:
@@ -227,13 +304,15 @@ def forget_user_data(
     g_exact = objective.gradient(w)
     noise = torch.zeros_like(w)
     if sigma > 0:
-        noise = sigma * torch.randn(w.shape, generator=generator, dtype=torch.float64)
+        local = sigma * secret_standard_normal(w.numel()) if root else torch.zeros_like(w)
+        noise = allreduce(local.to(lin.device)).to("cpu", torch.float64)
     record = {
         "samples_retained": objective.count, "outputs": objective.outputs, "user_dim": lin.dim,
         "hessian_scale": objective.scale, "weight_decay": weight_decay,
         "retain_gradient_norm_before": _norm(g0), "retain_gradient_norm_after": _norm(g_exact),
         "step_norm": _norm(w - user_weights.to("cpu", torch.float64)),
-        "noise_sigma": sigma, "noise_norm": _norm(noise), "solver": info.__dict__,
+        "noise": {"sigma": sigma, "source": "os-csprng" if sigma > 0 else None}, "noise_norm": _norm(noise),
+        "solver": info.__dict__,
         "seconds": time.perf_counter() - t,
     }
     return MixedLinearResult(w + noise, info, record)
@@ -280,48 +359,228 @@ def user_vector(block: ParamBlock, weights: Tensor | Mapping[str, Tensor]) -> Te
 
 # -- the RemovalMethod wrapper ------------------------------------------------------------------
 class MixedLinearSettings(MethodSettings):
+    """The one settings model of Mixed-Linear forgetting (``unlearn forget``, campaigns, the
+    stream service and ``unlearn mixed-linear-dist`` all use it)."""
+
     user_parameters: list[str] = Field(
         default_factory=list, description="qualified names of the user parameters; empty: the last modules")
     user_last_modules: int = Field(1, ge=1, description="user block = parameters of the last k modules")
-    sigma: float = Field(0.0, ge=0, description="std of the Gaussian noise added after the Newton step")
+    sigma: float = Field(0.0, ge=0, description="std of the secret Gaussian noise added after the Newton step")
     cg_rtol: float = Field(1e-10, gt=0, description="CG stops at ||r|| <= cg_rtol ||b||")
     cg_max_iter: int | None = Field(None, gt=0, description="CG iteration cap (default 2 * block size)")
+
+
+def _release(sigma: float) -> PrivacyRelease:
+    if sigma <= 0:
+        return PrivacyRelease.non_private()
+    return PrivacyRelease(mechanism="gaussian", sigma=sigma, guarantee=Guarantee.NONE,
+                          reasons=["Mixed-Linear noise is not calibrated to a privacy budget: no (epsilon, delta) claim"])
 
 
 @register_method
 class MixedLinear(RemovalMethod):
     """``problem.model`` holds the core weights w_c and ``problem.train`` the user data D.
-    ``problem.extras``: ``"user_weights"`` (required: flat block vector or per-parameter dict,
-    as trained by ``train_user_weights``); optional ``"user_block"`` (a ParamBlock overriding
-    the settings). The outcome's ``new_parameters`` holds the new user weights under
-    ``USER_WEIGHT_PREFIX + name`` (full parameter shapes); ``extras["user_weights"]`` is
-    replaced by the new flat vector. The core weights are not changed."""
+    ``problem.extras``: ``"user_weights"`` (required: a ``UserWeights`` bound to lambda and to
+    exactly the ids of ``problem.train``, as trained by ``train_user_weights``); optional
+    ``"user_block"`` (a ParamBlock overriding the settings). The outcome's ``new_parameters``
+    holds the new user weights under ``USER_WEIGHT_PREFIX + name`` (full parameter shapes);
+    ``extras["user_weights"]`` is replaced by the new ``UserWeights`` (flat vector, bound to
+    the retained ids). The core weights are not changed."""
 
     name = "mixed-linear"
     Settings = MixedLinearSettings
 
     def run(self, problem: RemovalProblem, settings: MixedLinearSettings) -> RemovalOutcome:  # type: ignore[override]
-        if "user_weights" not in problem.extras:
+        user = problem.extras.get("user_weights")
+        if user is None:
             raise ValueError(
                 "Mixed-Linear forgetting needs the trained user weights w_u in problem.extras['user_weights'] "
                 "(train them with pipeline.methods.mixed_linear.train_user_weights on the user data)")
+        if not isinstance(user, UserWeights):
+            raise UserWeightsBindingError(
+                "problem.extras['user_weights'] must be a UserWeights: the weights together with the weight decay "
+                "and the sample ids they were trained on")
+        user.check(problem.weight_decay, problem.train.sample_ids.tolist())
         model = problem.model
+        timings: dict[str, float] = {}
         block = problem.extras.get("user_block") or user_block(
             model, settings.user_parameters or None, settings.user_last_modules)
-        w_u = user_vector(block, problem.extras["user_weights"])
-        was_training = model.training
-        model.eval()
-        try:
+        w_u = user_vector(block, user.weights)
+        with eval_mode_restored(model), problem.stage("forget", timings):
             lin = LinearizedModel(model, problem.task, block)
             result = forget_user_data(
                 lin, w_u, problem.retain, problem.weight_decay, sigma=settings.sigma,
-                generator=problem.generator(stream=5), rtol=settings.cg_rtol, max_iter=settings.cg_max_iter,
-                batch_size=problem.batch_size)
-        finally:
-            model.train(was_training)
-        problem.extras["user_weights"] = result.user_weights
+                rtol=settings.cg_rtol, max_iter=settings.cg_max_iter, batch_size=problem.batch_size)
+        retained = problem.retain.sample_ids.tolist()
+        problem.extras["user_weights"] = UserWeights(result.user_weights, problem.weight_decay, retained)
         state = user_state(block, model, result.user_weights)
         new_parameters = {USER_WEIGHT_PREFIX + k: v for k, v in state.items()}
         record = {"user_block": block.describe() if block.numel <= 100_000 else len(block.parts),
-                  "forgotten": problem.m, **result.record}
-        return RemovalOutcome(new_parameters, record)
+                  "forgotten": problem.m, **result.record, "timings": timings}
+        return RemovalOutcome(new_parameters, record, release=_release(settings.sigma))
+
+
+# -- the data-parallel job of one rank ----------------------------------------------------------
+class WeightStore(Protocol):
+    """Where the user-weight vector lives between the steps (a ZeRO engine across ranks)."""
+
+    def read(self) -> Tensor: ...
+
+    def write(self, w: Tensor) -> None: ...
+
+
+class LocalWeightStore:
+    """The single-process store: a CPU float64 copy."""
+
+    def __init__(self, dim: int) -> None:
+        self.w = torch.zeros(dim, dtype=torch.float64)
+
+    def read(self) -> Tensor:
+        return self.w.clone()
+
+    def write(self, w: Tensor) -> None:
+        self.w = w.detach().to("cpu", torch.float64).clone()
+
+
+class UserDataRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str | None = Field(None, description="a registered data source; null = the model card's")
+    options: dict[str, Any] = Field(default_factory=dict, description="the source's options")
+    split: str = Field("train", description="the split holding the user data")
+    sample_ids: list[int] | None = Field(None, description="the user samples; null = the whole split")
+
+
+class ForgetRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sample_ids: list[int] = Field(default_factory=list, description="user sample ids to forget")
+
+
+class DataParallelJob(BaseModel):
+    """One Mixed-Linear run across ranks: train the user weights (or load them), then forget."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Path = Field(description="model directory holding the core weights w_c")
+    output: Path = Field(description="folder to write (must not exist)")
+    user_data: UserDataRef = Field(default_factory=UserDataRef)
+    forget: ForgetRef = Field(default_factory=ForgetRef)
+    init_user_weights: Path | None = Field(None, description="user_weights.safetensors of an earlier run: forget only")
+    settings: MixedLinearSettings = Field(default_factory=MixedLinearSettings)
+    weight_decay: float = Field(0.01, ge=0, allow_inf_nan=False, description="lambda of the user objective")
+    dtype: Literal["float32", "float64"] = Field("float64", description="dtype of the core model AND the user data")
+    batch_size: int = Field(256, gt=0)
+
+
+def contiguous_shard(n: int, rank: int, world: int) -> Tensor:
+    """Positions [rank n / world, (rank+1) n / world) (possibly empty)."""
+    return torch.arange(rank * n // world, (rank + 1) * n // world)
+
+
+def in_dtype(data: SampleSet, dtype: torch.dtype) -> SampleSet:
+    """``data`` with every floating column in ``dtype`` (inputs must match the model's dtype)."""
+    return SampleSet({k: v.to(dtype) if v.is_floating_point() else v for k, v in data.columns.items()},
+                     data.sample_ids)
+
+
+def _load_core(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Any, Any]:
+    from pipeline.checkpoint import load_into, read_state_dict
+    from pipeline.models.card import WEIGHTS_FILE, read_card
+    from pipeline.models.registry import build
+
+    card = read_card(model_dir)
+    model, task = build(card.preset, card.options)
+    model = model.to(dtype)
+    load_into(model, read_state_dict(model_dir / WEIGHTS_FILE), source=str(model_dir))
+    return model.eval(), task, card
+
+
+def _user_data(job: DataParallelJob, card: Any, dtype: torch.dtype) -> SampleSet:
+    from pipeline.data import load_source
+
+    ref = job.user_data
+    source = ref.source or card.data.source
+    options = ref.options if ref.source else (ref.options or card.data.options)
+    splits = load_source(source, options)
+    if ref.split not in splits:
+        raise ValueError(f"user_data.split '{ref.split}' is not a split of '{source}' (has {sorted(splits)})")
+    user = splits[ref.split]
+    if ref.sample_ids is not None:
+        user = user.take(user.positions_of(ref.sample_ids, field="user_data.sample_ids"))
+    return in_dtype(user, dtype)
+
+
+def run_data_parallel(
+    job: DataParallelJob, *, rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
+    allreduce: Allreduce = no_allreduce, store_factory: Callable[[int], WeightStore] = LocalWeightStore,
+    context: Mapping[str, Any] | None = None, log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """This rank's part of a data-parallel Mixed-Linear run; returns the record. Every rank
+    loads the core model and the user data in ``job.dtype``, keeps its contiguous shard and
+    passes every sum over samples through ``allreduce``; rank 0 writes
+    OUTPUT/user_weights.safetensors (bound to lambda and the final data) and
+    OUTPUT/mixed_linear.json, atomically."""
+    from pipeline.checkpoint import save_safetensors  # noqa: F401  (checked importable before work)
+
+    started = time.perf_counter()
+    dtype = getattr(torch, job.dtype)
+    model, task, card = _load_core(Path(job.model), dtype)
+    model = model.to(device)
+    s = job.settings
+    block = user_block(model, s.user_parameters or None, s.user_last_modules)
+    lin = LinearizedModel(model, task, block)
+    user = _user_data(job, card, dtype)
+    first = next(user.batches(1))
+    outputs = int(lin.base_outputs({k: v.to(device) for k, v in first.items()}).shape[1])
+    store = store_factory(block.numel)
+    common: dict[str, Any] = dict(rtol=s.cg_rtol, max_iter=s.cg_max_iter, allreduce=allreduce,
+                                  batch_size=job.batch_size, outputs=outputs)
+    record: dict[str, Any] = {**(context or {}), "world_size": world, "device": str(device), "dtype": job.dtype,
+                              "user_dim": block.numel, "user_samples": len(user), "user_block": block.describe(),
+                              "weight_decay": job.weight_decay}
+    user_ids = user.sample_ids.tolist()
+    if job.init_user_weights:
+        loaded = read_user_weights(job.init_user_weights)
+        loaded.check(job.weight_decay, user_ids)
+        w = user_vector(block, {k: v for k, v in loaded.weights.items() if k != FLAT_KEY})
+        record["train"] = {"loaded_from": str(job.init_user_weights)}
+    else:
+        shard = user.take(contiguous_shard(len(user), rank, world)).to(device)
+        result = train_user_weights(lin, shard, job.weight_decay, **common)
+        w = result.user_weights
+        record["train"] = result.record
+    store.write(w)
+    final_ids = user_ids
+    if job.forget.sample_ids:
+        retain = user.without(user.positions_of(job.forget.sample_ids, field="forget.sample_ids"))
+        shard = retain.take(contiguous_shard(len(retain), rank, world)).to(device)
+        result = forget_user_data(lin, store.read(), shard, job.weight_decay, sigma=s.sigma, root=rank == 0, **common)
+        store.write(result.user_weights)
+        record["forget"] = {"sample_ids": list(job.forget.sample_ids), **result.record}
+        final_ids = retain.sample_ids.tolist()
+    final = store.read()
+    record["seconds"] = time.perf_counter() - started
+    if rank == 0:
+        tensors = {k: v.contiguous() for k, v in user_state(block, model, final).items()}
+        tensors[FLAT_KEY] = final
+        _write_outputs(Path(job.output), UserWeights(tensors, job.weight_decay, final_ids), record)
+        log(f"rank 0 of {world}: wrote {job.output} ({record['seconds']:.1f} s)")
+    return record
+
+
+def _write_outputs(output: Path, user: UserWeights, record: dict[str, Any]) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    from pipeline.jsonio import dumps
+
+    if output.exists():
+        raise FileExistsError(f"output {output} already exists: choose a new output directory")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        save_user_weights(staging / USER_WEIGHTS_FILE, user)
+        (staging / "mixed_linear.json").write_text(dumps(record))
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,6 +1,6 @@
 """Wiring the Ray pools into a removal: ``ray_removal_hooks`` yields the keyword arguments
-(``probe_runner``, ``curvature_factory``) that ``jobs.removal.remove`` takes, backed by one
-pool of workers that each load the model directory once.
+(``probe_runner``, ``curvature_factory``) that ``pipeline.removal.remove`` takes, backed by
+one pool of workers that each load the model directory once.
 
 Used by ``unlearn forget --workers N [--address ...]``; inside ``ray job submit`` the job's
 ``RAY_ADDRESS`` is picked up, so the pool lands on the cluster that runs the job.

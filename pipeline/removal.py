@@ -1,26 +1,27 @@
 """Apply one removal to a model directory, in memory: the wiring between a model card, its
-training data and a registered method. Used by `unlearn forget`, campaigns and the stream
-service alike."""
+training data and a registered method. ``unlearn forget``, campaigns, the stream service,
+the evaluation protocol, benchmarks and tests all call ``remove``; nothing is written here.
+
+Sample ids keep one name from the request file to the record: ``sample_ids``. An unknown id
+is a ``SampleIdError`` quoting the field the caller says the user wrote (``field``, e.g.
+``forget.sample_ids``).
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from pipeline.data import SampleSet, load_source
-from pipeline.methods.base import CurvatureFactory, ProbeRunner, RemovalProblem, get_method
-from pipeline.checkpoint import read_state_dict
-from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX
+from pipeline.methods.base import CurvatureFactory, MethodSettings, ProbeRunner, RemovalProblem, StageHook, get_method
+from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX, USER_WEIGHTS_FILE, UserWeights, read_user_weights
 from pipeline.models.card import ModelCard, load_model_dir
 
-
-#: Mixed-Linear models keep their user weights w_u beside the core weights, in this file of
-#: the model directory (full parameter shapes, zero outside the user block).
-USER_WEIGHTS_FILE = "user_weights.safetensors"
+__all__ = ["RemovalRun", "USER_WEIGHTS_FILE", "remove", "training_set"]
 
 
 @dataclass
@@ -28,7 +29,7 @@ class RemovalRun:
     new_state: dict[str, Tensor]
     card: ModelCard
     record: dict[str, Any]
-    user_weights: dict[str, Tensor] | None = None  # for Mixed-Linear models: the new w_u
+    user_weights: UserWeights | None = None  # for Mixed-Linear models: the new w_u, bound to D_r
 
 
 def training_set(card: ModelCard) -> SampleSet:
@@ -38,7 +39,7 @@ def training_set(card: ModelCard) -> SampleSet:
         raise ValueError(f"data split '{card.data.split}' not in source '{card.data.source}' (has {sorted(splits)})")
     full = splits[card.data.split]
     if card.training.removed_ids:
-        full = full.without(full.positions_of(card.training.removed_ids, field="removed_ids"))
+        full = full.without(full.positions_of(card.training.removed_ids, field="model card training.removed_ids"))
     if len(full) != card.training.n:
         raise ValueError(
             f"the model card says n={card.training.n} training samples but the data gives {len(full)}; "
@@ -47,37 +48,52 @@ def training_set(card: ModelCard) -> SampleSet:
     return full
 
 
+def parse_method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | None) -> MethodSettings:
+    """The method's typed settings: an already parsed ``Settings`` is used as it is."""
+    impl = get_method(method)
+    if isinstance(settings, MethodSettings):
+        if not isinstance(settings, impl.Settings):
+            raise ValueError(f"settings of type {type(settings).__name__} do not belong to method '{method}'")
+        return settings
+    return impl.Settings.model_validate(dict(settings or {}))
+
+
 def remove(
     model_dir: str | Path,
-    forget_ids: list[int],
+    sample_ids: Sequence[int],
     *,
     method: str = "lfoci-newton",
-    settings: dict[str, Any] | None = None,
+    settings: MethodSettings | Mapping[str, Any] | None = None,
     seed: int = 0,
     device: str = "cpu",
     batch_size: int = 1024,
     probe_runner: ProbeRunner | None = None,
     curvature_factory: CurvatureFactory | None = None,
+    stage_hook: StageHook | None = None,
+    field: str = "sample_ids",
 ) -> RemovalRun:
-    """Remove ``forget_ids`` from the model in ``model_dir``; nothing is written.
+    """Remove ``sample_ids`` from the model in ``model_dir``; nothing is written.
 
     ``probe_runner`` / ``curvature_factory``: how the probe and the training-set curvature run
-    (default: in this process; ``cluster`` supplies Ray versions built on the same directory)."""
+    (default: in this process; ``cluster`` supplies Ray versions built on the same directory).
+    ``stage_hook`` is told when each stage of the method starts and ends. ``field`` names the
+    ids in error messages the way the user wrote them (e.g. ``forget.sample_ids``)."""
     started = time.perf_counter()
     impl = get_method(method)
-    parsed = impl.Settings.model_validate(settings or {})
+    parsed = parse_method_settings(method, settings)
     model, task, card = load_model_dir(model_dir)
     train = training_set(card)
-    positions = train.positions_of(forget_ids, field="forget_ids")
+    ids = [int(i) for i in sample_ids]
+    positions = train.positions_of(ids, field=field)
     model.to(device)
     extras: dict[str, Any] = {}
     user_file = Path(model_dir) / USER_WEIGHTS_FILE
     if user_file.exists():
-        extras["user_weights"] = read_state_dict(user_file)
+        extras["user_weights"] = read_user_weights(user_file)
     problem = RemovalProblem(
         model=model, task=task, train=train.to(device), forget_positions=positions,
         weight_decay=card.training.weight_decay, seed=seed, batch_size=batch_size,
-        probe_runner=probe_runner, curvature_factory=curvature_factory, extras=extras,
+        probe_runner=probe_runner, curvature_factory=curvature_factory, extras=extras, stage_hook=stage_hook,
     )
     outcome = impl.run(problem, parsed)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -95,16 +111,21 @@ def remove(
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"the removal produced non-finite values in '{key}'; nothing was written")
     new_card = card.model_copy(deep=True)
-    new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(int(i) for i in forget_ids))
-    new_card.training.n = card.training.n - len(forget_ids)
+    new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(ids))
+    new_card.training.n = card.training.n - len(ids)
     record = {
         "method": method,
-        "settings": parsed.model_dump(),
+        "settings": parsed.model_dump(mode="json"),
         "seed": seed,
-        "forget_ids": [int(i) for i in forget_ids],
+        "sample_ids": ids,
         "n_before": card.training.n,
         "n_after": new_card.training.n,
         **outcome.record,
+        "release": outcome.release.model_dump(mode="json"),
         "wall_seconds": time.perf_counter() - started,
     }
-    return RemovalRun(state, new_card, record, user_weights=user or None)
+    user_weights = None
+    if user:
+        user_weights = UserWeights(user, weight_decay=card.training.weight_decay,
+                                   sample_ids=problem.retain.sample_ids.tolist())
+    return RemovalRun(state, new_card, record, user_weights=user_weights)
