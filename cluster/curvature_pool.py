@@ -14,7 +14,8 @@ the driver adds them in the global batch order, i.e. exactly the operations of t
 payload would exceed ``max_exact_bytes`` the worker sums its shard first (less traffic; the
 result then differs from the in-process sum by rounding only, ~1e-16 relative).
 
-``RayCurvatureFactory`` has the signature of ``RemovalProblem.curvature_factory``.
+``RayCurvatureFactory`` satisfies ``pipeline.methods.base.CurvatureFactory``
+(``RemovalProblem.curvature_factory``).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ of ``pass_size`` yields exactly the rows the whole run yields there: the gathere
 bit-identical whatever the number of workers (and to the in-process run on the same device
 and thread count). A worker that dies mid-shard is restarted or replaced and the shard rerun.
 
-``RayProbeRunner`` has the signature of ``RemovalProblem.probe_runner``.
+``RayProbeRunner`` satisfies ``pipeline.methods.base.ProbeRunner`` (``RemovalProblem.probe_runner``).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from torch import nn
 from cluster.pool import Call, WorkerPool
 from cluster.shards import aligned_ranges
 from pipeline.probe import ProbeResult, gather
+from pipeline.tasks import PerturbOptions
 
 
 def forget_to_numpy(forget: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -45,7 +46,7 @@ class RayProbeRunner:
 
     def __call__(
         self, model: nn.Module | None, task: Any, forget: dict[str, torch.Tensor], *, seed: int,
-        perturbations: int, pass_size: int, perturb_options: dict | None = None,
+        perturbations: int, pass_size: int, perturb_options: PerturbOptions | None = None,
     ) -> ProbeResult:
         t0 = time.perf_counter()
         if task is not None:
@@ -56,7 +57,7 @@ class RayProbeRunner:
         calls = [
             Call("probe", (k, weights, forget_ref),
                  {"seed": seed, "start": a, "stop": b, "pass_size": pass_size,
-                  "perturb_options": dict(perturb_options or {})})
+                  "perturb_options": dict(perturb_options or PerturbOptions())})
             for k, (a, b) in enumerate(ranges)
         ]
         outputs = self.pool.map(calls, pinned=False)

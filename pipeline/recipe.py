@@ -108,12 +108,15 @@ class TrainResult:
 
 def train(
     preset: str, options: dict[str, Any], data: SampleSet, recipe: Recipe, init: InitSpec | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> TrainResult:
-    """Build at the recipe's start and fit on ``data``."""
+    """Build at the recipe's start, in ``dtype``, and fit on ``data`` (its floating columns
+    cast to ``dtype``)."""
     import time
 
     started = time.perf_counter()
     model, task, report = initial_model(preset, options, seed=recipe.seed, init=init)
-    result = fit(model, task, data, recipe)
+    model = model.to(dtype)
+    result = fit(model, task, data.astype(dtype), recipe)
     model.eval()
     return TrainResult(model, task, result, report, time.perf_counter() - started)

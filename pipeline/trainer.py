@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +43,8 @@ class ModelSpec(BaseModel):
     preset: str
     options: dict[str, Any] = Field(default_factory=dict)
     init: InitSpec = Field(default_factory=InitSpec)
+    dtype: Literal["float32", "float64"] = Field(
+        "float32", description="parameter dtype while training (float64: exactness oracles); the data is cast to it")
 
 
 class DataSpec(BaseModel):
@@ -80,8 +82,10 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
     if config.data.split not in splits:
         raise TrainingError(f"data.split: '{config.data.split}' is not a split of '{config.data.source}' "
                             f"(has {sorted(splits)})")
-    data = splits[config.data.split]
-    result = train(config.model.preset, config.model.options, data, config.recipe, config.model.init)
+    dtype = getattr(torch, config.model.dtype)
+    data = splits[config.data.split].astype(dtype)
+    result = train(config.model.preset, config.model.options, data, config.recipe, config.model.init,
+                   dtype=dtype)
     state = {k: v.detach().cpu() for k, v in result.model.state_dict().items()}
     trainable = sum(p.numel() for p in result.model.parameters() if p.requires_grad)
     summary: dict[str, Any] = {
@@ -93,7 +97,7 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
     }
     if config.data.eval_split and config.data.eval_split in splits:
         summary[f"{config.data.eval_split}_accuracy"] = task_accuracy(result.model, result.task,
-                                                                     splits[config.data.eval_split])
+                                                                     splits[config.data.eval_split].astype(dtype))
     recipe = config.recipe
     card = ModelCard(
         preset=config.model.preset, options=config.model.options,
@@ -102,7 +106,7 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
             weight_decay=recipe.weight_decay, n=len(data), epochs=recipe.epochs, lr=recipe.lr,
             batch_size=recipe.batch_size, optimizer=recipe.optimizer, seed=recipe.seed,
             extra={
-                "recipe": recipe.model_dump(), "init": config.model.init.model_dump(),
+                "recipe": recipe.model_dump(), "init": config.model.init.model_dump(), "dtype": config.model.dtype,
                 "init_report": result.init_report, "eval_split": config.data.eval_split,
                 "fit": {k: summary[k] for k in ("final_objective", "gradient_norm", "steps", "train_seconds")},
                 "metrics": {k: v for k, v in summary.items() if k.endswith("_accuracy")},

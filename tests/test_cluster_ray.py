@@ -7,25 +7,27 @@ import os
 import pytest
 import torch
 
-from cluster.curvature_pool import RayCurvatureFactory, plan_data_shards
+from cluster.curvature_pool import RayCurvatureFactory
 from cluster.pool import WorkerPool
-from cluster.probe_pool import RayProbeRunner, plan_shards
+from cluster.probe_pool import RayProbeRunner
+from cluster.shards import aligned_ranges
 from cluster.worker import FaultPlan
 from pipeline.removal import remove
 from pipeline.curvature import BlockHessian
 from pipeline.data import load_source
 from pipeline.models.card import load_model_dir
 from pipeline.param_block import ParamBlock
+from pipeline.methods.base import CurvatureFactory, PerturbOptions, ProbeRunner
 from pipeline.probe import run_probe
-from tests.ray_fixtures import load_in_dtype, ray_local, write_trained_model_dir  # noqa: F401
+from tests.kit import load_in_dtype
 
 MLP = {"hidden": [24, 16]}
-PERTURB = {"sigma": 0.1}
+PERTURB = PerturbOptions(perturb_sigma=0.1)
 
 
 @pytest.fixture(scope="module")
-def mlp_dir(tmp_path_factory):
-    return write_trained_model_dir(tmp_path_factory.mktemp("mlp"), "mlp", MLP, steps=3)
+def mlp_dir(trained_model_dir):
+    return trained_model_dir("mlp", MLP, steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +47,43 @@ def probe_in_process(model_dir, forget, perturbations, pass_size):
 
 
 def test_shard_plans_tile_whole_passes():
-    assert plan_shards(100, 16, 3) == [(0, 48), (48, 80), (80, 100)]
-    assert plan_shards(10, 16, 4) == [(0, 10)]
+    assert aligned_ranges(100, 16, 3) == [(0, 48), (48, 80), (80, 100)]
+    assert aligned_ranges(10, 16, 4) == [(0, 10)]
     for p, ps, k in [(1000, 32, 7), (97, 5, 4), (64, 64, 2)]:
-        ranges = plan_shards(p, ps, k)
+        ranges = aligned_ranges(p, ps, k)
         assert ranges[0][0] == 0 and ranges[-1][1] == p
         assert all(a % ps == 0 and a < b for a, b in ranges)
         assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    assert plan_data_shards(1437, 256, 2) == [(0, 768), (768, 1437)]
+    assert aligned_ranges(1437, 256, 2) == [(0, 768), (768, 1437)]
+    with pytest.raises(ValueError, match="perturbations must be >= 1"):
+        aligned_ranges(0, 16, 2, "perturbations")
+
+
+@pytest.mark.parametrize("seam,impl", [(ProbeRunner, RayProbeRunner), (CurvatureFactory, RayCurvatureFactory)])
+def test_ray_versions_satisfy_the_typed_seams(seam, impl):
+    """Every parameter of the seam's protocol is accepted by the Ray version, by the same name
+    and kind (positional / keyword-only), so the method can call either."""
+    import inspect
+
+    want = inspect.signature(seam.__call__).parameters
+    have = inspect.signature(impl.__call__).parameters
+    for name, param in want.items():
+        assert name in have, (impl.__name__, name)
+        assert have[name].kind == param.kind, (impl.__name__, name, have[name].kind, param.kind)
+
+
+def test_perturb_options_reject_unknown_keys():
+    """The probe's options keep the settings' names; a misspelt key is an error, not ignored."""
+    from pipeline.tasks import DenseInputTask
+
+    batch = load_source("digits")["train"].take(torch.arange(0, 2)).columns
+    task = DenseInputTask()
+    moved = task.perturb(batch, torch.Generator().manual_seed(0), **PERTURB)
+    assert not torch.equal(moved["x"], batch["x"])
+    with pytest.raises(ValueError, match="sigma"):
+        task.perturb(batch, torch.Generator(), sigma=0.1)  # the old renamed key
+    with pytest.raises(ValueError, match="k"):
+        task.perturb(batch, torch.Generator(), k=2)
 
 
 def test_sharded_probe_is_bit_identical_for_1_and_2_workers(ray_local, mlp_dir, forget_batch):
@@ -92,8 +123,8 @@ def test_worker_killed_mid_shard_is_retried_with_the_same_result(ray_local, mlp_
 
 
 @pytest.fixture(scope="module")
-def linear64_dir(tmp_path_factory):
-    return write_trained_model_dir(tmp_path_factory.mktemp("lin64"), "linear", {}, dtype=torch.float64, steps=8)
+def linear64_dir(trained_model_dir):
+    return trained_model_dir("linear", {}, dtype=torch.float64, steps=8)
 
 
 def test_sharded_curvature_matches_block_hessian_in_float64(ray_local, linear64_dir, tmp_path):

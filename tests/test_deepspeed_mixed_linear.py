@@ -8,15 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from cluster.deepspeed_mixed_linear import FLAT_KEY
+from pipeline.methods.mixed_linear import FLAT_KEY
 from pipeline.data import load_source
 from pipeline.linearized import LinearizedModel
 from pipeline.methods.mixed_linear import forget_user_data, train_user_weights, user_block
-from tests.ray_fixtures import load_in_dtype, write_trained_model_dir
+from tests import kit
+from tests.kit import load_in_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 LAMBDA = 1e-2
@@ -28,7 +30,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_two_ranks_equal_the_single_process_solve(tmp_path):
-    model_dir = write_trained_model_dir(tmp_path / "core", "mlp", OPTIONS, dtype=torch.float64, steps=1,
+    model_dir = kit.trained_model_dir(tmp_path / "core", "mlp", OPTIONS, dtype=torch.float64, steps=1,
                                         weight_decay=1e-3)
     data = load_source("digits", {"dtype": "float64"})["train"]
     user_ids = data.sample_ids[300:701].tolist()  # 401 samples: the shards differ in size
@@ -61,3 +63,40 @@ def test_two_ranks_equal_the_single_process_solve(tmp_path):
     assert distributed.dtype == torch.float64 and distributed.shape == single.shape == (block.numel,)
     assert rel(distributed, single) <= 1e-6, rel(distributed, single)
     assert rel(trained, single) > 1e-3  # the forgetting step mattered
+
+
+def test_data_follows_the_configured_dtype(tmp_path):
+    """The reported failure: a float32 model directory on digits (float32 data), a minimal
+    config with the default ``dtype: float64`` died with "mat1 and mat2 must have the same
+    dtype". The job casts the user data to the model's dtype; the result matches the
+    single-process float64 solve. (One rank in this process: the maths of every rank.)"""
+    from pipeline.methods.mixed_linear import DataParallelJob, read_user_weights, run_data_parallel
+
+    model_dir = kit.trained_model_dir(tmp_path / "core", "linear", {}, steps=5)
+    job = DataParallelJob.model_validate({"model": str(model_dir), "forget": {"sample_ids": [1, 2, 3]},
+                                          "output": str(tmp_path / "out")})
+    assert job.dtype == "float64"
+    record = run_data_parallel(job)
+    assert record["dtype"] == "float64" and record["forget"]["samples_retained"] == record["user_samples"] - 3
+    model, task = load_in_dtype(model_dir, "linear", {}, torch.float64)
+    lin = LinearizedModel(model, task, user_block(model, last_modules=1))
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    retain = data.without(data.positions_of([1, 2, 3]))
+    single = train_user_weights(lin, retain, 0.01, rtol=1e-10, batch_size=256).user_weights
+    written = read_user_weights(tmp_path / "out" / "user_weights.safetensors")
+    assert rel(written.weights[FLAT_KEY], single) <= 1e-6
+    assert written.weight_decay == 0.01 and sorted(written.sample_ids) == sorted(retain.sample_ids.tolist())
+
+
+def test_init_user_weights_of_another_lambda_are_refused(tmp_path):
+    from pipeline.methods.mixed_linear import DataParallelJob, UserWeightsBindingError, run_data_parallel
+
+    model_dir = kit.trained_model_dir(tmp_path / "core", "linear", {}, steps=2)
+    first = DataParallelJob.model_validate({"model": str(model_dir), "output": str(tmp_path / "a"), "weight_decay": 0.05})
+    run_data_parallel(first)
+    again = DataParallelJob.model_validate({"model": str(model_dir), "output": str(tmp_path / "b"),
+                                            "init_user_weights": str(tmp_path / "a" / "user_weights.safetensors"),
+                                            "forget": {"sample_ids": [1]}})
+    with pytest.raises(UserWeightsBindingError, match="weight decay 0.05"):
+        run_data_parallel(again)
+    assert not (tmp_path / "b").exists()

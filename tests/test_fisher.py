@@ -17,7 +17,7 @@ from pipeline.methods.fisher_scrub import (
 )
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
-from tests.helpers import digits64
+from tests.kit import digits64
 from tests.scrub_helpers import one_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

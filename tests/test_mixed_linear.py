@@ -13,12 +13,13 @@ from pipeline.linearized import LinearizedModel, output_targets
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
 from pipeline.methods.mixed_linear import (
-    USER_WEIGHT_PREFIX, GaussNewtonOperator, UserObjective, forget_all_user_data, forget_user_data,
-    newton_step, train_user_weights, user_block,
+    USER_WEIGHT_PREFIX, GaussNewtonOperator, UserObjective, UserWeights, UserWeightsBindingError,
+    forget_all_user_data, forget_user_data, newton_step, read_user_weights, save_user_weights,
+    train_user_weights, user_block, user_state,
 )
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs
-from tests.helpers import digits64
+from tests.kit import digits64
 from tests.scrub_helpers import assert_yaml_mirrors_settings, one_thread, rel  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -151,27 +152,52 @@ def test_sharded_reduction_matches_single_process(setup, trained):
     assert rel(results[0], single) <= 1e-9
 
 
-def test_noise_is_seeded_and_scaled(setup, trained):
+def test_noise_is_secret_and_scaled(setup, trained):
+    """The noise comes from the OS CSPRNG: two runs differ (nothing seeds it), its std is sigma,
+    and the record holds nothing that could regenerate it."""
     _, _, _, lin, user = setup
     retain = user.without(torch.arange(0, 10))
     exact = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
-    draws = [forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL, sigma=0.05,
-                              generator=torch.Generator().manual_seed(s)).user_weights for s in (7, 7)]
-    assert torch.equal(draws[0], draws[1])
-    noise = draws[0] - exact
-    assert float(noise.std()) == pytest.approx(0.05, rel=0.1)
-    with pytest.raises(ValueError, match="seeded"):
-        forget_user_data(lin, trained, retain, LAMBDA, sigma=0.05)
+    runs = [forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL, sigma=0.05) for _ in range(2)]
+    assert not torch.equal(runs[0].user_weights, runs[1].user_weights)
+    noise = runs[0].user_weights - exact
+    assert float(noise.std()) == pytest.approx(0.05, rel=0.1)  # 1,210 draws: std error ~2%
+    assert abs(float(noise.mean())) < 5 * 0.05 / noise.numel() ** 0.5
+    assert "seed" not in json.dumps(runs[0].record)
+    assert runs[0].record["noise"] == {"sigma": 0.05, "source": "os-csprng"}
+
+
+def test_noise_is_the_same_on_every_rank(setup, trained):
+    """Two 'ranks': only the root draws; the all-reduce hands every rank the same noise."""
+    _, _, _, lin, user = setup
+    retain = user.without(torch.arange(0, 10))
+    shards = [retain.take(torch.arange(0, len(retain), 2)), retain.take(torch.arange(1, len(retain), 2))]
+    group, results = ThreadGroup(2), [None, None]
+
+    def work(rank: int) -> None:
+        results[rank] = forget_user_data(lin, trained, shards[rank], LAMBDA, rtol=RTOL, sigma=0.05, root=rank == 0,
+                                         allreduce=group.allreduce(rank)).user_weights
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exact = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
+    assert torch.equal(results[0], results[1])
+    assert float((results[0] - exact).std()) == pytest.approx(0.05, rel=0.1)
 
 
 def test_removal_method_wrapper(setup, trained):
     model, task, block, lin, user = setup
     forget = torch.tensor([3, 30, 300])
     method = get_method("mixed-linear")
-    problem = RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": trained.clone()})
+    bound = UserWeights(trained.clone(), LAMBDA, user.sample_ids.tolist())
+    problem = RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": bound})
     outcome = method.run(problem, method.Settings(user_last_modules=2, cg_rtol=RTOL))
     direct = forget_user_data(lin, trained, user.without(forget), LAMBDA, rtol=RTOL).user_weights
-    assert rel(problem.extras["user_weights"], direct) <= 1e-9
+    assert rel(problem.extras["user_weights"].weights, direct) <= 1e-9
+    assert problem.extras["user_weights"].sample_ids == user.without(forget).sample_ids.tolist()
     keys = {USER_WEIGHT_PREFIX + n for n in ("1.weight", "1.bias", "3.weight", "3.bias")}
     assert set(outcome.new_parameters) == keys
     assert outcome.record["samples_retained"] == 397
@@ -179,3 +205,29 @@ def test_removal_method_wrapper(setup, trained):
     with pytest.raises(ValueError, match="user_weights"):
         method.run(RemovalProblem(model, task, user, forget, LAMBDA), method.Settings())
     assert_yaml_mirrors_settings("mixed-linear")
+
+
+def test_forget_refuses_another_lambda_or_other_data(setup, trained):
+    """Issue 11 item 6: user weights carry their lambda and data; a forget against another
+    lambda, other data, or with unbound weights is refused before anything is computed."""
+    model, task, _, _, user = setup
+    method = get_method("mixed-linear")
+    settings = method.Settings(user_last_modules=2)
+    forget = torch.tensor([3])
+    wrong_lambda = UserWeights(trained.clone(), 2 * LAMBDA, user.sample_ids.tolist())
+    with pytest.raises(UserWeightsBindingError, match="weight decay"):
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": wrong_lambda}), settings)
+    fewer = UserWeights(trained.clone(), LAMBDA, user.sample_ids.tolist()[1:])
+    with pytest.raises(UserWeightsBindingError, match="other data"):
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": fewer}), settings)
+    with pytest.raises(UserWeightsBindingError, match="UserWeights"):
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": trained.clone()}), settings)
+
+
+def test_user_weights_file_keeps_its_binding(setup, trained, tmp_path):
+    model, _, block, _, user = setup
+    state = user_state(block, model, trained)
+    save_user_weights(tmp_path / "u.safetensors", UserWeights(state, LAMBDA, user.sample_ids.tolist()[::-1]))
+    back = read_user_weights(tmp_path / "u.safetensors")
+    assert back.weight_decay == LAMBDA and back.sample_ids == sorted(user.sample_ids.tolist())
+    assert all(torch.equal(back.weights[k], v) for k, v in state.items())

@@ -8,7 +8,7 @@ import torch
 from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.models import build, load_checkpoint
 from pipeline.models.reid_resnet50 import count_backbone_parameters
-from tests.family_support import assert_removal_end_to_end, train_model_dir
+from tests.kit import assert_removal_end_to_end, trained_model_dir as train_model_dir
 
 TINY = {"num_classes": 3, "image_size": 16, "width": 4, "layers": [1, 1, 1, 1]}
 

@@ -9,7 +9,7 @@ from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.hf_local import ModelPathError, resolve_model_path
 from pipeline.models import build, load_checkpoint
 from pipeline.models.text import freeze_all_but_last
-from tests.family_support import assert_removal_end_to_end, train_model_dir
+from tests.kit import assert_removal_end_to_end, trained_model_dir as train_model_dir
 
 MINILM = "all-MiniLM-L6-v2"
 

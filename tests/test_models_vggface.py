@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.models import build, load_checkpoint
 from pipeline.models.vggface import VGGFACE_CONV_NAMES, conv_feature_indices, to_vggface_names
-from tests.family_support import assert_removal_end_to_end, train_model_dir
+from tests.kit import assert_removal_end_to_end, trained_model_dir as train_model_dir
 
 TINY = {"num_classes": 3, "image_size": 32, "width_divisor": 16, "hidden": 32, "pool_size": 1, "dropout": 0.0}
 

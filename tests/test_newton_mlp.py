@@ -11,7 +11,7 @@ from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
 from pipeline.models import build
 from pipeline.training import fit_lbfgs, fit_newton
-from tests.helpers import digits64
+from tests.kit import digits64
 
 LAMBDA = 0.01
 

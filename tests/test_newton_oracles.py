@@ -11,7 +11,7 @@ from torch import nn
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
 from pipeline.tasks import DenseInputTask
-from tests.helpers import digits64, flat, newton_fit, newton_retrained, softmax_task
+from tests.kit import digits64, flat, newton_fit, newton_retrained, softmax_task
 
 LAMBDA = 0.01
 

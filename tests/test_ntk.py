@@ -16,7 +16,7 @@ from pipeline.methods.ntk_scrub import RESIDUALS, build_system, trapezium_scale
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs
-from tests.helpers import digits64
+from tests.kit import digits64
 from tests.scrub_helpers import one_thread, rel  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,8 @@ import yaml
 from pipeline.config import load_config
 from jobs.forget import ForgetConfig, run_forget
 from jobs.submit import DEFAULT_EXCLUDES, JOB_ENV
-from tests.ray_fixtures import LoopbackHead, write_trained_model_dir
+from tests import kit
+from tests.kit import LoopbackHead
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent  # the project venv's interpreter runs the jobs
@@ -32,7 +33,7 @@ def head():
 def removal(tmp_path_factory):
     """A linear model on digits, a forget config and the in-process removal's checkpoint."""
     root = tmp_path_factory.mktemp("job")
-    model_dir = write_trained_model_dir(root / "model", "linear", {}, steps=15)
+    model_dir = kit.trained_model_dir(root / "model", "linear", {}, steps=15)
     config = {
         "model": str(model_dir),
         "forget": {"sample_ids": [1, 2, 33, 48]},

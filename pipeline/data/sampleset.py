@@ -43,6 +43,14 @@ class SampleSet:
     def to(self, device: torch.device | str) -> "SampleSet":
         return SampleSet({k: v.to(device) for k, v in self.columns.items()}, self.sample_ids)
 
+    def astype(self, dtype: torch.dtype) -> "SampleSet":
+        """The same samples with every floating column in ``dtype`` (inputs must match the
+        model's dtype); integer columns (labels, token ids) are unchanged."""
+        if all(not v.is_floating_point() or v.dtype == dtype for v in self.columns.values()):
+            return self
+        return SampleSet({k: v.to(dtype) if v.is_floating_point() else v for k, v in self.columns.items()},
+                         self.sample_ids)
+
     def take(self, positions: Tensor | Sequence[int]) -> "SampleSet":
         """Rows at the given positions (not ids), in that order."""
         pos = torch.as_tensor(positions, dtype=torch.long)

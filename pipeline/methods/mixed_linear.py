@@ -475,12 +475,6 @@ def contiguous_shard(n: int, rank: int, world: int) -> Tensor:
     return torch.arange(rank * n // world, (rank + 1) * n // world)
 
 
-def in_dtype(data: SampleSet, dtype: torch.dtype) -> SampleSet:
-    """``data`` with every floating column in ``dtype`` (inputs must match the model's dtype)."""
-    return SampleSet({k: v.to(dtype) if v.is_floating_point() else v for k, v in data.columns.items()},
-                     data.sample_ids)
-
-
 def _load_core(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Any, Any]:
     from pipeline.checkpoint import load_into, read_state_dict
     from pipeline.models.card import WEIGHTS_FILE, read_card
@@ -505,7 +499,7 @@ def _user_data(job: DataParallelJob, card: Any, dtype: torch.dtype) -> SampleSet
     user = splits[ref.split]
     if ref.sample_ids is not None:
         user = user.take(user.positions_of(ref.sample_ids, field="user_data.sample_ids"))
-    return in_dtype(user, dtype)
+    return user.astype(dtype)
 
 
 def run_data_parallel(
