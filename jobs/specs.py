@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config, referenced
 from pipeline.methods.base import MethodRef
 
 from pipeline.privacy.accountant import Budget
@@ -42,7 +42,13 @@ class Limits(Strict):
 
 
 class RaySpec(Strict):
-    """Run the probe shards and the training-set Hessian-vector products on Ray workers."""
+    """Run the probe shards and the training-set Hessian-vector products on Ray workers; a
+    bare name refers to configs/cluster/<name>.yaml."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reference(cls, raw: object) -> object:
+        return referenced("cluster", raw)
 
     address: str | None = Field(default=None, description="Ray cluster address; null = RAY_ADDRESS or a local Ray")
     workers: int | None = Field(default=None, gt=0, description="number of workers; null = one per GPU, else per CPU")

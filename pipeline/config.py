@@ -10,8 +10,9 @@
 
 Every problem is a ``ConfigError`` (a ``ValueError``) whose message names the file, the field
 and the fix; the command line turns it into an error message and a non-zero exit.
-``CONFIGS_DIR`` is the tree that references (``method: fisher``) are resolved in; set
-``UNLEARN_CONFIGS`` to use another one.
+``CONFIGS_DIR`` is the tree that references are resolved in (``referenced``: ``method: fisher``
+-> configs/methods/fisher.yaml, ``data: digits`` -> configs/data/digits.yaml, ``ray: local-2``
+-> configs/cluster/local-2.yaml); set ``UNLEARN_CONFIGS`` to use another one.
 """
 from __future__ import annotations
 
@@ -165,6 +166,20 @@ def resolve_paths(obj: BaseModel, base: Path) -> None:
             for item in value:
                 if isinstance(item, BaseModel):
                     resolve_paths(item, base)
+
+
+def referenced(kind: str, raw: Any) -> Any:
+    """A config field that may name a file of the configs tree: a bare string ``name`` is
+    replaced by the mapping in ``CONFIGS_DIR/<kind>/<name>.yaml`` (``kind``: methods, data,
+    cluster, ...); anything else is returned as it is."""
+    if not isinstance(raw, str):
+        return raw
+    path = CONFIGS_DIR / kind / f"{raw}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
+        raise ConfigError(f"'{raw}' names no {kind} config ({path} does not exist); known: {known}, "
+                          "or write the fields out in place")
+    return load_yaml(path, f"{kind} config '{raw}'")
 
 
 def load_config(model: type[M], path: str | Path, what: str = "config", *, relative_paths: bool = False) -> M:

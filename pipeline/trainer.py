@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.config import referenced
 from pipeline.evaluate.classification import task_accuracy
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
 from pipeline.recipe import InitSpec, Recipe, train
@@ -48,11 +49,18 @@ class ModelSpec(BaseModel):
 
 
 class DataSpec(BaseModel):
+    """The training data; a bare name refers to configs/data/<name>.yaml."""
+
     model_config = ConfigDict(extra="forbid")
     source: str
     options: dict[str, Any] = Field(default_factory=dict)
     split: str = "train"
     eval_split: str | None = "test"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reference(cls, raw: Any) -> Any:
+        return referenced("data", raw)
 
 
 class TrainConfig(BaseModel):

@@ -130,23 +130,32 @@ class ThreadGroup:
 
         return reduce
 
+    def run(self, work) -> list:
+        """``work(rank, allreduce)`` on every rank in its own thread; the results by rank."""
+        results = [None] * self.size
+
+        def one(rank: int) -> None:
+            results[rank] = work(rank, self.allreduce(rank))
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+def _two_shards(data):
+    return [data.take(torch.arange(0, len(data), 2)), data.take(torch.arange(1, len(data), 2))]
+
 
 def test_sharded_reduction_matches_single_process(setup, trained):
     """Two 'ranks' with disjoint shards and a summing allreduce give the single-process result."""
     _, _, _, lin, user = setup
     retain = user.without(torch.arange(0, 400, 7))
-    shards = [retain.take(torch.arange(0, len(retain), 2)), retain.take(torch.arange(1, len(retain), 2))]
-    group, results = ThreadGroup(2), [None, None]
-
-    def work(rank: int) -> None:
-        results[rank] = forget_user_data(lin, trained, shards[rank], LAMBDA, rtol=RTOL,
-                                         allreduce=group.allreduce(rank)).user_weights
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    shards = _two_shards(retain)
+    results = ThreadGroup(2).run(lambda rank, reduce: forget_user_data(
+        lin, trained, shards[rank], LAMBDA, rtol=RTOL, allreduce=reduce).user_weights)
     single = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
     assert torch.equal(results[0], results[1])
     assert rel(results[0], single) <= 1e-9
@@ -171,18 +180,9 @@ def test_noise_is_the_same_on_every_rank(setup, trained):
     """Two 'ranks': only the root draws; the all-reduce hands every rank the same noise."""
     _, _, _, lin, user = setup
     retain = user.without(torch.arange(0, 10))
-    shards = [retain.take(torch.arange(0, len(retain), 2)), retain.take(torch.arange(1, len(retain), 2))]
-    group, results = ThreadGroup(2), [None, None]
-
-    def work(rank: int) -> None:
-        results[rank] = forget_user_data(lin, trained, shards[rank], LAMBDA, rtol=RTOL, sigma=0.05, root=rank == 0,
-                                         allreduce=group.allreduce(rank)).user_weights
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    shards = _two_shards(retain)
+    results = ThreadGroup(2).run(lambda rank, reduce: forget_user_data(
+        lin, trained, shards[rank], LAMBDA, rtol=RTOL, sigma=0.05, root=rank == 0, allreduce=reduce).user_weights)
     exact = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
     assert torch.equal(results[0], results[1])
     assert float((results[0] - exact).std()) == pytest.approx(0.05, rel=0.1)

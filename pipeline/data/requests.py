@@ -15,6 +15,8 @@ from typing import Annotated, Any, Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
+from pipeline.config import parse_json
+
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 MAX_SAMPLES_PER_REQUEST = 100_000
 COLUMNS = ("request_id", "subject", "sample_ids")
@@ -55,7 +57,7 @@ def _split_ids(raw: Any) -> Any:
     text = raw.strip()
     if text.startswith("["):
         try:
-            return json.loads(text)
+            return parse_json(text, f"sample_ids '{raw[:40]}'")
         except json.JSONDecodeError as err:
             raise ValueError(f"sample_ids '{raw}' is not a valid JSON list ({err.msg})") from None
     parts = [p for p in text.replace(";", " ").replace(",", " ").split() if p]
@@ -95,7 +97,7 @@ def _read_jsonl(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line, f"{path} line {number}")
         except json.JSONDecodeError as err:
             raise RequestFileError(f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(obj, dict):

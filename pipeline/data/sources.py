@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.registry import Registry
 
 SourceFn = Callable[..., dict[str, SampleSet]]
-SOURCES: dict[str, SourceFn] = {}
+SOURCES: Registry[SourceFn] = Registry("data source", builtins="pipeline.data")
 
 
 class MissingSourceError(RuntimeError):
@@ -21,21 +22,11 @@ class MissingSourceError(RuntimeError):
 
 
 def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
-    def deco(fn: SourceFn) -> SourceFn:
-        if name in SOURCES:
-            raise ValueError(f"data source '{name}' registered twice")
-        SOURCES[name] = fn
-        return fn
-
-    return deco
+    return SOURCES.register(name)
 
 
 def load_source(name: str, options: dict[str, Any] | None = None) -> dict[str, SampleSet]:
-    import pipeline.data  # noqa: F401  (registers the built-in sources)
-
-    if name not in SOURCES:
-        raise ValueError(f"data source '{name}' is unknown; choose one of {sorted(SOURCES)}")
-    return SOURCES[name](**(options or {}))
+    return SOURCES.get_known(name)(**(options or {}))
 
 
 @register_source("digits")

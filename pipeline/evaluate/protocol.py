@@ -329,7 +329,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model_dir": config.model_dir, "preset": ev.card.preset, "data": ev.card.data.model_dump(),
         "n": len(ev.train), "scenario": config.forget.model_dump(exclude_none=True),
-        "forget_ids": ev.forget_ids, "m": len(ev.forget_ids), "rows": ev.rows, "method_records": records,
+        "sample_ids": ev.sample_ids, "m": len(ev.sample_ids), "rows": ev.rows, "method_records": records,
         "method_errors": ev.errors,
         "lira": lira, "curve": curve, "table": format_table({k: v for k, v in ev.rows.items()}),
         "config": config.model_dump(mode="json"), "wall_seconds": time.perf_counter() - started,

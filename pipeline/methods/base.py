@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleIdError, SampleSet
 from pipeline.privacy.release import PrivacyRelease
+from pipeline.registry import Registry
 from pipeline.tasks import Batch, PerturbOptions, Task
 
 if TYPE_CHECKING:
@@ -180,22 +181,15 @@ class RemovalMethod(ABC):
     def run(self, problem: RemovalProblem, settings: MethodSettings) -> RemovalOutcome: ...
 
 
-METHODS: dict[str, type[RemovalMethod]] = {}
+METHODS: Registry[type[RemovalMethod]] = Registry("method", builtins="pipeline.methods")
 
 
 def register_method(cls: type[RemovalMethod]) -> type[RemovalMethod]:
-    if cls.name in METHODS:
-        raise ValueError(f"method '{cls.name}' registered twice")
-    METHODS[cls.name] = cls
-    return cls
+    return METHODS.add(cls.name, cls)
 
 
 def get_method(name: str) -> RemovalMethod:
-    import pipeline.methods  # noqa: F401  (registers the built-in methods)
-
-    if name not in METHODS:
-        raise ValueError(f"method '{name}' is unknown; choose one of {sorted(METHODS)}")
-    return METHODS[name]()
+    return METHODS.get_known(name)()
 
 
 def parse_settings(name: str, raw: dict[str, Any] | None) -> MethodSettings:
@@ -249,15 +243,14 @@ class MethodRef(BaseModel):
 
     @staticmethod
     def _from_file(name: str) -> dict[str, Any]:
-        from pipeline.config import load_yaml
+        from pipeline.config import referenced
 
         get_method(name)  # unknown names fail with the list of methods, before any file is read
-        path = method_config_path(name)
-        if not path.exists():
+        if not method_config_path(name).exists():
             return {"name": name}
-        raw = load_yaml(path, f"method config for '{name}'")
+        raw = referenced("methods", name)
         if raw.get("name", name) != name:
-            raise ValueError(f"{path} configures method '{raw.get('name')}', not '{name}'")
+            raise ValueError(f"{method_config_path(name)} configures method '{raw.get('name')}', not '{name}'")
         return {"name": name, "settings": raw.get("settings") or {}}
 
     @model_validator(mode="after")

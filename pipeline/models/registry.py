@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from pipeline.registry import Registry
+
 from pipeline.tasks import Task
 
 
@@ -23,22 +25,15 @@ class Preset:
     description: str = ""
 
 
-PRESETS: dict[str, Preset] = {}
+PRESETS: Registry[Preset] = Registry("model preset", builtins="pipeline.models")
 
 
 def register_preset(preset: Preset) -> Preset:
-    if preset.name in PRESETS:
-        raise ValueError(f"preset '{preset.name}' registered twice")
-    PRESETS[preset.name] = preset
-    return preset
+    return PRESETS.add(preset.name, preset)
 
 
 def get_preset(name: str) -> Preset:
-    import pipeline.models  # noqa: F401  (registers the built-in presets)
-
-    if name not in PRESETS:
-        raise ValueError(f"model preset '{name}' is unknown; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
+    return PRESETS.get_known(name)
 
 
 def build(name: str, options: dict[str, Any] | None = None) -> tuple[nn.Module, Task]:
