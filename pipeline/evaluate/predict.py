@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task
 
 # loss name -> ("single" | "multi", logits -> probabilities)
@@ -30,12 +31,8 @@ def output_kind(task: Task) -> str:
 @torch.no_grad()
 def logits_of(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 256) -> Tensor:
     """(N, K) float32 logits on CPU."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode_restored(model):
         parts = [task.forward(model, batch).float().cpu() for batch in data.batches(batch_size)]
-    finally:
-        model.train(was_training)
     return torch.cat(parts) if parts else torch.empty(0)
 
 
@@ -45,12 +42,8 @@ def probabilities(logits: Tensor, task: Task) -> Tensor:
 
 @torch.no_grad()
 def per_sample_losses(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 256) -> Tensor:
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode_restored(model):
         parts = [task.per_sample_loss(task.forward(model, b), b).float().cpu() for b in data.batches(batch_size)]
-    finally:
-        model.train(was_training)
     return torch.cat(parts)
 
 
@@ -68,9 +61,5 @@ def features_of(model: nn.Module, data: SampleSet, batch_size: int = 256, method
     fn = getattr(model, method, None) if method else None
     if not callable(fn):
         raise ValueError(f"{type(model).__name__} declares no retrieval-feature method (retrieval_method)")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode_restored(model):
         return torch.cat([fn(batch["x"]).float().cpu() for batch in data.batches(batch_size)])
-    finally:
-        model.train(was_training)

@@ -14,6 +14,7 @@ from typing import Mapping
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task
 from pipeline.training import gradient_norm
 
@@ -25,12 +26,8 @@ def trainable_state(model: nn.Module) -> dict[str, Tensor]:
 def residual_gradient_norm(model: nn.Module, task: Task, retain: SampleSet, weight_decay: float,
                            batch_size: int = 256) -> float:
     """||grad L_{D_r}(w)||_2 over the trainable parameters (model in eval mode)."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode_restored(model):
         return gradient_norm(model, task, retain, weight_decay, batch_size)
-    finally:
-        model.train(was_training)
 
 
 def weight_distance(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
