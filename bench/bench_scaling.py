@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from bench.common import write_json
+from pipeline.tasks import PerturbOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.json"
 PRESET, OPTIONS = "small-cnn", {"image_size": 28, "in_channels": 1}
@@ -79,7 +80,7 @@ def in_process(model_dir: Path, perturbations: int, repeats: int) -> dict[str, A
         data = load_source("digits", DATA_OPTIONS)["train"]
         forget = data.take(torch.arange(FORGET_SIZE)).columns
         probe = timed(lambda: run_probe(model, task, forget, seed=0, start=0, stop=perturbations,
-                                        pass_size=PASS_SIZE, perturb_options={"sigma": 0.1}), repeats)
+                                        pass_size=PASS_SIZE, perturb_options=PerturbOptions(perturb_sigma=0.1)), repeats)
         block = ParamBlock.from_rows(model, BLOCK_ROWS)
         op = BlockHessian(model, task, data, block, 5e-4, reduction="mean", batch_size=BATCH)
         v = torch.randn(block.numel, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -107,7 +108,7 @@ def on_ray(model_dir: Path, workers: int, perturbations: int, repeats: int, runt
         startup = time.perf_counter() - t
         runner = RayProbeRunner(pool)
         run = lambda: runner(model, task, forget, seed=0, perturbations=perturbations,  # noqa: E731
-                             pass_size=PASS_SIZE, perturb_options={"sigma": 0.1})
+                             pass_size=PASS_SIZE, perturb_options=PerturbOptions(perturb_sigma=0.1))
         run()  # warm-up (first pass in each worker)
         cpu0 = workers_cpu_seconds(pool)
         probe = timed(run, repeats)

@@ -231,10 +231,10 @@ def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSa
     set to a ``StageRecorder``; returns the record, the release and the stage timings. Stages
     are those the method reports through the hook; a method that reports none there is timed
     by its record's ``timings`` (seconds only)."""
-    from pipeline.methods import get_method
+    from pipeline.methods.base import get_method, parse_settings
 
     impl = get_method(method)
-    parsed = settings if isinstance(settings, impl.Settings) else impl.Settings.model_validate(settings or {})
+    parsed = parse_settings(method, settings)
     own = sampler is None
     sampler = sampler or RssSampler(interval=0.02)
     if own:

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 
 from pipeline.data import SampleSet, load_source
-from pipeline.methods.base import CurvatureFactory, MethodSettings, ProbeRunner, RemovalProblem, StageHook, get_method
+from pipeline.methods.base import (
+    CurvatureFactory, MethodSettings, ProbeRunner, RemovalProblem, StageHook, get_method, parse_settings,
+)
 from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX, USER_WEIGHTS_FILE, UserWeights, read_user_weights
 from pipeline.models.card import ModelCard, load_model_dir
 
@@ -48,16 +50,6 @@ def training_set(card: ModelCard) -> SampleSet:
     return full
 
 
-def parse_method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | None) -> MethodSettings:
-    """The method's typed settings: an already parsed ``Settings`` is used as it is."""
-    impl = get_method(method)
-    if isinstance(settings, MethodSettings):
-        if not isinstance(settings, impl.Settings):
-            raise ValueError(f"settings of type {type(settings).__name__} do not belong to method '{method}'")
-        return settings
-    return impl.Settings.model_validate(dict(settings or {}))
-
-
 def remove(
     model_dir: str | Path,
     sample_ids: Sequence[int],
@@ -80,7 +72,7 @@ def remove(
     ids in error messages the way the user wrote them (e.g. ``forget.sample_ids``)."""
     started = time.perf_counter()
     impl = get_method(method)
-    parsed = parse_method_settings(method, settings)
+    parsed = parse_settings(method, settings)
     model, task, card = load_model_dir(model_dir)
     train = training_set(card)
     ids = [int(i) for i in sample_ids]

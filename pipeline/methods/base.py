@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
@@ -35,14 +35,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CurvatureFactory", "METHODS", "MethodRef", "MethodSettings", "PerturbOptions", "ProbeRunner", "RandomStream",
-    "RemovalMethod", "RemovalOutcome", "RemovalProblem", "StageHook", "get_method", "register_method", "stream_seed",
+    "RemovalMethod", "RemovalOutcome", "RemovalProblem", "StageHook", "get_method", "parse_settings", "register_method",
+    "stream_seed",
 ]
 
 
 class ProbeRunner(Protocol):
     """Runs the probe: ``perturbations`` perturbed forward passes of the forget batch, one
-    scalar per slice per perturbation (``pipeline.probe.run_probe`` in this process;
-    ``cluster.probe_pool.RayProbeRunner`` on Ray workers). The result is the same either way."""
+    scalar per slice per perturbation (``pipeline.methods.block_choice.local_probe``, i.e.
+    ``pipeline.probe.run_probe``, in this process; ``cluster.probe_pool.RayProbeRunner`` on Ray
+    workers). The result is the same either way."""
 
     def __call__(
         self, model: nn.Module, task: Task, forget: Batch, *, seed: int, perturbations: int,
@@ -192,9 +194,14 @@ def get_method(name: str) -> RemovalMethod:
     return METHODS.get_known(name)()
 
 
-def parse_settings(name: str, raw: dict[str, Any] | None) -> MethodSettings:
-    method = get_method(name)
-    return method.Settings.model_validate(raw or {})
+def parse_settings(name: str, raw: "MethodSettings | Mapping[str, Any] | None") -> MethodSettings:
+    """The method's typed settings: an already parsed ``Settings`` is used as it is."""
+    impl = get_method(name)
+    if isinstance(raw, MethodSettings):
+        if not isinstance(raw, impl.Settings):
+            raise ValueError(f"settings of type {type(raw).__name__} do not belong to method '{name}'")
+        return raw
+    return impl.Settings.model_validate(dict(raw or {}))
 
 
 def method_config_path(name: str) -> "Path":
@@ -233,7 +240,7 @@ class MethodRef(BaseModel):
         settings = raw.get("settings")
         if not isinstance(settings, impl.Settings):
             try:
-                raw["settings"] = impl.Settings.model_validate(settings or {})
+                raw["settings"] = parse_settings(str(name), settings)
             except ValidationError as err:
                 from pipeline.config import format_errors
 
@@ -255,7 +262,5 @@ class MethodRef(BaseModel):
 
     @model_validator(mode="after")
     def _typed(self) -> "MethodRef":
-        impl = get_method(self.name)
-        if not isinstance(self.settings, impl.Settings):
-            raise ValueError(f"settings of type {type(self.settings).__name__} do not belong to method '{self.name}'")
+        parse_settings(self.name, self.settings)  # the settings belong to this method
         return self
