@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import click
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from cluster.errors import ClusterError
 from cluster.hooks import ClusterOptions
 from pipeline.checkpoint import CheckpointMismatchError
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, format_errors, load_config
 from pipeline.curvature import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
 from pipeline.jsonio import dumps
-from pipeline.methods.base import MethodRef
+from pipeline.methods.base import MethodRef, MethodSettings, get_method, parse_settings
 from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
 from pipeline.models.card import write_model_dir
 
@@ -73,9 +73,22 @@ class ForgetSet(BaseModel):
 
 class MethodChoice(MethodRef):
     """The method to run and its parsed settings (a bare name loads configs/methods/<name>.yaml);
-    ``per_method`` holds settings for methods chosen with ``--method`` on the command line."""
+    ``per_method`` holds settings (parsed too) for methods chosen with ``--method``."""
 
-    per_method: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    per_method: dict[str, SerializeAsAny[MethodSettings]] = Field(default_factory=dict)
+
+    @field_validator("per_method", mode="before")
+    @classmethod
+    def _parse_each(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        parsed = {}
+        for name, settings in raw.items():
+            try:
+                parsed[name] = parse_settings(name, settings)
+            except ValidationError as err:
+                raise ValueError("; ".join(format_errors(err, get_method(name).Settings, prefix=f"{name}."))) from None
+        return parsed
 
     def choose(self, name: str | None) -> "MethodChoice":
         if name is None or name == self.name:
