@@ -1,7 +1,7 @@
 """``unlearn mixed-linear-dist``: Mixed-Linear training + forgetting data-parallel across
 DeepSpeed ranks on this machine (loopback), launched with torchrun or the deepspeed launcher.
 
-Config (YAML; unknown fields are errors; example: configs/mixed-linear-dist/digits-mlp.yaml):
+Config (YAML; unknown fields are errors; example: configs/mixed-linear-dist/linear-digits.yaml):
     model: runs/models/core          # model directory holding the core weights w_c
     user_data: {source: digits, options: {}, split: train, sample_ids: null}
                                      # default: the model card's data, whole split

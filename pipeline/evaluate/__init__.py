@@ -1,6 +1,8 @@
 """Evaluation of removals: metrics, membership attacks, comparison with Retrain, curves, plots.
 
 One module per concern:
+  protocol        the evaluation protocol (EvalConfig, evaluate): what `unlearn eval` runs
+  removal_metrics accuracies before / after one removal (a campaign's verification)
   predict         batched logits / probabilities of a model on a SampleSet
   classification  accuracy, micro-F1, UA / RA / TA
   mia             population MIA with an SVC on confidence features (MIA-efficacy)
