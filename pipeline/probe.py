@@ -8,6 +8,11 @@ Perturbation p of the forget batch (m samples): dense inputs get x + N(0, sigma^
 get k random non-special tokens replaced (``Task.perturb``). Each perturbation also records
 the mean loss of the forget batch. Result: an (m_p x S) activation matrix and an m_p loss vector.
 
+A probed module that does not run in a pass leaves its columns at zero (constant: L-FOCI never
+selects it) and is listed in ``ProbeResult.not_run``; a module called several times in one pass
+(shared weights) contributes the SUM of its per-call means, because its weight row moves all
+of those outputs.
+
 Determinism: perturbation p draws from its own generator seeded by (seed, p), and passes are
 cut at absolute multiples of ``pass_size``; so any contiguous shard [start, stop) aligned to
 ``pass_size`` yields exactly the rows the whole run yields there, whatever the sharding.
@@ -84,6 +89,7 @@ class ProbeResult:
     activations: Tensor  # (perturbations, slices), float32, CPU
     losses: Tensor  # (perturbations,), float64, CPU
     start: int = 0
+    not_run: tuple[str, ...] = ()  # probed modules that never ran (their columns are zero)
 
 
 def perturbation_generator(seed: int, index: int) -> torch.Generator:
@@ -123,6 +129,7 @@ class _Recorder:
         self.out: Tensor | None = None
         self.groups_per_pass = 1
         self.token_weights: Tensor | None = None  # (P*m, T) normalised mask, for token inputs
+        self.calls: dict[str, int] = {g.module: 0 for g in slice_map.groups}
 
     def __enter__(self) -> "_Recorder":
         for group in self.slice_map.groups:
@@ -147,7 +154,8 @@ class _Recorder:
                 per = per_sample.reshape(p, -1, y.shape[-1]).mean(dim=1)
             else:  # (B, ..., units): mean over batch-in-group and any middle dims
                 per = y.reshape(p, -1, y.shape[-1]).mean(dim=1)
-            self.out[:, group.offset : group.offset + group.units] = per.float().cpu()
+            self.out[:, group.offset : group.offset + group.units] += per.float().cpu()
+            self.calls[group.module] += 1
 
         return hook
 
@@ -174,7 +182,7 @@ def run_probe(
             batches = [task.perturb(forget, perturbation_generator(seed, p), **options) for p in range(a, b)]
             stacked = _stack(batches)
             rec.groups_per_pass = b - a
-            rec.out = torch.empty(b - a, slice_map.size, dtype=torch.float32)
+            rec.out = torch.zeros(b - a, slice_map.size, dtype=torch.float32)
             mask = stacked.get("attention_mask")
             rec.token_weights = None
             if mask is not None:
@@ -184,7 +192,8 @@ def run_probe(
             per = task.per_sample_loss(logits, stacked).reshape(b - a, m).mean(dim=1)
             acts[a - start : b - start] = rec.out
             losses[a - start : b - start] = per.double().cpu()
-    return ProbeResult(acts, losses, start)
+    not_run = tuple(name for name, count in rec.calls.items() if count == 0)
+    return ProbeResult(acts, losses, start, not_run)
 
 
 def gather(results: list[ProbeResult]) -> ProbeResult:
@@ -195,6 +204,7 @@ def gather(results: list[ProbeResult]) -> ProbeResult:
         if r.start != expect:
             raise ValueError(f"probe shards leave a gap or overlap at perturbation {expect}")
         expect += r.losses.shape[0]
+    not_run = tuple(sorted(set.intersection(*(set(r.not_run) for r in ordered))))
     return ProbeResult(
-        torch.cat([r.activations for r in ordered]), torch.cat([r.losses for r in ordered]), ordered[0].start
+        torch.cat([r.activations for r in ordered]), torch.cat([r.losses for r in ordered]), ordered[0].start, not_run
     )

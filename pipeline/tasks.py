@@ -170,7 +170,13 @@ class TokenTask(Task):
         scores[~eligible] = -1.0
         kk = min(k, ids_cpu.shape[1])
         top = torch.topk(scores, kk, dim=1)
-        new_tokens = torch.randint(0, self.vocab_size, top.indices.shape, generator=generator)
+        # Replacement ids are drawn uniformly from the NON-special vocabulary.
+        allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+        allowed[special[(special >= 0) & (special < self.vocab_size)].long()] = False
+        pool = torch.nonzero(allowed).flatten()
+        if pool.numel() == 0:
+            raise ValueError(f"vocab_size={self.vocab_size} leaves no non-special token id to perturb with")
+        new_tokens = pool[torch.randint(0, pool.numel(), top.indices.shape, generator=generator)]
         chosen = top.values > 0  # only eligible positions are replaced
         rows = torch.arange(ids_cpu.shape[0]).unsqueeze(1).expand_as(top.indices)
         replaced = ids_cpu.clone()

@@ -73,12 +73,12 @@ def test_fmnist_smoke(fmnist: dict) -> None:
     for name, sc in fmnist["scenarios"].items():
         rows = sc["rows"]
         assert {"original", "retrain", "finetune"} <= set(rows)
-        for method in METHODS:  # every registered method has a row or a recorded error
+        assert not sc["errors"], (name, sc["errors"])  # a method that raised fails the smoke run
+        for method in METHODS:  # every registered method ran and has its row
             if method == "mixed-linear":
-                assert "mixed_linear" in sc or method in sc["errors"]
+                assert "mixed_linear" in sc, name
             else:
-                assert method in rows or method in sc["errors"], (name, method)
-        assert "lfoci-newton" in rows, sc["errors"]
+                assert method in rows, (name, method)
         for row in rows.values():
             for key in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
                 assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (name, key)

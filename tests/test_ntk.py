@@ -41,10 +41,13 @@ def oracle_jacobian(model: nn.Module, x: torch.Tensor, w0: dict) -> torch.Tensor
     return jacrev(f)(w)
 
 
-def ridge_displacement(jac: torch.Tensor, r0: torch.Tensor, c: float) -> torch.Tensor:
-    """w_lin(S) - w0 = -(J^T J + c I)^{-1} J^T r0 (the primal form: a p x p solve)."""
+def ridge_displacement(jac: torch.Tensor, r0: torch.Tensor, c: float, w0: torch.Tensor | None = None) -> torch.Tensor:
+    """u = w_lin(S) - w0 = argmin_u ||r0 + J u||^2 + c ||w0 + u - a||^2 by the primal normal
+    equations (a p x p solve): (J^T J + c I) u = -(J^T r0 + c (w0 - a)). ``w0`` given: decay
+    towards a = 0; None: proximal, a = w0."""
     a = jac.T @ jac + c * torch.eye(jac.shape[1], dtype=jac.dtype)
-    return -torch.linalg.solve(a, jac.T @ r0)
+    rhs = jac.T @ r0 + (c * w0 if w0 is not None else 0.0)
+    return -torch.linalg.solve(a, rhs)
 
 
 def rows(n_samples: int, k: int, positions: torch.Tensor) -> torch.Tensor:
@@ -69,8 +72,9 @@ def mlp_case():
     return model, trained, task, data, w0, forget
 
 
-def oracle_delta(model, data, w0, forget, c, residual) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_lin(Dr) - w_lin(D), w_lin(Dr) - w0) by two direct ridge solves."""
+def oracle_delta(model, data, w0, forget, c, residual, decay: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_lin(Dr) - w_lin(D), w_lin(Dr) - w0) by two direct ridge solves (``decay``: ridge
+    towards 0, else towards w0)."""
     x = data.columns["x"]
     with torch.no_grad():
         f0 = functional_call(model, w0, (x,))
@@ -80,21 +84,26 @@ def oracle_delta(model, data, w0, forget, c, residual) -> tuple[torch.Tensor, to
     keep = torch.ones(len(data), dtype=torch.bool)
     keep[forget] = False
     retain_rows = rows(len(data), k, torch.nonzero(keep).flatten())
-    d_all = ridge_displacement(jac, r0, c)
-    d_retain = ridge_displacement(jac[retain_rows], r0[retain_rows], c)
+    w0_flat = torch.cat([w0[n].reshape(-1) for n, _ in model.named_parameters()]) if decay else None
+    d_all = ridge_displacement(jac, r0, c, w0_flat)
+    d_retain = ridge_displacement(jac[retain_rows], r0[retain_rows], c, w0_flat)
     return d_retain - d_all, d_retain
 
 
-@pytest.mark.parametrize("kernel", ["jacobian", "jvp"])
-def test_delta_equals_difference_of_two_ridge_solves(mlp_case, kernel):
+@pytest.mark.parametrize("kernel,decay", [("jacobian", False), ("jvp", False), ("jacobian", True)])
+def test_delta_equals_difference_of_two_ridge_solves(mlp_case, kernel, decay):
     model, _, task, data, w0, forget = mlp_case
     assert sum(p.numel() for p in model.parameters()) == 2203
     c = len(data) * 3 * LAMBDA / 2
-    lin = LinearizedModel(model, task, ParamBlock.all_parameters(model), base=w0)
+    block = ParamBlock.all_parameters(model)
+    lin = LinearizedModel(model, task, block, base=w0)
+    offset = -block.gather(w0) if decay else None
     system, used = build_system(lin, data.without(forget), data.take(forget), ridge=c,
-                               residual=RESIDUALS["mse"], kernel=kernel, chunk=50)
+                               residual=RESIDUALS["mse"], kernel=kernel, chunk=50, offset=offset)
     assert used == kernel
-    expected, d_retain = oracle_delta(model, data, w0, forget, c, RESIDUALS["mse"])
+    expected, d_retain = oracle_delta(model, data, w0, forget, c, RESIDUALS["mse"], decay=decay)
+    if decay:  # the centre matters: the proximal solve's answer is far from the decay one
+        assert rel(oracle_delta(model, data, w0, forget, c, RESIDUALS["mse"])[0], expected) > 0.05
     delta = system.delta()
     assert rel(delta, expected) <= 1e-8
     assert rel(system.retain_displacement(), d_retain) <= 1e-8
@@ -104,54 +113,62 @@ def test_delta_equals_difference_of_two_ridge_solves(mlp_case, kernel):
     assert rel(system.delta(-system.v()), expected) > 1.0
 
 
-def test_linear_model_scrub_equals_retraining():
-    """A model linear in its parameters, trained to w_lin(D): w(D) + delta_w is the model
-    retrained on Dr (same ridge c = n K lambda / 2, regularised towards w0)."""
+def _closed_form_ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
+    """[W, b] flat minimising (1/(N K)) sum ||W x + b - y||^2 + (lambda/2)(||W||^2 + ||b||^2),
+    from its normal equations (independent of the library)."""
+    n, k = y.shape
+    xa = torch.cat([x, torch.ones(n, 1, dtype=x.dtype)], 1)
+    a = 2.0 / (n * k) * xa.T @ xa + lam * torch.eye(xa.shape[1], dtype=x.dtype)
+    theta = torch.linalg.solve(a, 2.0 / (n * k) * xa.T @ y)  # (d + 1) x k
+    return torch.cat([theta[:-1].T.reshape(-1), theta[-1]])
+
+
+def test_linear_model_default_scrub_is_the_retrained_optimum():
+    """A model linear in w (MSE), trained to the exact optimum of its weight-decayed objective:
+    the linearisation is exact, w(D) = w_lin(D), the trapezium leg e = w(D) - w_lin(D) is 0 and
+    the factor is 1; the default scrub (decay regulariser, trapezium) lands on the optimum
+    retrained on Dr (same ridge c, i.e. decay lambda n / (n - m) in the mean convention). The
+    old leg w(D) - w_lin(Dr) gave factor 3, the proximal ridge another answer: both fail here."""
     data = digits64()["train"].take(torch.arange(400))
     onehot = nn.functional.one_hot(data.columns["y"], 10).double()
-    data = SampleSet({"x": data.columns["x"], "y": onehot}, data.sample_ids)
+    x = data.columns["x"].reshape(400, -1).double()
+    data = SampleSet({"x": x, "y": onehot}, data.sample_ids)
     torch.manual_seed(3)
     model = nn.Linear(64, 10).double()
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    task = DenseInputTask(loss="mse")
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}  # the "pre-training" point
+    lam, n, m = 0.01, 400, 44
     forget = torch.arange(5, 400, 9)
-    c = 400 * 10 * LAMBDA / 2
-    jac = oracle_jacobian(model, data.columns["x"], w0)
-    with torch.no_grad():
-        f0 = model(data.columns["x"])
+    assert forget.numel() == m
+    w_d = _closed_form_ridge(x, onehot, lam)
     block = ParamBlock.all_parameters(model)
-    w0_flat = block.gather(w0)
-    w_d = w0_flat + ridge_displacement(jac, (f0 - onehot).reshape(-1), c)
-    block.add_to_model(model, w_d - w0_flat)  # the trained model w(D) = w_lin(D)
-    _, d_retain = oracle_delta(model, data, w0, forget, c, RESIDUALS["mse"])
+    block.add_to_model(model, w_d - block.gather(w0))  # the trained model w(D)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[forget] = False
+    w_retrained = _closed_form_ridge(x[keep], onehot[keep], lam * n / (n - m))
 
-    method = get_method("ntk")
-    problem = RemovalProblem(model, task, data, forget, LAMBDA, extras={"w0": w0})
-    outcome = method.run(problem, method.Settings(rescale="none"))
-    assert outcome.record["ridge"]["c"] == pytest.approx(c)
-    assert rel(block.gather(dict(model.named_parameters())).detach(), w0_flat + d_retain) <= 1e-8
-
-
-def test_trapezium_scale_is_the_formula(mlp_case):
-    model, trained, task, data, w0, forget = mlp_case
-    c = len(data) * 3 * LAMBDA / 2
-    delta, d_retain = oracle_delta(model, data, w0, forget, c, RESIDUALS["mse"])
-    work = copy.deepcopy(trained)
-    method = get_method("ntk")
-    problem = RemovalProblem(work, task, data, forget, LAMBDA, extras={"w0": w0})
-    outcome = method.run(problem, method.Settings())
-    w_d = flat_params(trained)
-    e = w_d - (flat_params(model) + d_retain)  # w(D) - w_lin(Dr); model holds w0
-    cos = float(delta @ e) / float(torch.linalg.vector_norm(delta) * torch.linalg.vector_norm(e))
-    formula = 1 + 2 * float(torch.linalg.vector_norm(e)) * abs(cos) / float(torch.linalg.vector_norm(delta))
-    assert outcome.record["scale"] == pytest.approx(formula, rel=1e-8)
-    assert trapezium_scale(delta, e) == pytest.approx(formula, rel=1e-12)
-    assert outcome.record["scale"] > 1.0
-    assert rel(flat_params(work) - w_d, formula * delta) <= 1e-8
+    problem = RemovalProblem(model, DenseInputTask(loss="mse"), data, forget, lam, extras={"w0": w0})
+    outcome = get_method("ntk").run(problem, get_method("ntk").Settings())
+    rec = outcome.record
+    assert rec["ridge"]["c"] == pytest.approx(n * 10 * lam / 2) and rec["ridge"]["regulariser"] == "decay"
+    assert rec["norms"]["e"] <= 1e-6 * rec["norms"]["delta_w"]
+    assert rec["scale"] == pytest.approx(1.0, abs=1e-6)
+    scrubbed = block.gather(dict(model.named_parameters())).detach()
+    assert rel(scrubbed - w_d, w_retrained - w_d) <= 1e-6  # the step itself is right, to 1e-6 of its size
+    assert rel(w_retrained, w_d) > 1e-3  # the removal mattered
+    assert rec["release"]["guarantee"] == "none" and outcome.release.guarantee.value == "none"
 
 
-@pytest.mark.parametrize("variant", ["softmax", "logits"])
-def test_cross_entropy_variant(variant):
+def test_trapezium_scale_hand_values():
+    """1 + 2 |<delta, e>| / ||delta||^2 on hand-computed cases."""
+    d = torch.tensor([2.0, 0.0], dtype=torch.float64)
+    assert trapezium_scale(d, torch.tensor([1.0, 5.0], dtype=torch.float64)) == pytest.approx(1 + 2 * 2 / 4)
+    assert trapezium_scale(d, torch.tensor([-3.0, 1.0], dtype=torch.float64)) == pytest.approx(1 + 2 * 6 / 4)
+    assert trapezium_scale(d, torch.tensor([0.0, 7.0], dtype=torch.float64)) == 1.0
+    assert trapezium_scale(d, -d) == pytest.approx(3.0)  # the old leg on a linear model
+
+
+@pytest.mark.parametrize("variant,regulariser", [("softmax", "proximal"), ("logits", "proximal"), ("softmax", "decay")])
+def test_cross_entropy_variant(variant, regulariser):
     """Identity output Hessian (c = n lambda), one-hot targets; residual softmax(f0) - onehot
     or f0 - onehot. The scrub equals the difference of the two ridge solves of that problem."""
     data = digits64()["train"].take(torch.arange(150))
@@ -162,11 +179,12 @@ def test_cross_entropy_variant(variant):
     trained = copy.deepcopy(model)
     fit_lbfgs(trained, task, data, LAMBDA, max_steps=10, tolerance=1e-8)
     forget = torch.arange(0, 150, 15)
-    expected, _ = oracle_delta(model, data, w0, forget, 150 * LAMBDA, RESIDUALS[f"cross_entropy/{variant}"])
+    expected, _ = oracle_delta(model, data, w0, forget, 150 * LAMBDA, RESIDUALS[f"cross_entropy/{variant}"],
+                               decay=regulariser == "decay")
     method = get_method("ntk")
     problem = RemovalProblem(trained, task, data, forget, LAMBDA, extras={"w0": w0})
     before = flat_params(trained)
-    outcome = method.run(problem, method.Settings(ce_residual=variant, rescale="none"))
+    outcome = method.run(problem, method.Settings(ce_residual=variant, rescale="none", regulariser=regulariser))
     assert outcome.record["ridge"]["c"] == pytest.approx(150 * LAMBDA)
     assert rel(flat_params(trained) - before, expected) <= 1e-8
 
@@ -205,7 +223,8 @@ def test_parameter_subset_linearises_the_block_at_w0(mlp_case):
     expected = ridge_displacement(jac[rr], r0[rr], c) - ridge_displacement(jac, r0, c)
     work = copy.deepcopy(trained)
     problem = RemovalProblem(work, task, data, forget, LAMBDA, extras={"w0": w0})
-    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(parameters=names, rescale="none"))
+    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(parameters=names, rescale="none",
+                                                                                  regulariser="proximal"))
     assert outcome.record["block"]["numel"] == 123
     assert torch.equal(work[0].weight, trained[0].weight)
     moved = torch.cat([(work[4].weight - trained[4].weight).reshape(-1), work[4].bias - trained[4].bias]).detach()

@@ -67,9 +67,14 @@ def test_eval_random_scenario_against_retrain_with_cache(model_dir, tmp_path):
         assert {"UA", "RA", "TA", "MIA", "AvgGap", "seconds", "KL_forget_vs_retrain", "LiRA_member_rate"} <= set(row)
     assert rows["retrain"]["AvgGap"] == 0 and rows["retrain"]["KL_forget_vs_retrain"] == pytest.approx(0, abs=1e-12)
     newton = rows["lfoci-newton"]
-    # convex model, all parameters: one Newton step lands much closer to Retrain than the original
-    assert newton["relative_distance_to_retrain"] < 0.5
-    assert newton["KL_forget_vs_retrain"] < rows["original"]["KL_forget_vs_retrain"]
+    # Convex model, all parameters: one Newton step lands close to Retrain. Measured: relative
+    # distance 0.107 and KL 1.2e-7 against the original's 1.8e-5 (ratio 0.007). The float64
+    # oracle (tests/test_newton_oracles.py) reaches < 1%; here the CLI trains in float32 (a tighter
+    # recipe tolerance, 1e-9 and 20 steps, gave the same 0.107), so the likely cause is float32
+    # optimisation error in the original and in Retrain, not the step (not measured apart).
+    # 0.2 keeps a 2x margin over 0.107; the item-1 retained-gradient step may allow tightening.
+    assert newton["relative_distance_to_retrain"] < 0.2
+    assert newton["KL_forget_vs_retrain"] < 0.05 * rows["original"]["KL_forget_vs_retrain"]
     assert len(result["sample_ids"]) == 12 and result["curve"]["removed"] == [0, 4, 8]
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["rows"]["retrain"]["UA"] == pytest.approx(rows["retrain"]["UA"])

@@ -18,19 +18,30 @@ Curvature B on the chosen parameter block P (a registry, ``CURVATURES``):
             s U diag(e^{-1/4}) z. Eigenvalues below ``eigen_floor`` (default: lambda, the
             smallest a convex loss plus (lambda/2)||w||^2 can have) are raised to it, and
             that is recorded (a non-convex network's Hessian may have negative eigenvalues).
-  diagonal  the empirical Fisher diagonal F = (1/|Dr|) sum_z (grad_P loss(w, z))^2 + lambda:
+  diagonal  a Fisher diagonal F = (1/|Dr|) sum_x E_y (grad_P loss(w, (x, y)))^2 + lambda:
             Newton step g / F, noise std s F^{-1/4} per coordinate (Golatkar et al.'s Fisher
             forgetting, but with the Newton term and the F^{-1/4} their notebook lacks: it
-            used no Newton term and std proportional to F^{-1/2}). The empirical Fisher can
-            badly underestimate the curvature of a non-convex network (on the Fashion-MNIST
-            CNN of tests/test_scrub_cnn.py the diagonal step raised ||grad L_Dr|| from 0.16 to
-            34 even with damping 0.3); the record's "verification" says so when it happens.
+            used no Newton term and std proportional to F^{-1/2}).
+            ``fisher="predictive"`` (default, Golatkar et al.'s Fisher): y from the model's own
+            predictive distribution, so F is the diagonal of the Gauss-Newton matrix
+            J^T H_out J whatever the training loss: for the cross-entropy the exact expectation
+            sum_k p_k grad_k^2 over the classes (their code's way); otherwise (or with
+            ``fisher_samples``) labels sampled from the model (``LABEL_SAMPLERS``, random
+            stream FISHER_LABELS). One sampled label per sample is too noisy: on a digits MLP
+            it left coordinates at F ~ lambda and cut retain accuracy to 44-97%. ``fisher="empirical"``: y = the training labels; near zero training
+            loss its gradients vanish, F collapses to lambda, the step g / lambda explodes and
+            the scrub destroys the model (R8: retain accuracy 37%, Fashion-MNIST: 10%; see
+            tests/test_fisher.py). The record's "verification" says when a step raised
+            ||grad L_Dr||.
 ``auto`` takes dense when |P| <= ``dense_max``, diagonal otherwise.
+
+Noise is secret: z comes from the OS CSPRNG (``secret_standard_normal``), never from the
+removal's seed. It is NOT calibrated to an (epsilon, delta) theorem: the release is ``none``
+(heuristic noise for the forgetting Lagrangian, no privacy claim).
 """
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -41,7 +52,11 @@ from torch.func import functional_call, grad, vmap
 
 from pipeline.curvature import BlockHessian, NonFiniteGradientError, block_gradient
 from pipeline.data.sampleset import SampleSet
-from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.methods.base import (
+    MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
+)
+from pipeline.privacy.noise import secret_standard_normal
+from pipeline.privacy.release import Guarantee, PrivacyRelease
 from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
@@ -54,6 +69,18 @@ def _norm(t: Tensor) -> float:
 def noise_scale(tradeoff: float, sigma_h: float) -> float:
     """s = (lambda_f sigma_h^2)^{1/4}: n = s B^{-1/4} z has covariance sqrt(lambda_f sigma_h^2) B^{-1/2}."""
     return (tradeoff * sigma_h ** 2) ** 0.25
+
+
+def _standard_normal(dim: int, z: Tensor | None, generator: torch.Generator | None, draws: int | None) -> Tensor:
+    """(draws or 1) x dim standard normals: ``z`` as given, else seeded (tests), else secret."""
+    shape = (draws or 1, dim)
+    if z is not None:
+        z = z.to("cpu", torch.float64).reshape(shape)
+    elif generator is not None:
+        z = torch.randn(shape, generator=generator, dtype=torch.float64)
+    else:
+        z = secret_standard_normal(shape)
+    return z
 
 
 # -- curvature models -------------------------------------------------------------------------
@@ -71,12 +98,17 @@ class DenseCurvature:
         u = self.eigenvectors
         return u @ ((u.T @ g) / self.eigenvalues)
 
-    def noise(self, scale: float, generator: torch.Generator, draws: int | None = None) -> Tensor:
-        """s B^{-1/4} z, z ~ N(0, I): covariance s^2 B^{-1/2}. ``draws`` stacks that many rows."""
-        d = self.eigenvalues.numel()
-        z = torch.randn((draws or 1, d), generator=generator, dtype=torch.float64)
+    def noise(self, scale: float, *, z: Tensor | None = None, generator: torch.Generator | None = None,
+              draws: int | None = None) -> Tensor:
+        """s B^{-1/4} z, z ~ N(0, I): covariance s^2 B^{-1/2}. ``draws`` stacks that many rows.
+        z: given, else from ``generator`` (statistical tests only), else the OS CSPRNG."""
+        z = _standard_normal(self.eigenvalues.numel(), z, generator, draws)
         out = scale * (z * self.eigenvalues.pow(-0.25)) @ self.eigenvectors.T
         return out if draws is not None else out[0]
+
+    def largest_std(self, scale: float) -> float:
+        """The noise's largest standard deviation (along B's smallest eigenvalue)."""
+        return scale * float(self.eigenvalues.min()) ** -0.25
 
     def noise_covariance(self, scale: float) -> Tensor:
         """s^2 B^{-1/2} = sqrt(lambda_f sigma_h^2) B^{-1/2}."""
@@ -99,11 +131,15 @@ class DiagonalCurvature:
     def solve(self, g: Tensor) -> Tensor:
         return g / self.diagonal
 
-    def noise(self, scale: float, generator: torch.Generator, draws: int | None = None) -> Tensor:
-        d = self.diagonal.numel()
-        z = torch.randn((draws or 1, d), generator=generator, dtype=torch.float64)
+    def noise(self, scale: float, *, z: Tensor | None = None, generator: torch.Generator | None = None,
+              draws: int | None = None) -> Tensor:
+        """s F^{-1/4} z per coordinate (z as in ``DenseCurvature.noise``)."""
+        z = _standard_normal(self.diagonal.numel(), z, generator, draws)
         out = scale * z * self.diagonal.pow(-0.25)
         return out if draws is not None else out[0]
+
+    def largest_std(self, scale: float) -> float:
+        return scale * float(self.diagonal.min()) ** -0.25
 
     def noise_covariance(self, scale: float) -> Tensor:
         return torch.diag(scale ** 2 * self.diagonal.pow(-0.5))
@@ -131,10 +167,74 @@ def dense_curvature(matrix: Tensor, floor: float | None) -> DenseCurvature:
     return DenseCurvature(evals, evecs, notes=notes)
 
 
+# -- labels from the model's predictive distribution ------------------------------------------------
+# loss name -> (sampler(outputs, generator) -> labels, scale c): with y drawn from the model,
+# c * E_y[grad loss grad loss^T] is the Gauss-Newton matrix J^T (d^2 loss / d f^2) J of the loss.
+LabelSampler = Callable[[Tensor, torch.Generator], Tensor]
+
+
+def _sample_categorical(logits: Tensor, generator: torch.Generator) -> Tensor:
+    """y ~ Categorical(softmax(logits)): loss = -log p(y | x) exactly (c = 1)."""
+    probs = torch.softmax(logits.detach().to("cpu", torch.float64), dim=1)
+    return torch.multinomial(probs, 1, generator=generator).flatten()
+
+
+def _sample_gaussian(out: Tensor, generator: torch.Generator) -> Tensor:
+    """y ~ N(f, (K/2) I): the mean-over-K squared error is then -log p(y | x) + const (c = 1)."""
+    f = out.detach().to("cpu", torch.float64).reshape(out.shape[0], -1)
+    k = f.shape[1]
+    return f + (k / 2.0) ** 0.5 * torch.randn(f.shape, generator=generator, dtype=torch.float64)
+
+
+def _sample_bernoulli(logits: Tensor, generator: torch.Generator) -> Tensor:
+    """y_k ~ Bernoulli(sigmoid(logit_k)): the mean-over-K BCE is -log p(y | x) / K (c = K)."""
+    p = torch.sigmoid(logits.detach().to("cpu", torch.float64).reshape(logits.shape[0], -1))
+    return torch.bernoulli(p, generator=generator)
+
+
+LABEL_SAMPLERS: dict[str, tuple[LabelSampler, Callable[[int], float]]] = {
+    "cross_entropy": (_sample_categorical, lambda k: 1.0),
+    "mse": (_sample_gaussian, lambda k: 1.0),
+    "bce_multilabel": (_sample_bernoulli, lambda k: float(k)),
+}
+
+
+def predictive_labels(model: nn.Module, task: Task, batch: dict[str, Tensor],
+                      generator: torch.Generator) -> tuple[dict[str, Tensor], float]:
+    """The batch with y drawn from the model's predictive distribution, and the scale c."""
+    if task.loss not in LABEL_SAMPLERS:
+        raise ValueError(f"the predictive Fisher supports the losses {sorted(LABEL_SAMPLERS)}, not '{task.loss}'; "
+                         "use fisher='empirical'")
+    sampler, scale = LABEL_SAMPLERS[task.loss]
+    with torch.no_grad():
+        out = output_logits(task.forward(model, batch))
+    y = sampler(out, generator)
+    y = y.to(batch["y"].device, batch["y"].dtype if task.loss == "cross_entropy" else out.dtype)
+    return {**batch, "y": y}, scale(int(out.reshape(out.shape[0], -1).shape[1]))
+
+
+def _class_probabilities(model: nn.Module, task: Task, batch: dict[str, Tensor]) -> Tensor:
+    with torch.no_grad():
+        out = output_logits(task.forward(model, batch))
+    return torch.softmax(out.to(torch.float64), dim=1)
+
+
 def fisher_diagonal(model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
-                    *, batch_size: int = 256, max_elements: int = 1 << 25) -> Tensor:
-    """(1/|S|) sum_{z in S} (grad_P loss(w, z))^2 + lambda: the empirical Fisher diagonal of the
-    block, from per-sample gradients (``vmap`` of ``grad``), ``max_elements`` floats at a time."""
+                    *, batch_size: int = 256, max_elements: int = 1 << 25, labels: str = "empirical",
+                    generator: torch.Generator | None = None, samples: int | None = None) -> Tensor:
+    """(1/|S|) sum_{x in S} c E_y[(grad_P loss(w, (x, y)))^2] + lambda, a Fisher diagonal of the
+    block from per-sample gradients (``vmap`` of ``grad``), ``max_elements`` floats at a time.
+      labels="empirical":  y = the data's labels (c = 1).
+      labels="predictive": y from the model's predictive distribution. ``samples=None`` with the
+        cross-entropy: the exact expectation sum_k p_k(x) grad_k^2 over the classes (as Golatkar
+        et al.'s code does); otherwise ``samples`` labels (default 8) per sample drawn from
+        ``generator`` (``LABEL_SAMPLERS``) and averaged."""
+    if labels not in ("empirical", "predictive"):
+        raise ValueError(f"labels must be 'empirical' or 'predictive', got '{labels}'")
+    exact = labels == "predictive" and samples is None and task.loss == "cross_entropy"
+    draws = 1 if labels == "empirical" or exact else (samples or 8)
+    if labels == "predictive" and not exact and generator is None:
+        raise ValueError("the predictive Fisher samples labels here: pass a generator")
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach() for n, b in model.named_buffers()}
     first = next(iter(params.values()))
@@ -147,11 +247,25 @@ def fisher_diagonal(model: nn.Module, task: Task, data: SampleSet, block: ParamB
         return task.per_sample_loss(output_logits(out), single).sum()
 
     per_sample = vmap(grad(sample_loss), in_dims=(None, 0))
+
+    def squared(batch: dict[str, Tensor]) -> Tensor:  # (N, |P|) squared per-sample gradients
+        return per_sample(zero, batch).detach().to("cpu", torch.float64).pow(2)
+
     chunk = max(1, min(batch_size, max_elements // max(1, block.numel)))
     total = torch.zeros(block.numel, dtype=torch.float64)
-    for batch in data.batches(chunk):
-        g = per_sample(zero, dict(batch)).detach().to("cpu", torch.float64)
-        total += g.pow(2).sum(0)
+    for raw in data.batches(chunk):
+        batch = dict(raw)
+        if labels == "empirical":
+            total += squared(batch).sum(0)
+        elif exact:
+            probs = _class_probabilities(model, task, batch).cpu()
+            for k in range(probs.shape[1]):
+                fixed = {**batch, "y": torch.full_like(batch["y"], k)}
+                total += (probs[:, k : k + 1] * squared(fixed)).sum(0)
+        else:
+            for _ in range(draws):
+                drawn, c = predictive_labels(model, task, batch, generator)  # type: ignore[arg-type]
+                total += c * squared(drawn).sum(0) / draws
     out = total / len(data) + weight_decay
     if not bool(torch.isfinite(out).all()):
         raise NonFiniteGradientError("the Fisher diagonal contains NaN or infinite values: check the model "
@@ -164,7 +278,12 @@ class FisherScrubSettings(MethodSettings):
     parameters: Literal["all"] | list[str] = Field(
         "all", description='"all" or a list of qualified parameter names forming the block')
     curvature: Literal["auto", "dense", "diagonal"] = Field(
-        "auto", description="dense: exact restricted Hessian; diagonal: empirical Fisher diagonal")
+        "auto", description="dense: exact restricted Hessian; diagonal: Fisher diagonal")
+    fisher: Literal["predictive", "empirical"] = Field(
+        "predictive", description="diagonal: labels from the model's predictive distribution, or the data's")
+    fisher_samples: int | None = Field(
+        None, gt=0, description="predictive: labels drawn per sample; null = exact expectation over the "
+                                "classes for cross-entropy (8 draws for other losses)")
     dense_max: int = Field(4096, gt=0, description="auto uses the dense Hessian up to this block size")
     newton_step: bool = Field(True, description="apply -B^{-1} grad L_Dr (off: noise only)")
     tradeoff: float = Field(1e-4, ge=0, description="lambda_f of the forgetting Lagrangian")
@@ -188,7 +307,8 @@ def _build_dense(problem: RemovalProblem, block: ParamBlock, settings: FisherScr
 def _build_diagonal(problem: RemovalProblem, block: ParamBlock, settings: FisherScrubSettings,
                     retain: SampleSet) -> Curvature:
     f = fisher_diagonal(problem.model, problem.task, retain, block, problem.weight_decay,
-                        batch_size=problem.batch_size) + settings.damping
+                        batch_size=problem.batch_size, labels=settings.fisher, samples=settings.fisher_samples,
+                        generator=problem.generator(RandomStream.FISHER_LABELS)) + settings.damping
     notes = []
     if bool((f <= 0).any()):
         tiny = float(f[f > 0].min()) if bool((f > 0).any()) else 1.0
@@ -240,35 +360,37 @@ class FisherScrub(RemovalMethod):
         if kind == "auto":
             kind = "dense" if block.numel <= settings.dense_max else "diagonal"
 
-        t = time.perf_counter()
-        g_before = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-        timings["gradient"] = time.perf_counter() - t
-        t = time.perf_counter()
-        curv = CURVATURES[kind](problem, block, settings, retain)
-        timings["curvature"] = time.perf_counter() - t
+        with problem.stage("gradient", timings):
+            g_before = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+        with problem.stage("curvature", timings):
+            curv = CURVATURES[kind](problem, block, settings, retain)
 
-        step = -curv.solve(g_before) if settings.newton_step else torch.zeros_like(g_before)
-        scale = noise_scale(settings.tradeoff, settings.sigma_h)
-        noise = curv.noise(scale, problem.generator(stream=4)) if scale > 0 else torch.zeros_like(g_before)
+        with problem.stage("update", timings):
+            step = -curv.solve(g_before) if settings.newton_step else torch.zeros_like(g_before)
+            scale = noise_scale(settings.tradeoff, settings.sigma_h)
+            noise = curv.noise(scale) if scale > 0 else torch.zeros_like(g_before)  # secret (OS CSPRNG)
+            probe = copy.deepcopy(model)
+            block.add_to_model(probe, step)
+        with problem.stage("verify", timings):
+            g_newton = block_gradient(probe, task, retain, block, lam, reduction="mean", batch_size=bs)
+            del probe
+        with problem.stage("update", timings):
+            block.add_to_model(model, step + noise)
+        with problem.stage("verify", timings):
+            g_after = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
 
-        t = time.perf_counter()
-        probe = copy.deepcopy(model)
-        block.add_to_model(probe, step)
-        g_newton = block_gradient(probe, task, retain, block, lam, reduction="mean", batch_size=bs)
-        del probe
-        block.add_to_model(model, step + noise)
-        g_after = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-        timings["verify"] = time.perf_counter() - t
-
+        release = _release(curv, scale)
         params = dict(model.named_parameters())
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
         record = {
             "block": {"numel": block.numel,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "curvature": {**curv.summary(), "data": f"retain set ({len(retain)} samples), mean loss + lambda",
-                          "damping": settings.damping},
+                          "damping": settings.damping,
+                          "fisher": settings.fisher if kind == "diagonal" else None},
             "noise": {"tradeoff": settings.tradeoff, "sigma_h": settings.sigma_h, "scale": scale,
-                      "covariance": "sqrt(tradeoff * sigma_h^2) * B^-1/2", "norm": _norm(noise)},
+                      "covariance": "sqrt(tradeoff * sigma_h^2) * B^-1/2", "norm": _norm(noise),
+                      "source": "OS CSPRNG (secret)"},
             "gradient_norms": {
                 "retain_mean_block_before": _norm(g_before),
                 "retain_mean_block_after_newton": _norm(g_newton),
@@ -277,5 +399,17 @@ class FisherScrub(RemovalMethod):
             "step_norm": _norm(step),
             "verification": _verify(g_before, g_newton, kind, settings.newton_step),
             "timings": timings,
+            "release": release.model_dump(mode="json"),
         }
-        return RemovalOutcome(new_parameters, record)
+        return RemovalOutcome(new_parameters, record, release)
+
+
+def _release(curv: Curvature, scale: float) -> PrivacyRelease:
+    """Fisher noise is not calibrated to an (epsilon, delta) theorem: no privacy claim."""
+    if scale <= 0:
+        return PrivacyRelease.non_private("Fisher scrub without noise (tradeoff or sigma_h = 0)")
+    return PrivacyRelease(
+        mechanism="gaussian", sigma=curv.largest_std(scale), guarantee=Guarantee.NONE,
+        reasons=["Fisher-scrub noise N(0, sqrt(tradeoff sigma_h^2) B^-1/2) minimises the forgetting Lagrangian; "
+                 "it is not calibrated to a sensitivity, so it makes no (epsilon, delta) claim "
+                 "(sigma: its largest standard deviation)"])

@@ -18,13 +18,17 @@ chunks (``kernel="jacobian"``, when N K |P| floats fit ``jacobian_memory_mb``) o
 forward-mode products of Jacobian chunks (``kernel="jvp"``, memory |P| * chunk * K); P and
 J^T are applied with JVP/VJP products. No |P| x |P| matrix is ever built.
 
-Ridge and loss normalisation. The model is trained on (1/n) sum_i loss_i + (lambda/2)||w||^2.
-Near w0 each per-sample loss is replaced by a quadratic in the outputs, (h/2)||r_i||^2 with
-output curvature h I (``OUTPUT_CURVATURE``); multiplying the objective by 2n/h gives the
-ridge form above with
-    c = n * lambda / h,      n = |D|,
-regularising towards w0 (the proximal form of the paper). For the MSE of ``pipeline.tasks``
-(mean over K outputs of squared errors) h = 2/K, so c = n K lambda / 2, and r0 = f0 - Y.
+Ridge, regulariser and loss normalisation. The model is trained on
+(1/n) sum_i loss_i + (lambda/2)||w||^2 (weight decay towards 0). Near w0 each per-sample loss
+is replaced by a quadratic in the outputs, (h/2)||r_i||^2 with output curvature h I
+(``OUTPUT_CURVATURE``); multiplying the objective by 2n/h gives the ridge
+    w_lin(S) = argmin_w ||r0(S) + J0(S)(w - w0)||^2 + c ||w - a||^2,     c = n * lambda / h,
+with a = 0 (``regulariser="decay"``, default: the regulariser the model was trained with) or
+a = w0 (``"proximal"``, the paper's form). With d = a - w0 and v = w - a this is the ridge above
+in v with the shifted residual r0' = r0 + J0 d, so
+    w_lin(S) = a - J0(S)^T (Theta_S + c I)^{-1} r0'(S)
+and delta_w is the closed form above with r0' in V. For the MSE of ``pipeline.tasks`` (mean
+over K outputs of squared errors) h = 2/K, so c = n K lambda / 2, and r0 = f0 - Y.
 Cross-entropy (the paper's supplement): the output Hessian diag(p) - p p^T is replaced by the
 identity (h = 1, c = n lambda) and the targets are one-hot; ``ce_residual`` chooses r0 =
 softmax(f0) - onehot(y) ("softmax", the gradient of the loss in the logits: one Gauss-Newton
@@ -33,11 +37,13 @@ regress the logits on one-hot targets). The same c is used for D and Dr, as the 
 requires; in the mean-normalised convention retraining on Dr thus uses lambda n / (n - m).
 ``ridge`` overrides c.
 
-Trapezium rescaling (the paper's code): the NTK predicts the displacement between the two
-linearised optima, not between the real ones; with e = w(D) - w_lin(Dr),
+Trapezium rescaling (seed 001, Fig. 5): the NTK predicts the displacement between the two
+linearised optima, not between the real ones; with the leg e = w(D) - w_lin(D)
+(= w(D) - w_lin(Dr) + delta_w),
     w_scrub = w(D) + (1 + 2 ||e|| |cos(delta_w, e)| / ||delta_w||) delta_w.
-For a model that is exactly linear in w and trained to w(D) = w_lin(D), e = -delta_w and the
-factor is 3: use ``rescale="none"`` there (w(D) + delta_w is then exactly the retrained model).
+For a model that is exactly linear in w and trained to w(D) = w_lin(D), e = 0, the factor is 1
+and w_scrub = w_lin(Dr) is exactly the retrained model. (Using e = w(D) - w_lin(Dr) instead,
+as an earlier version did, gives e = -delta_w there and triples the step.)
 Defects of the public notebook avoided: Jacobians at w0 (theirs were at w(D)), the same c in
 both systems, and an oracle-checked sign of V.
 """
@@ -56,6 +62,7 @@ from pipeline.linearized import LinearizedModel, output_targets
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
+from pipeline.privacy.release import PrivacyRelease
 
 
 def _norm(t: Tensor) -> float:
@@ -163,9 +170,10 @@ class NTKSystem:
     ridge: float
     outputs: int
     theta: Tensor  # (N K)^2 over [retain; forget], CPU float64, without the ridge
-    r_retain: Tensor
-    r_forget: Tensor
+    r_retain: Tensor  # r0'(Dr) = r0(Dr) + J0(Dr) d
+    r_forget: Tensor  # r0'(Df)
     batch_size: int = 256
+    offset: Tensor | None = None  # d = a - w0 (block coordinates, CPU float64); None = 0 (proximal)
     chol_rr: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -208,14 +216,18 @@ class NTKSystem:
         return self.project(apply_jt(self.lin, self.forget, mv, self.outputs, self.batch_size))
 
     def retain_displacement(self) -> Tensor:
-        """w_lin(Dr) - w0 = -J(Dr)^T (Theta_rr + cI)^{-1} r0(Dr)."""
-        return -apply_jt(self.lin, self.retain, self.solve_rr(self.r_retain), self.outputs, self.batch_size)
+        """w_lin(Dr) - w0 = d - J(Dr)^T (Theta_rr + cI)^{-1} r0'(Dr)."""
+        out = -apply_jt(self.lin, self.retain, self.solve_rr(self.r_retain), self.outputs, self.batch_size)
+        return out if self.offset is None else out + self.offset
 
 
 def build_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, ridge: float,
                  residual: Residual, kernel: str = "auto", chunk: int = 64,
-                 jacobian_memory_mb: float = 512.0, batch_size: int = 256) -> tuple[NTKSystem, str]:
-    """Kernel blocks and residuals at the base point of ``lin``; returns (system, kernel used)."""
+                 jacobian_memory_mb: float = 512.0, batch_size: int = 256,
+                 offset: Tensor | None = None) -> tuple[NTKSystem, str]:
+    """Kernel blocks and residuals at the base point of ``lin``; returns (system, kernel used).
+    ``offset`` d = a - w0 moves the ridge's centre a (block coordinates): None = w0 (proximal),
+    -w0 = decay towards 0; the residuals become r0' = r0 + J0 d."""
     if ridge <= 0:
         raise ValueError(f"the NTK ridge c must be > 0, got {ridge}")
     first = next(forget.batches(1))
@@ -227,9 +239,12 @@ def build_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, 
     if kernel not in KERNELS:
         raise ValueError(f"kernel '{kernel}' is unknown; choose one of {sorted(KERNELS)} or 'auto'")
     theta = KERNELS[kernel](lin, [retain, forget], chunk)
-    system = NTKSystem(lin, retain, forget, ridge, outputs, theta,
-                       residuals(lin, retain, residual, batch_size), residuals(lin, forget, residual, batch_size),
-                       batch_size)
+    r_retain, r_forget = residuals(lin, retain, residual, batch_size), residuals(lin, forget, residual, batch_size)
+    if offset is not None:
+        offset = offset.to("cpu", torch.float64)
+        r_retain = r_retain + apply_j(lin, retain, offset, batch_size)
+        r_forget = r_forget + apply_j(lin, forget, offset, batch_size)
+    system = NTKSystem(lin, retain, forget, ridge, outputs, theta, r_retain, r_forget, batch_size, offset)
     return system, kernel
 
 
@@ -253,6 +268,8 @@ class NTKScrubSettings(MethodSettings):
     ridge: float | None = Field(None, gt=0, description="c; default n * lambda / h (see module docstring)")
     ce_residual: Literal["softmax", "logits"] = Field(
         "softmax", description="cross-entropy residual: softmax(f0) - onehot or f0 - onehot")
+    regulariser: Literal["decay", "proximal"] = Field(
+        "decay", description="ridge centre: decay (towards 0, as the model was trained) or proximal (towards w0)")
     rescale: Literal["trapezium", "none"] = Field("trapezium", description="trapezium rescaling of delta_w")
     kernel: Literal["auto", "jacobian", "jvp"] = Field("auto", description="how Theta is formed")
     jacobian_memory_mb: float = Field(512.0, gt=0, description="auto: materialise J up to this size")
@@ -294,6 +311,7 @@ class NTKScrub(RemovalMethod):
             return self._run(problem, settings)
 
     def _run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:
+        timings: dict[str, float] = {}
         t0 = time.perf_counter()
         model, task = problem.model, problem.task
         w0 = pretraining_weights(problem, settings)
@@ -308,34 +326,42 @@ class NTKScrub(RemovalMethod):
         outputs = int(lin.base_outputs(next(forget.batches(1))).shape[1])
         h = OUTPUT_CURVATURE[task.loss](outputs)
         ridge = settings.ridge if settings.ridge is not None else problem.n * problem.weight_decay / h
-        system, kernel = build_system(
-            lin, retain, forget, ridge=ridge, residual=residual, kernel=settings.kernel,
-            chunk=settings.chunk_size, jacobian_memory_mb=settings.jacobian_memory_mb,
-            batch_size=problem.batch_size)
-        t_kernel = time.perf_counter() - t0
-
-        delta = system.delta()
         w_block = block.gather({n: p.detach() for n, p in model.named_parameters()}).to("cpu", torch.float64)
         w0_block = block.gather(lin.params).to("cpu", torch.float64)
-        w_lin_retain = w0_block + system.retain_displacement()
-        e = w_block - w_lin_retain
-        scale = RESCALES[settings.rescale](delta, e)
-        block.add_to_model(model, scale * delta)
+        offset = -w0_block if settings.regulariser == "decay" else None  # d = a - w0, a = 0 or w0
+        with problem.stage("kernel", timings):
+            system, kernel = build_system(
+                lin, retain, forget, ridge=ridge, residual=residual, kernel=settings.kernel,
+                chunk=settings.chunk_size, jacobian_memory_mb=settings.jacobian_memory_mb,
+                batch_size=problem.batch_size, offset=offset)
+        with problem.stage("solve", timings):
+            delta = system.delta()
+            w_lin_retain = w0_block + system.retain_displacement()
+        with problem.stage("update", timings):
+            w_lin_all = w_lin_retain - delta  # delta = w_lin(Dr) - w_lin(D)
+            e = w_block - w_lin_all          # the trapezium's leg: w(D) - w_lin(D)
+            scale = RESCALES[settings.rescale](delta, e)
+            block.add_to_model(model, scale * delta)
 
         params = dict(model.named_parameters())
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
         dn, en = _norm(delta), _norm(e)
+        release = PrivacyRelease.non_private("NTK scrubbing adds no noise: no (epsilon, delta) claim")
         record: dict[str, Any] = {
             "block": {"numel": block.numel,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "ridge": {"c": ridge, "derived": settings.ridge is None,
                       "rule": "c = n * lambda / h, h = output curvature", "output_curvature": h,
-                      "n": problem.n, "weight_decay": problem.weight_decay},
+                      "n": problem.n, "weight_decay": problem.weight_decay,
+                      "regulariser": settings.regulariser,
+                      "centre": "0 (weight decay)" if settings.regulariser == "decay" else "w0"},
             "loss": task.loss, "ce_residual": settings.ce_residual if task.loss == "cross_entropy" else None,
             "kernel": {"strategy": kernel, "size": int(system.theta.shape[0]), "outputs": outputs},
             "rescale": settings.rescale, "scale": scale,
-            "norms": {"delta_w": dn, "e": en, "cos_delta_e": float(delta @ e) / (dn * en) if dn * en > 0 else 0.0,
+            "norms": {"delta_w": dn, "e": en, "e_definition": "w(D) - w_lin(D)",
+                      "cos_delta_e": float(delta @ e) / (dn * en) if dn * en > 0 else 0.0,
                       "w_minus_w0": _norm(w_block - w0_block), "applied_step": scale * dn},
-            "seconds": {"kernel": t_kernel, "total": time.perf_counter() - t0},
+            "seconds": {**timings, "total": time.perf_counter() - t0},
+            "release": release.model_dump(mode="json"),
         }
-        return RemovalOutcome(new_parameters, record)
+        return RemovalOutcome(new_parameters, record, release)

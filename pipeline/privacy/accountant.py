@@ -1,46 +1,64 @@
 """Privacy budget of a model, composed across its removals.
 
-Each published removal is a ``Release``: Gaussian noise of standard deviation ``sigma`` added to
-an update whose L2 sensitivity is ``gamma`` - a Gaussian mechanism with noise multiplier
-``z = sigma / gamma`` - plus the (epsilon, delta) the method calibrated it to
-(sigma = gamma / epsilon * sqrt(2 ln(1.25 / delta)), Sekhari et al.). A model's releases are
-composed with one named rule (``COMPOSITION``):
+Each published removal carries a typed ``PrivacyRelease`` (``pipeline.privacy.release``) in its
+record as ``record["release"]``; ``release_from_record`` is the one reader (pydantic
+validation, no key aliases; records from before typed releases are read with one strict legacy
+schema and never count as certified). A private release is a Gaussian mechanism: noise of standard
+deviation sigma on an update of L2 sensitivity gamma, noise multiplier z = sigma / gamma
+(without gamma, z is recovered from the classical calibration z = sqrt(2 ln(1.25/delta)) / eps).
+A model's releases are composed with one named rule (``COMPOSITION``):
 
   basic  epsilon_total = sum of the releases' epsilons, delta_total = sum of their deltas
          (the basic composition theorem; loose but assumption-free).
-  pld    dp-accounting's privacy-loss-distribution accountant over Gaussian mechanisms with
-         multipliers z_i; epsilon_total at delta_total = the budget's delta (tight).
+  pld    the exact privacy-loss distribution of the composed Gaussian mechanisms, in closed
+         form: the privacy loss of a Gaussian mechanism with multiplier z is N(mu^2/2, mu^2)
+         with mu = 1/z, and losses of composed mechanisms add, so k releases compose to ONE
+         Gaussian mechanism with mu = sqrt(sum_i 1/z_i^2) (Dong, Roth, Su 2019, Cor. 3.3).
+         Its exact curve (Balle & Wang 2018, Thm. 8)
+             delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu)
+         is inverted at the budget's delta by bisection, in log space (no overflow for huge
+         epsilon, O(1) memory). This is the value dp-accounting's discretised PLD accountant
+         approaches from above as its grid is refined; that accountant's memory grows like
+         mu^2 / interval (epsilon 100 needs 1.2 GB; 10000 would need hundreds of GB).
   rdp    dp-accounting's Renyi-DP accountant over the same mechanisms, converted to
-         (epsilon, delta) at the budget's delta (slightly looser than pld, fast).
+         (epsilon, delta) at the budget's delta (an upper bound: pld <= rdp).
 
-When a record gives (epsilon, delta) but not gamma, z is recovered from the calibration
-formula, z = sqrt(2 ln(1.25 / delta)) / epsilon. A removal without noise (sigma = 0 or
-epsilon = inf) is non-private: it spends an infinite budget. With a finite budget it is refused
-unless ``allow_non_private`` is set; then it is recorded with epsilon = inf, and the limit is
-checked on the composition of the private releases only (``Spend.epsilon`` stays inf, so no
-report can show a finite guarantee for such a model). Rolled-back versions still count: a
-published version has been released.
+A removal without noise (guarantee ``none``) is non-private: it spends an infinite budget.
+With a finite budget it is refused unless ``allow_non_private`` is set; then it is recorded,
+and the limit is checked on the composition of the private releases only (``Spend.epsilon``
+stays infinite, written null in JSON, so no report can show a finite guarantee for such a
+model). Certified and heuristic releases compose alike (the noise is the same mechanism), but
+``Spend`` counts them apart: a heuristic release's epsilon is not a theorem. Rolled-back
+versions still count: a published version has been released.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.privacy.release import Guarantee, PrivacyRelease
+
 Rule = Literal["basic", "pld", "rdp"]
+
+LEGACY_REASON = "legacy release without a stated guarantee: counted as heuristic"
 
 
 @dataclass(frozen=True)
 class Release:
-    """One Gaussian mechanism: noise std ``sigma`` on an update of sensitivity ``sensitivity``."""
+    """Legacy untyped form of a Gaussian release (sigma, sensitivity, epsilon, delta); the
+    accountant converts it to a ``PrivacyRelease`` (guarantee heuristic: nothing says the
+    theorem holds). New code passes ``PrivacyRelease`` objects."""
 
     sigma: float
     sensitivity: float | None
     epsilon: float
     delta: float
+    guarantee: Guarantee = Guarantee.HEURISTIC
+    reasons: tuple[str, ...] = field(default=(LEGACY_REASON,))
 
     @property
     def private(self) -> bool:
@@ -48,37 +66,84 @@ class Release:
 
     @property
     def noise_multiplier(self) -> float:
-        if not self.private:
-            return 0.0
-        if self.sensitivity and self.sensitivity > 0:
-            return self.sigma / self.sensitivity
-        return math.sqrt(2.0 * math.log(1.25 / self.delta)) / self.epsilon
+        return as_privacy_release(self).noise_multiplier
+
+    @classmethod
+    def from_privacy(cls, release: PrivacyRelease) -> "Release":
+        return cls(release.sigma, release.sensitivity,
+                   release.epsilon if release.private else math.inf, release.delta or 0.0,
+                   release.guarantee, tuple(release.reasons))
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "Release":
-        """From a removal record: keys ``sigma``, ``sensitivity`` (or ``gamma``), ``epsilon``,
-        ``delta`` under ``record['noise']`` (lfoci-newton's calibration), ``record['privacy']`` or
-        at the top level. Missing noise, sigma = 0 or epsilon None/inf = non-private."""
-        nested = [record[k] for k in ("noise", "privacy") if isinstance(record.get(k), dict)]
-        src = nested[0] if nested else record
+        """``release_from_record`` in the legacy form."""
+        return cls.from_privacy(release_from_record(record))
 
-        def pick(*names: str) -> float | None:
-            for name in names:
-                value = src.get(name)
-                if value is not None:
-                    return float(value)
-            return None
-
-        sigma = pick("sigma", "noise_sigma", "noise_std") or 0.0
-        epsilon = pick("epsilon", "eps")
-        delta = pick("delta") or 0.0
-        if sigma <= 0 or epsilon is None or not math.isfinite(epsilon):
-            return cls(0.0, pick("sensitivity", "gamma"), math.inf, delta)
-        return cls(sigma, pick("sensitivity", "gamma"), epsilon, delta)
+    def to_privacy(self) -> PrivacyRelease:
+        return as_privacy_release(self)
 
     def to_json(self) -> dict[str, Any]:
         return {"sigma": self.sigma, "sensitivity": self.sensitivity, "epsilon": self.epsilon,
-                "delta": self.delta, "noise_multiplier": self.noise_multiplier, "private": self.private}
+                "delta": self.delta, "noise_multiplier": self.noise_multiplier, "private": self.private,
+                "guarantee": Guarantee(self.guarantee).value, "reasons": list(self.reasons)}
+
+
+AnyRelease = Union[PrivacyRelease, Release]
+
+
+class LegacyCalibration(BaseModel):
+    """``record["noise"]`` as lfoci-newton wrote it before records carried a typed release
+    (``NoiseCalibration.as_record``): one name per field, nothing else accepted."""
+
+    model_config = ConfigDict(extra="forbid")
+    epsilon: float | None
+    delta: float
+    gamma: float = Field(ge=0)
+    sigma: float = Field(ge=0)
+    lipschitz_loss: float | None = None
+    hessian_lipschitz: float | None = None
+    strong_convexity: float | None = None
+    m: int | None = None
+    n: int | None = None
+
+
+LEGACY_CALIBRATION_REASON = ("record without a typed 'release' (legacy lfoci-newton calibration): the theorem's "
+                             "conditions are not recorded, counted as heuristic")
+
+
+def release_from_record(record: dict[str, Any]) -> PrivacyRelease:
+    """The removal's typed release: ``PrivacyRelease.model_validate(record["release"])``, the one
+    reader. Only for records written before releases were typed, ``record["noise"]`` is read
+    with the strict ``LegacyCalibration`` schema and counted heuristic (never certified). A
+    record with neither claims nothing: non-private."""
+    raw = record.get("release")
+    if isinstance(raw, PrivacyRelease):
+        return raw
+    if raw is not None:
+        return PrivacyRelease.model_validate(raw)
+    if isinstance(record.get("noise"), dict):
+        legacy = LegacyCalibration.model_validate(record["noise"])
+        if legacy.sigma > 0 and legacy.epsilon is not None and math.isfinite(legacy.epsilon):
+            return PrivacyRelease(mechanism="gaussian", sigma=legacy.sigma, sensitivity=legacy.gamma or None,
+                                  epsilon=legacy.epsilon, delta=legacy.delta, calibration="classical",
+                                  guarantee=Guarantee.HEURISTIC, reasons=[LEGACY_CALIBRATION_REASON])
+        return PrivacyRelease.non_private()
+    return PrivacyRelease.non_private("the removal record carries no 'release': counted as non-private")
+
+
+def as_privacy_release(release: AnyRelease) -> PrivacyRelease:
+    """A ``PrivacyRelease`` as is; a legacy ``Release`` converted (heuristic when private)."""
+    if isinstance(release, PrivacyRelease):
+        return release
+    if not release.private:
+        return PrivacyRelease.non_private()
+    guarantee = Guarantee(release.guarantee)
+    if guarantee is Guarantee.NONE:
+        guarantee = Guarantee.HEURISTIC
+    reasons = list(release.reasons) or [LEGACY_REASON]
+    return PrivacyRelease(mechanism="gaussian", sigma=release.sigma, sensitivity=release.sensitivity or None,
+                          epsilon=release.epsilon, delta=release.delta if 0 < release.delta < 1 else 1e-5,
+                          calibration="classical", guarantee=guarantee, reasons=reasons)
 
 
 @dataclass(frozen=True)
@@ -89,60 +154,101 @@ class Spend:
     delta: float
     releases: int
     non_private: int
+    certified: int = 0
+    heuristic: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """Strict JSON: an infinite epsilon is written null."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.__dict__.items()}
 
 
-def _basic(zs: Sequence[Release], delta: float) -> tuple[float, float]:
-    return sum(r.epsilon for r in zs), sum(r.delta for r in zs)
+# -- the exact Gaussian curve ------------------------------------------------------------------
+def _log_ndtr(x: float) -> float:
+    from scipy.special import log_ndtr
+
+    return float(log_ndtr(x))
 
 
-def _with_accountant(make: Callable[[], Any]) -> Callable[[Sequence[Release], float], tuple[float, float]]:
-    @functools.lru_cache(maxsize=256)
-    def epsilon(multipliers: tuple[float, ...], delta: float) -> float:
-        import dp_accounting
-
-        accountant = make()
-        for z in multipliers:
-            accountant.compose(dp_accounting.GaussianDpEvent(z))
-        return float(accountant.get_epsilon(delta))
-
-    def compose(zs: Sequence[Release], delta: float) -> tuple[float, float]:
-        if not zs:
-            return 0.0, 0.0
-        return epsilon(tuple(r.noise_multiplier for r in zs), delta), delta
-
-    return compose
+def gaussian_delta(mu: float, epsilon: float) -> float:
+    """delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu) of a Gaussian mechanism with
+    mu = sensitivity / sigma (Balle & Wang 2018, Thm. 8), computed in log space."""
+    a = _log_ndtr(mu / 2.0 - epsilon / mu)
+    b = epsilon + _log_ndtr(-mu / 2.0 - epsilon / mu)
+    if b >= a:
+        return 0.0
+    return math.exp(a) * -math.expm1(b - a)
 
 
-def _pld() -> Any:
-    from dp_accounting import pld
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """The smallest eps >= 0 with gaussian_delta(mu, eps) <= delta, by bisection. delta(eps) is
+    decreasing; the privacy loss is N(mu^2/2, mu^2), so eps = mu^2/2 + mu sqrt(2 ln(1/delta))
+    bounds it from above (a Gaussian tail bound)."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must lie strictly between 0 and 1, got {delta}")
+    if mu <= 0:
+        return 0.0
+    if gaussian_delta(mu, 0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
+    while gaussian_delta(mu, hi) > delta:  # the bound holds; this only guards rounding
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if gaussian_delta(mu, mid) > delta:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+    return hi
 
-    return pld.PLDAccountant()
+
+# -- composition rules ---------------------------------------------------------------------------
+Composer = Callable[[Sequence[PrivacyRelease], float], "tuple[float, float]"]
 
 
-def _rdp() -> Any:
+def _basic(releases: Sequence[PrivacyRelease], delta: float) -> tuple[float, float]:
+    return sum(float(r.epsilon) for r in releases), sum(float(r.delta) for r in releases)  # type: ignore[arg-type]
+
+
+def _pld(releases: Sequence[PrivacyRelease], delta: float) -> tuple[float, float]:
+    if not releases:
+        return 0.0, 0.0
+    mu = math.sqrt(sum(1.0 / r.noise_multiplier ** 2 for r in releases))
+    return gaussian_epsilon(mu, delta), delta
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_epsilon(multipliers: tuple[float, ...], delta: float) -> float:
+    import dp_accounting
     from dp_accounting import rdp
 
-    return rdp.RdpAccountant()
+    accountant = rdp.RdpAccountant()
+    for z in multipliers:
+        accountant.compose(dp_accounting.GaussianDpEvent(z))
+    return float(accountant.get_epsilon(delta))
 
 
-COMPOSITION: dict[str, Callable[[Sequence[Release], float], tuple[float, float]]] = {
-    "basic": _basic,
-    "pld": _with_accountant(_pld),
-    "rdp": _with_accountant(_rdp),
-}
+def _rdp(releases: Sequence[PrivacyRelease], delta: float) -> tuple[float, float]:
+    if not releases:
+        return 0.0, 0.0
+    return _rdp_epsilon(tuple(r.noise_multiplier for r in releases), delta), delta
 
 
-def compose(releases: Sequence[Release], rule: str, delta: float) -> Spend:
+COMPOSITION: dict[str, Composer] = {"basic": _basic, "pld": _pld, "rdp": _rdp}
+
+
+def compose(releases: Sequence[AnyRelease], rule: str, delta: float) -> Spend:
     """Total spend of ``releases`` under ``rule`` (``delta``: the target delta of pld/rdp)."""
     if rule not in COMPOSITION:
         raise ValueError(f"composition rule '{rule}' is unknown; choose one of {sorted(COMPOSITION)}")
-    private = [r for r in releases if r.private]
+    typed = [as_privacy_release(r) for r in releases]
+    private = [r for r in typed if r.private]
     eps, total_delta = COMPOSITION[rule](private, delta)
-    non_private = len(releases) - len(private)
-    return Spend(rule, math.inf if non_private else eps, eps, total_delta, len(releases), non_private)
+    non_private = len(typed) - len(private)
+    certified = sum(r.guarantee is Guarantee.CERTIFIED for r in private)
+    return Spend(rule, math.inf if non_private else eps, eps, total_delta, len(typed), non_private,
+                 certified, len(private) - certified)
 
 
 class Budget(BaseModel):
@@ -163,13 +269,14 @@ class Decision:
     after: Spend
 
 
-def check_budget(history: Sequence[Release], new: Release, budget: Budget) -> Decision:
+def check_budget(history: Sequence[AnyRelease], new: AnyRelease, budget: Budget) -> Decision:
     """Would adding ``new`` to the model's ``history`` stay within ``budget``?"""
+    new_typed = as_privacy_release(new)
     before = compose(history, budget.composition, budget.delta)
-    after = compose([*history, new], budget.composition, budget.delta)
+    after = compose([*history, new_typed], budget.composition, budget.delta)
     if budget.epsilon is None:
         return Decision(True, None, before, after)
-    if not new.private and not budget.allow_non_private:
+    if not new_typed.private and not budget.allow_non_private:
         return Decision(False, (
             "the removal adds no noise (epsilon = inf), which a finite privacy budget cannot pay for; "
             "configure the method with a finite epsilon, or set limits.budget.allow_non_private: true"
