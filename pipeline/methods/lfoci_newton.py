@@ -9,6 +9,8 @@ then N(0, sigma^2 I) on P, once, at the end. Parameters outside P are untouched.
 uses the retained gradient, not (1/(n-m)) sum_U grad f: the two agree only at an exact optimum
 of L_D, which an SGD-trained model or any model after an earlier noisy removal is not.
 
+Each step is taken whole when it decreases L_{D\\U} (Armijo's condition), else halved until it
+does (``max_backtracks``); the length used is recorded.
 Converged block Newton (``newton_max_steps`` > 1): the step is repeated with a fresh gradient
 and fresh curvature until ||grad_P L_{D\\U}|| <= max(newton_atol, newton_rtol ||grad_P^0||);
 on a convex block (an output layer over fixed features) this is exact retraining of the block.
@@ -80,6 +82,9 @@ class LFociNewtonSettings(MethodSettings):
     cg_rtol: float = Field(1e-10, gt=0, description="relative residual a CG solve must reach")
     cg_max_iter: int | None = Field(None, gt=0)
     max_damping_attempts: int = Field(12, ge=1, description="damping levels tried before giving up")
+    max_backtracks: int = Field(
+        20, ge=0, description="halvings of a Newton step that does not decrease L_{D\\U} (Armijo); the full "
+                              "step is taken whenever it decreases the objective enough")
     newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
     newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
     newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
@@ -246,14 +251,15 @@ class LFociNewton(RemovalMethod):
                         h_new, g, dense=dense, damping=settings.damping,
                         rtol=settings.dense_rtol if dense else settings.cg_rtol,
                         max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
-                    block.add_to_model(model, -direction)
+                    step_length = _backtrack(model, task, retain, lam, bs, block, direction, g, settings.max_backtracks)
                 with problem.stage("verify", timings):
                     g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
                 norm_g = _norm(g)
-                history.append({"step": k + 1, "retain_gradient_norm_after": norm_g, "step_norm": _norm(direction),
+                history.append({"step": k + 1, "retain_gradient_norm_after": norm_g, "step_norm": step_length * _norm(direction),
+                                "step_length": step_length,
                                 "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
                                 "relative_residual": info.relative_residual})
-                if norm_g <= tol:
+                if norm_g <= tol or step_length == 0.0:
                     break
             reduction = 1.0 - norm_g / g0 if g0 > 0 else 1.0
             if reduction < settings.min_gradient_reduction:
@@ -302,6 +308,36 @@ class LFociNewton(RemovalMethod):
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+@torch.no_grad()
+def _value(model: nn.Module, task: Task, data, lam: float, batch_size: int) -> float:
+    """L_{D\\U}(w) = mean loss + (lambda/2)||w||^2 over trainable parameters (float64 sum)."""
+    from pipeline.training import objective
+
+    return float(objective(model, task, data, lam, batch_size).double())
+
+
+def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int, block, direction: torch.Tensor,
+               g: torch.Tensor, max_backtracks: int) -> float:
+    """Apply w_P -= t d with the largest t in {1, 1/2, ...} satisfying Armijo's condition
+    L(w - t d) <= L(w) - 1e-4 t g'd (d from a positive definite, possibly damped, system, so g'd >
+    0); a change below the objective's rounding counts as satisfied. Returns t (0: no step)."""
+    f0 = _value(model, task, retain, lam, batch_size)
+    slope = float(g @ direction)
+    eps = torch.finfo(next(model.parameters()).dtype).eps
+    noise = 64 * eps * max(abs(f0), 1e-30)
+    params = dict(model.named_parameters())
+    saved = {part.name: params[part.name].detach().clone() for part in block.parts}
+    t = 1.0
+    for _ in range(max_backtracks + 1):
+        block.add_to_model(model, -t * direction)
+        f1 = _value(model, task, retain, lam, batch_size)
+        if f1 <= f0 - 1e-4 * t * slope or abs(f1 - f0) <= noise:
+            return t
+        _restore(model, saved)
+        t *= 0.5
+    return 0.0
 
 
 @torch.no_grad()
