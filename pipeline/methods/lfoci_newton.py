@@ -237,6 +237,7 @@ class LFociNewton(RemovalMethod):
         factory = problem.curvature_factory or BlockHessian
         dense = block.numel <= settings.dense_max
         history: list[dict[str, Any]] = []
+        solvers: list[dict[str, Any]] = []  # every step's solve, in order
         info = None
         try:
             norm_g = g0
@@ -251,6 +252,7 @@ class LFociNewton(RemovalMethod):
                         h_new, g, dense=dense, damping=settings.damping,
                         rtol=settings.dense_rtol if dense else settings.cg_rtol,
                         max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                    solvers.append(dict(info.__dict__))
                     step_length = _backtrack(model, task, retain, lam, bs, block, direction, g, settings.max_backtracks)
                 with problem.stage("verify", timings):
                     g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
@@ -286,6 +288,7 @@ class LFociNewton(RemovalMethod):
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
             "curvature": {"data": curv_note, "solver": dict(info.__dict__) if info else None,
+                          "solvers": solvers,
                           "damping": settings.damping, "damping_used": damping_used},
             "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
                        "converged": norm_g <= tol, "history": history},
