@@ -29,6 +29,21 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient or curvature product contained NaN or infinity."""
 
 
+class RemovalNotServed(ValueError):
+    """A local (Newton) step cannot serve this removal request: nothing was published, the
+    model is as it was, and the request should go to retraining. ``reason`` says why in one
+    sentence; ``diagnostics`` holds the numbers behind it (strict-JSON-ready)."""
+
+    def __init__(self, reason: str, diagnostics: dict | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.diagnostics = dict(diagnostics or {})
+
+
+class UnsolvedSystemError(RemovalNotServed):
+    """The Newton system (H' + damping I) x = g was not solved to the stated tolerance."""
+
+
 class LinearOperator(ABC):
     """A symmetric linear map on R^dim; vectors are 1-D CPU tensors (float64 by default)."""
 
@@ -192,6 +207,10 @@ class SolveInfo:
     positive_definite: bool = True
     min_eigenvalue: float | None = None
     notes: list[str] = field(default_factory=list)
+    damping: float = 0.0           # damping of the system actually solved (requested + added)
+    damping_added: float = 0.0     # Levenberg-Marquardt damping added for indefinite curvature
+    tolerance: float | None = None  # the stated relative-residual tolerance
+    attempts: int = 1              # solves tried (one per damping level)
 
 
 def solve_dense(matrix: Tensor, rhs: Tensor) -> tuple[Tensor, SolveInfo]:
@@ -233,6 +252,7 @@ def conjugate_gradient(
         curv = float(p @ ap)
         if curv <= 0:
             info.positive_definite = False
+            info.min_eigenvalue = curv / max(float(p @ p), 1e-300)  # an upper bound on lambda_min
             info.notes.append(f"non-positive curvature {curv:.3e} met at iteration {it}; add damping")
             info.iterations = it
             break
@@ -249,3 +269,99 @@ def conjugate_gradient(
         rs = rs_new
     info.relative_residual = math.sqrt(rs) / bnorm
     return _check_finite(x, "Newton direction"), info
+
+
+def _eye_like(a: Tensor) -> Tensor:
+    return torch.eye(a.shape[0], dtype=a.dtype)
+
+
+def solve_newton_system(
+    op: LinearOperator, rhs: Tensor, *, dense: bool, damping: float = 0.0, rtol: float = 1e-8,
+    max_iter: int | None = None, max_attempts: int = 12,
+) -> tuple[Tensor, SolveInfo]:
+    """Solve (A + mu I) x = b to ||(A + mu I) x - b|| <= rtol ||b||, with adaptive
+    Levenberg-Marquardt damping mu >= ``damping`` when A + damping I is not positive definite.
+
+    dense  A materialised once (float64); Cholesky; on failure mu = damping + 2 |lambda_min(A +
+           damping I)| (from ``eigvalsh``), then mu grows tenfold until Cholesky succeeds.
+    CG     matrix-free conjugate gradient; a direction p with Rayleigh quotient q = p'(A + mu I)p
+           / p'p <= 0 proves lambda_min <= q, so mu grows by 2|q| (at least tenfold) and CG
+           restarts from zero.
+    The solve is never silently accepted: a system not solved to ``rtol`` (iteration cap,
+    damping attempts exhausted) raises ``UnsolvedSystemError`` with the numbers.
+    """
+    b = rhs.to("cpu", torch.float64)
+    bnorm = float(torch.linalg.vector_norm(b))
+    if bnorm == 0.0:
+        info = SolveInfo("zero-rhs", damping=damping, tolerance=rtol, attempts=0)
+        return torch.zeros_like(b), info
+    if dense:
+        x, info = _solve_dense_damped(op.to_dense(), b, damping, rtol, max_attempts)
+    else:
+        x, info = _solve_cg_damped(op, b, damping, rtol, max_iter, max_attempts)
+    info.tolerance = rtol
+    if not info.converged or not info.relative_residual <= rtol:
+        raise UnsolvedSystemError(
+            f"the Newton system was not solved to the stated tolerance (relative residual "
+            f"{info.relative_residual:.3e} > {rtol:.1e} after {info.iterations} iterations, damping "
+            f"{info.damping:.3e}); a step from it would be an arbitrary direction, so nothing was published",
+            {"solver": dict(info.__dict__)},
+        )
+    return _check_finite(x, "Newton direction"), info
+
+
+def _solve_dense_damped(a: Tensor, b: Tensor, damping: float, rtol: float, max_attempts: int) -> tuple[Tensor, SolveInfo]:
+    a = a.to("cpu", torch.float64)
+    eye = _eye_like(a)
+    mu = damping
+    info = SolveInfo("cholesky", damping=mu, attempts=0)
+    for attempt in range(1, max_attempts + 1):
+        chol, status = torch.linalg.cholesky_ex(a + mu * eye)
+        info.attempts = attempt
+        if int(status) == 0:
+            break
+        if info.positive_definite:  # first failure: measure how indefinite the system is
+            info.positive_definite = False
+            lam_min = float(torch.linalg.eigvalsh(a + damping * eye)[0])
+            info.min_eigenvalue = lam_min
+            scale = float(a.diagonal().abs().mean()) or 1.0
+            mu = damping + max(2.0 * abs(lam_min), 1e-10 * scale)
+            info.notes.append(f"H' + damping I is indefinite (lambda_min {lam_min:.3e}): Levenberg-Marquardt damping added")
+        else:
+            mu = damping + 10.0 * (mu - damping)
+    else:
+        info.converged = False
+        info.relative_residual = math.inf
+        info.damping, info.damping_added = mu, mu - damping
+        return torch.zeros_like(b), info
+    x = torch.cholesky_solve(b.unsqueeze(1), chol).squeeze(1)
+    res = torch.linalg.vector_norm((a + mu * eye) @ x - b) / torch.linalg.vector_norm(b)
+    info.relative_residual = float(res)
+    info.converged = bool(info.relative_residual <= rtol)
+    info.damping, info.damping_added = mu, mu - damping
+    return x, info
+
+
+def _solve_cg_damped(op: LinearOperator, b: Tensor, damping: float, rtol: float, max_iter: int | None,
+                     max_attempts: int) -> tuple[Tensor, SolveInfo]:
+    mu = damping
+    total = 0
+    notes: list[str] = []
+    for attempt in range(1, max_attempts + 1):
+        damped = Combination([(1.0, op)], damping=mu)
+        x, info = conjugate_gradient(damped, b, rtol=rtol, max_iter=max_iter)
+        total += info.iterations
+        if info.positive_definite:
+            info.iterations, info.attempts = total, attempt
+            info.positive_definite = attempt == 1
+            info.damping, info.damping_added = mu, mu - damping
+            info.notes = notes + info.notes
+            return x, info
+        q = info.min_eigenvalue if info.min_eigenvalue is not None else 0.0
+        new_mu = mu + max(2.0 * abs(q), 9.0 * mu, 1e-8)
+        notes.append(f"CG met curvature {q:.3e} (Rayleigh quotient) at damping {mu:.3e}; damping raised to {new_mu:.3e}")
+        mu = new_mu
+    info.iterations, info.attempts, info.notes = total, max_attempts, notes
+    info.damping, info.damping_added, info.converged = mu, mu - damping, False
+    info.positive_definite = False
+    return x, info

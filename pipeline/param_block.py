@@ -71,11 +71,20 @@ class ParamBlock:
 
     @classmethod
     def from_rows(cls, model: nn.Module, rows: Mapping[str, Iterable[int] | None]) -> "ParamBlock":
-        """Block from ``{parameter name: rows or None}``, in the model's parameter order."""
+        """Block from ``{parameter name: rows or None}``, in the model's parameter order.
+        Frozen parameters (``requires_grad`` False) are refused: they are not part of the
+        trained objective, and a block would add a weight-decay penalty they never had."""
         params = dict(model.named_parameters())
         unknown = sorted(set(rows) - set(params))
         if unknown:
             raise KeyError(f"parameters {unknown} are not in the model; names are qualified, e.g. 'fc.weight'")
+        frozen = sorted(name for name in rows if not params[name].requires_grad)
+        if frozen:
+            raise ValueError(
+                f"parameters {frozen} are frozen (requires_grad=False): the training objective never "
+                "moved or penalised them, so a removal step must not either; leave them out of the block "
+                "(or unfreeze them and retrain)"
+            )
         parts = []
         for name, p in params.items():
             if name not in rows:

@@ -85,3 +85,52 @@ def test_infinite_epsilon_adds_no_noise():
     assert out.record["noise"]["sigma"] == 0.0 and out.record["noise_norm"] == 0.0
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def _mp_delta(eps: float, sigma: float, sens: float):
+    """delta(eps) of the Gaussian mechanism, written out at 50 digits with mpmath (independent of
+    scipy): Phi(D/(2s) - eps s/D) - e^eps Phi(-D/(2s) - eps s/D)."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    phi = lambda x: mpmath.ncdf(x)  # noqa: E731
+    a, b = mpmath.mpf(sens) / (2 * mpmath.mpf(sigma)), mpmath.mpf(eps) * mpmath.mpf(sigma) / mpmath.mpf(sens)
+    return phi(a - b) - mpmath.e ** mpmath.mpf(eps) * phi(-a - b)
+
+
+@pytest.mark.parametrize("eps,delta,sens", [(1.0, 1e-5, 1.0), (2.0, 1e-5, 0.3), (8.0, 1e-6, 1.0), (0.5, 1e-5, 2.0),
+                                            (30.0, 1e-5, 1.0)])
+def test_analytic_gaussian_sigma_is_the_smallest_noise_reaching_delta(eps, delta, sens):
+    from pipeline.privacy.noise import analytic_gaussian_sigma
+
+    sigma = analytic_gaussian_sigma(eps, delta, sens)
+    assert float(_mp_delta(eps, sigma, sens)) <= delta * (1 + 1e-9)
+    assert float(_mp_delta(eps, sigma * (1 - 1e-6), sens)) > delta  # and no smaller sigma does
+    # sigma scales linearly with the sensitivity
+    assert analytic_gaussian_sigma(eps, delta, 10 * sens) == pytest.approx(10 * sigma, rel=1e-9)
+
+
+def test_analytic_gaussian_known_value_and_tighter_than_classical():
+    """Balle & Wang 2018 (Fig. 1 setting): eps = 1, delta = 1e-5, D = 1 gives sigma = 3.7306
+    (computed independently by the mpmath bisection above); the classical formula at eps -> 1
+    gives 4.84: the analytic mechanism is tighter, and valid for eps >= 1 where the classical is not."""
+    from pipeline.privacy.noise import analytic_gaussian_sigma, classical_gaussian_sigma
+
+    assert analytic_gaussian_sigma(1.0, 1e-5, 1.0) == pytest.approx(3.7306, abs=5e-4)
+    for eps in (0.1, 0.5, 0.9):
+        assert analytic_gaussian_sigma(eps, 1e-5, 1.0) < classical_gaussian_sigma(eps, 1e-5, 1.0)
+    with pytest.raises(ValueError, match="epsilon < 1"):
+        classical_gaussian_sigma(1.0, 1e-5, 1.0)
+
+
+def test_calibrate_uses_classical_below_one_and_analytic_from_one():
+    from pipeline.privacy.noise import analytic_gaussian_sigma
+
+    low = calibrate(epsilon=0.5, delta=1e-5, m=3, n=1000, strong_convexity=0.1)
+    assert low.calibration == "classical"
+    high = calibrate(epsilon=2.0, delta=1e-5, m=3, n=1000, strong_convexity=0.1)
+    assert high.calibration == "analytic"
+    assert high.sigma == pytest.approx(analytic_gaussian_sigma(2.0, 1e-5, high.gamma), rel=1e-12)
+    huge = calibrate(epsilon=10000.0, delta=1e-5, m=3, n=1000, strong_convexity=0.1)  # fast, tiny
+    assert 0 < huge.sigma < 1e-2 * high.sigma
+    assert calibrate(epsilon=math.inf, delta=1e-5, m=3, n=1000, strong_convexity=0.1).as_record()["calibration"] == "none"

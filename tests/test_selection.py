@@ -161,7 +161,7 @@ def test_lfoci_equals_bruteforce_foci(seed: int) -> None:
     y = z[:, 0] * z[:, 1] + torch.sin(z[:, 2]) + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
     if seed == 2:
         z, y = z.round(decimals=0), y.round(decimals=0)
-    res = lfoci(y, z)
+    res = lfoci(y, z, standardize=False)
     picks, scores = ref_foci(y, z)
     assert res.picks == picks
     assert res.scores == scores
@@ -176,12 +176,52 @@ def test_lfoci_equals_bruteforce_on_relu_clusters() -> None:
     z = z * torch.exp(torch.randn(s, generator=g, dtype=torch.float64))
     y = z[:, 0] + torch.relu(z[:, 3]) * z[:, 5] + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
     y, z = lcodec_jitter(y, gen(13)), lcodec_jitter(z, gen(14))
-    res = lfoci(y, z)
+    res = lfoci(y, z, standardize=False)
     picks, scores = ref_foci(y, z)
     assert res.picks == picks and res.scores == scores
     x = z[:, picks[:1]]
     want = torch.tensor([ref_codec(y, z[:, j], x) for j in range(s)], dtype=torch.float64)
     assert torch.equal(codec_scores(y, z, x), want)
+
+
+def ref_standardize(z: torch.Tensor) -> torch.Tensor:
+    """Column by column: (z - mean) / population std, written out."""
+    out = torch.empty_like(z)
+    for j in range(z.shape[1]):
+        c = z[:, j]
+        mu = sum(c.tolist()) / len(c)
+        sd = math.sqrt(sum((v - mu) ** 2 for v in c.tolist()) / len(c))
+        out[:, j] = (c - mu) / sd
+    return out
+
+
+def test_lfoci_standardises_columns_like_reference_foci() -> None:
+    """The reference FOCI scales its columns: lfoci on raw columns equals brute-force FOCI on
+    the standardised ones (picks exactly, scores to rounding)."""
+    g = gen(21)
+    n, s = 200, 10
+    z = torch.randn(n, s, generator=g, dtype=torch.float64) * torch.exp(3 * torch.randn(s, generator=g, dtype=torch.float64))
+    y = z[:, 2] / z[:, 2].std() + torch.tanh(z[:, 6] / z[:, 6].std()) + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+    res = lfoci(y, z)
+    picks, scores = ref_foci(y, ref_standardize(z))
+    assert res.picks == picks
+    assert res.scores == pytest.approx(scores, abs=1e-12)
+
+
+def test_lfoci_picks_do_not_follow_column_scale() -> None:
+    """Multiplying one column by 1e3 must not change the picks (it does without the
+    standardisation: the big column then decides every nearest neighbour)."""
+    g = gen(22)
+    n, s = 400, 10
+    z = torch.randn(n, s, generator=g, dtype=torch.float64)
+    y = z[:, 0] + z[:, 1] + z[:, 2] + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    scaled = z.clone()
+    scaled[:, 0] *= 1e3
+    base = lfoci(y, z, generator=gen(5))
+    assert set(base.picks[:3]) == {0, 1, 2}
+    assert lfoci(y, scaled, generator=gen(5)).picks == base.picks
+    # the same data unstandardised: the scaled column swamps the distances and selection changes
+    assert lfoci(y, scaled, generator=gen(5), standardize=False).picks != base.picks
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,12 +1,28 @@
 """L-FOCI blockwise Newton removal (Mehta, Pal, Singh, Ravi, CVPR 2022), with the Newton
 update of Sekhari et al. (NeurIPS 2021) for m removed samples and its Gaussian noise.
 
-With f(w, z) = loss(w, z) + (lambda/2)||w||^2, a model at the optimum of (1/n) sum_D f, the
-forget set U (m samples) and a parameter block P:
-    H'   = (n H_P(D) - sum_{z in U} H_P(z)) / (n - m)          (H_P(D): mean Hessian on D)
-    w'_P = w_P + (1/(n - m)) (H' + damping I)^{-1} sum_{z in U} grad_P f(w, z)  + N(0, sigma^2 I)
-Parameters outside P are untouched. With damping 0 and P = all parameters this is exactly one
-Newton step on the retained objective (1/(n-m)) sum_{D \\ U} f from w.
+With f(w, z) = loss(w, z) + (lambda/2)||w||^2, the training set D (n samples), the forget set
+U (m samples), the retained objective L_{D\\U}(w) = (1/(n-m)) sum_{D\\U} f and a block P:
+    H'   = (n H_P(D) - sum_{z in U} H_P(z)) / (n - m)       (= the Hessian of L_{D\\U} on P)
+    w'_P = w_P - (H' + mu I)^{-1} grad_P L_{D\\U}(w)           (shared/REFERENCE.md section 1)
+then N(0, sigma^2 I) on P, once, at the end. Parameters outside P are untouched. The step
+uses the retained gradient, not (1/(n-m)) sum_U grad f: the two agree only at an exact optimum
+of L_D, which an SGD-trained model or any model after an earlier noisy removal is not.
+
+Each step is taken whole when it decreases L_{D\\U} (Armijo's condition), else halved until it
+does (``max_backtracks``); the length used is recorded.
+Converged block Newton (``newton_max_steps`` > 1): the step is repeated with a fresh gradient
+and fresh curvature until ||grad_P L_{D\\U}|| <= max(newton_atol, newton_rtol ||grad_P^0||);
+on a convex block (an output layer over fixed features) this is exact retraining of the block.
+
+Robust solve: mu >= ``damping``; an indefinite H' + damping I gets Levenberg-Marquardt damping
+(recorded), and a system not solved to the stated tolerance is never published: it raises
+``RemovalNotServed`` (``UnsolvedSystemError``), as does a step that removes less than
+``min_gradient_reduction`` of the retained block gradient. The model is then left as it was.
+``RemovalNotServed`` is defined in ``pipeline.curvature`` and re-exported here.
+
+Privacy: the release is ``certified`` only where Sekhari et al.'s bound holds (see
+``privacy_release``); otherwise ``heuristic`` with every reason listed.
 
 Defects of the published code avoided here: the per-sample Hessian is the real one (theirs
 was always zero), gradients are fresh tensors (theirs aliased .grad), the Hessian block comes
@@ -17,28 +33,41 @@ m = 1), and nothing is skipped silently.
 from __future__ import annotations
 
 import math
-import time
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
+from torch import nn
 
 from pipeline.curvature import (
-    BlockHessian, Combination, block_gradient, conjugate_gradient, solve_dense,
+    BlockHessian, Combination, RemovalNotServed, UnsolvedSystemError, block_gradient, solve_newton_system,
 )
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
-from pipeline.methods.block_choice import CHOOSERS
+from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
-    DEFAULT_HESSIAN_LIPSCHITZ, DEFAULT_LIPSCHITZ_LOSS, calibrate, secret_gaussian_noise,
+    DEFAULT_HESSIAN_LIPSCHITZ, DEFAULT_LIPSCHITZ_LOSS, NoiseCalibration, calibrate, secret_gaussian_noise,
 )
+from pipeline.privacy.release import Guarantee, PrivacyRelease
+from pipeline.tasks import Task
+
+__all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError", "privacy_release"]
 
 
 class LFociNewtonSettings(MethodSettings):
-    selection: Literal["lfoci", "all", "parameters"] = "lfoci"
+    selection: Literal["auto", "lfoci", "all", "parameters"] = Field(
+        "auto", description="auto: the whole model when it fits whole_model_max, else lfoci")
     parameters: list[str] = Field(default_factory=list, description="for selection: parameters")
+    whole_model_max: int | None = Field(
+        None, ge=0, description="auto: solve the whole model when it has at most this many trainable entries "
+                                "(default: dense_max)")
+    include_output_layer: bool = Field(True, description="lfoci: always add the last probed layer (the decision)")
+    forget_gradient_share: float = Field(
+        0.5, ge=0, le=1, description="lfoci: add slices by forget-gradient norm until the block holds this share "
+                                     "of ||sum_U grad f|| (0 = off)")
+    block_numel_max: int = Field(200_000, gt=0, description="lfoci: the gradient-share additions stop at this size")
     perturbations: int = Field(1000, gt=1, description="m_p perturbed passes of the forget batch")
     perturb_sigma: float = Field(0.1, ge=0, description="std of input noise (dense inputs)")
     token_replacements: int = Field(2, ge=1, description="tokens replaced per sequence (text)")
@@ -47,9 +76,23 @@ class LFociNewtonSettings(MethodSettings):
     curvature_samples: int | None = Field(
         None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples")
     dense_max: int = Field(4096, gt=0, description="largest block solved densely (Cholesky); CG above")
-    damping: float = Field(0.0, ge=0)
-    cg_rtol: float = Field(1e-10, gt=0)
+    damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
+                                                  "when H' + mu I is indefinite)")
+    dense_rtol: float = Field(1e-8, gt=0, description="relative residual a dense solve must reach")
+    cg_rtol: float = Field(1e-10, gt=0, description="relative residual a CG solve must reach")
     cg_max_iter: int | None = Field(None, gt=0)
+    max_damping_attempts: int = Field(12, ge=1, description="damping levels tried before giving up")
+    max_backtracks: int = Field(
+        20, ge=0, description="halvings of a Newton step that does not decrease L_{D\\U} (Armijo); the full "
+                              "step is taken whenever it decreases the objective enough")
+    newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
+    newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
+    newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
+    min_gradient_reduction: float = Field(
+        0.5, ge=0, le=1, description="a removal that removes less than this share of the retained block gradient "
+                                     "is not served (RemovalNotServed)")
+    exact_start_tol: float = Field(1e-8, gt=0, description="certification: ||grad L_D(w)|| below this counts "
+                                                           "as the exact minimiser")
     epsilon: float = Field(math.inf, description="privacy budget of this removal; inf = no noise")
     delta: float = Field(1e-5)
     lipschitz_loss: float = Field(DEFAULT_LIPSCHITZ_LOSS, gt=0)
@@ -75,6 +118,76 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t))
 
 
+# Model classes whose loss is convex in the parameters: a single affine map (after flattening)
+# under a loss that is convex in the logits.
+_AFFINE_ONLY = (nn.Sequential, nn.Flatten, nn.Identity, nn.Linear)
+_CONVEX_LOSSES = {"cross_entropy", "mse", "bce_multilabel"}
+
+
+def convex_model_reason(model: nn.Module, task: Task) -> str | None:
+    """None when the objective is convex in the trainable parameters (one Linear map, convex
+    loss); otherwise why that cannot be claimed."""
+    loss = getattr(task, "loss", None)
+    if loss not in _CONVEX_LOSSES:
+        return f"loss '{loss}' is not known to be convex in the parameters"
+    other = sorted({type(m).__name__ for m in model.modules() if not isinstance(m, _AFFINE_ONLY)})
+    if other:
+        return f"the model is not one affine map (it has {', '.join(other)}): its loss is not convex in the weights"
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if len(linears) != 1:
+        return f"the model composes {len(linears)} Linear layers: its loss is not convex in the weights"
+    return None
+
+
+def privacy_release(
+    problem: RemovalProblem, settings: LFociNewtonSettings, cal: NoiseCalibration, *, full_block: bool,
+    steps: int, damping_used: float, subsampled: bool, start_gradient_norm: float, final_gradient_norm: float,
+) -> PrivacyRelease:
+    """``certified`` only where Sekhari et al. (2021, Thm 3.2) holds: a full-parameter step on a
+    convex model with weight decay lambda > 0 (strong convexity no larger than lambda), and
+    either (a) one undamped Newton step with the exact Hessian from the exact minimiser
+    (||grad L_D|| <= exact_start_tol), or (b) a result whose retained gradient proves it lies
+    within gamma of the retrained optimum: ||w - w*|| <= ||grad L_{D\\U}(w)|| / lambda <= gamma
+    (lambda-strong convexity). Otherwise ``heuristic`` with every reason."""
+    if math.isinf(cal.epsilon) or cal.sigma == 0.0:
+        return PrivacyRelease.non_private()
+    lam = problem.weight_decay
+    reasons: list[str] = []
+    if not full_block:
+        reasons.append("blockwise step: the bound covers a full-parameter Newton step")
+    convex = convex_model_reason(problem.model, problem.task)
+    if convex:
+        reasons.append(convex)
+    if not lam > 0:
+        reasons.append("no weight decay: the objective is not strongly convex")
+    elif cal.strong_convexity > lam:
+        reasons.append(f"strong_convexity {cal.strong_convexity} exceeds the weight decay {lam}: "
+                       "not a property of the objective")
+    one_step: list[str] = []
+    if steps != 1:
+        one_step.append(f"{steps} Newton steps (the one-step bound covers one)")
+    if damping_used > 0:
+        one_step.append(f"damped solve (damping {damping_used:.3g})")
+    if subsampled:
+        one_step.append("curvature estimated on a subsample")
+    if not start_gradient_norm <= settings.exact_start_tol:
+        one_step.append(f"start is not the exact minimiser (||grad L_D|| = {start_gradient_norm:.3g} > "
+                        f"{settings.exact_start_tol:g}): a sequential or SGD-trained model")
+    if one_step and lam > 0:
+        bound = final_gradient_norm / lam
+        if not bound <= cal.gamma:
+            reasons.extend(one_step)
+            reasons.append(f"the a-posteriori distance bound ||grad L_D\\U||/lambda = {bound:.3g} exceeds "
+                           f"gamma = {cal.gamma:.3g}")
+    elif one_step:
+        reasons.extend(one_step)
+    return PrivacyRelease(
+        mechanism="gaussian", sigma=cal.sigma, sensitivity=cal.gamma, epsilon=cal.epsilon, delta=cal.delta,
+        calibration=cal.calibration,  # type: ignore[arg-type]
+        guarantee=Guarantee.HEURISTIC if reasons else Guarantee.CERTIFIED, reasons=reasons,
+    )
+
+
 @register_method
 class LFociNewton(RemovalMethod):
     name = "lfoci-newton"
@@ -90,58 +203,148 @@ class LFociNewton(RemovalMethod):
         with eval_mode_restored(problem.model):
             return self._run(problem, settings, noise_cal, n, m, lam)
 
-    def _run(self, problem, settings, noise_cal, n, m, lam) -> RemovalOutcome:
+    def _run(self, problem: RemovalProblem, settings: LFociNewtonSettings, noise_cal: NoiseCalibration,
+             n: int, m: int, lam: float) -> RemovalOutcome:
         timings: dict[str, float] = {}
         model, task, bs = problem.model, problem.task, problem.batch_size
         block, choice = CHOOSERS[settings.selection](problem, settings)
         timings.update(choice.pop("timings"))
-
-        t = time.perf_counter()
+        full_block = block.numel == trainable_numel(model)
+        params = dict(model.named_parameters())
+        saved = {part.name: params[part.name].detach().clone() for part in block.parts}
+        w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         forget, retain = problem.forget, problem.retain
-        g_forget = block_gradient(model, task, forget, block, lam, reduction="sum", batch_size=bs)
-        g_retain_before = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-        timings["gradients"] = time.perf_counter() - t
 
-        t = time.perf_counter()
+        with problem.stage("gradients", timings):
+            g_forget = block_gradient(model, task, forget, block, lam, reduction="sum", batch_size=bs)
+            g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+            share = choice.get("forget_gradient_share")
+            if share is None:
+                share = 1.0 if full_block else block_share(
+                    forget_gradient_rows(problem),
+                    {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
+        g0 = _norm(g)
+        start_norm = _norm(((n - m) * g + g_forget) / n)  # ||grad_P L_D(w)|| at the start
+        tol = max(settings.newton_atol, settings.newton_rtol * g0)
+
         curv_data, curv_note = problem.train, "all training samples"
-        if settings.curvature_samples is not None and settings.curvature_samples < n:
+        subsampled = settings.curvature_samples is not None and settings.curvature_samples < n
+        if subsampled:
             gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
             pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
             curv_data = problem.train.take(pick)
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
         factory = problem.curvature_factory or BlockHessian
-        h_train = factory(model, task, curv_data, block, lam, reduction="mean", batch_size=bs)
-        h_forget = BlockHessian(model, task, forget, block, lam, reduction="sum", batch_size=bs)
-        h_new = Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)], damping=settings.damping)
-        if block.numel <= settings.dense_max:
-            direction, info = solve_dense(h_new.to_dense(), g_forget)
-        else:
-            direction, info = conjugate_gradient(h_new, g_forget, rtol=settings.cg_rtol, max_iter=settings.cg_max_iter)
-        timings["curvature_and_solve"] = time.perf_counter() - t
+        dense = block.numel <= settings.dense_max
+        history: list[dict[str, Any]] = []
+        solvers: list[dict[str, Any]] = []  # every step's solve, in order
+        info = None
+        try:
+            norm_g = g0
+            for k in range(settings.newton_max_steps):
+                if norm_g <= tol and k > 0:
+                    break
+                with problem.stage("curvature_and_solve", timings):
+                    h_train = factory(model, task, curv_data, block, lam, reduction="mean", batch_size=bs)
+                    h_forget = BlockHessian(model, task, forget, block, lam, reduction="sum", batch_size=bs)
+                    h_new = Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)])
+                    direction, info = solve_newton_system(
+                        h_new, g, dense=dense, damping=settings.damping,
+                        rtol=settings.dense_rtol if dense else settings.cg_rtol,
+                        max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                    solvers.append(dict(info.__dict__))
+                    step_length = _backtrack(model, task, retain, lam, bs, block, direction, g, settings.max_backtracks)
+                with problem.stage("verify", timings):
+                    g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                norm_g = _norm(g)
+                history.append({"step": k + 1, "retain_gradient_norm_after": norm_g, "step_norm": step_length * _norm(direction),
+                                "step_length": step_length,
+                                "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
+                                "relative_residual": info.relative_residual})
+                if norm_g <= tol or step_length == 0.0:
+                    break
+            reduction = 1.0 - norm_g / g0 if g0 > 0 else 1.0
+            if reduction < settings.min_gradient_reduction:
+                raise RemovalNotServed(
+                    f"the Newton step removed {100 * reduction:.1f}% of the retained gradient on the block "
+                    f"(needs {100 * settings.min_gradient_reduction:.0f}%): a local step cannot serve this request",
+                    {"retain_gradient_norm_before": g0, "retain_gradient_norm_after": norm_g, "steps": history})
+        except RemovalNotServed as err:
+            _restore(model, saved)
+            err.diagnostics.setdefault("block_numel", block.numel)
+            raise
 
-        step = direction / (n - m)
-        noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
-        block.add_to_model(model, step + noise)
         params = dict(model.named_parameters())
+        w_solved = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+        damping_used = max(h["damping"] for h in history) if history else settings.damping
+        release = privacy_release(
+            problem, settings, noise_cal, full_block=full_block, steps=len(history), damping_used=damping_used,
+            subsampled=subsampled, start_gradient_norm=start_norm, final_gradient_norm=norm_g)
+        noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
+        block.add_to_model(model, noise)
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
-
-        t = time.perf_counter()
-        g_retain_after = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-        timings["verify"] = time.perf_counter() - t
         record = {
-            "block": {"numel": block.numel, "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
+            "block": {"numel": block.numel, "full_model": full_block,
+                      "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
-            "curvature": {"data": curv_note, "solver": info.__dict__, "damping": settings.damping},
+            "curvature": {"data": curv_note, "solver": dict(info.__dict__) if info else None,
+                          "solvers": solvers,
+                          "damping": settings.damping, "damping_used": damping_used},
+            "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
+                       "converged": norm_g <= tol, "history": history},
             "noise": noise_cal.as_record(),
             "epsilon_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.epsilon,
             "delta_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.delta,
             "gradient_norms": {
                 "forget_sum_block": _norm(g_forget),
-                "retain_mean_block_before": _norm(g_retain_before),
-                "retain_mean_block_after": _norm(g_retain_after),
+                "data_mean_block_start": start_norm,
+                "retain_mean_block_before": g0,
+                "retain_mean_block_after": norm_g,
             },
-            "step_norm": _norm(step),
+            "gradient_share": {
+                "retained_removed": reduction,  # 1 - ||grad_P L_D\U after|| / before (pre-noise)
+                "forget_in_block": share,       # ||g_P(U)|| / ||g(U)||
+            },
+            "step_norm": _norm(w_solved - w_start),
             "noise_norm": _norm(noise),
             "timings": timings,
+            "release": release.model_dump(mode="json"),
         }
-        return RemovalOutcome(new_parameters, record)
+        return RemovalOutcome(new_parameters, record, release)
+
+
+@torch.no_grad()
+def _value(model: nn.Module, task: Task, data, lam: float, batch_size: int) -> float:
+    """L_{D\\U}(w) = mean loss + (lambda/2)||w||^2 over trainable parameters (float64 sum)."""
+    from pipeline.training import objective
+
+    return float(objective(model, task, data, lam, batch_size).double())
+
+
+def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int, block, direction: torch.Tensor,
+               g: torch.Tensor, max_backtracks: int) -> float:
+    """Apply w_P -= t d with the largest t in {1, 1/2, ...} satisfying Armijo's condition
+    L(w - t d) <= L(w) - 1e-4 t g'd (d from a positive definite, possibly damped, system, so g'd >
+    0); a change below the objective's rounding counts as satisfied. Returns t (0: no step)."""
+    f0 = _value(model, task, retain, lam, batch_size)
+    slope = float(g @ direction)
+    eps = torch.finfo(next(model.parameters()).dtype).eps
+    noise = 64 * eps * max(abs(f0), 1e-30)
+    params = dict(model.named_parameters())
+    saved = {part.name: params[part.name].detach().clone() for part in block.parts}
+    t = 1.0
+    for _ in range(max_backtracks + 1):
+        block.add_to_model(model, -t * direction)
+        f1 = _value(model, task, retain, lam, batch_size)
+        if f1 <= f0 - 1e-4 * t * slope or abs(f1 - f0) <= noise:
+            return t
+        _restore(model, saved)
+        t *= 0.5
+    return 0.0
+
+
+@torch.no_grad()
+def _restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for name, value in saved.items():
+        params[name].copy_(value)

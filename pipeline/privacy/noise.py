@@ -6,7 +6,12 @@ an M-Lipschitz Hessian moves the Newton estimate at most
     gamma = 2 M L^2 m^2 / (lambda^3 n^2)
 from the retrained optimum; adding N(0, sigma^2 I) with
     sigma = (gamma / epsilon) * sqrt(2 ln(1.25 / delta))
-makes the removal (epsilon, delta)-indistinguishable (the Gaussian mechanism).
+makes the removal (epsilon, delta)-indistinguishable (the classical Gaussian mechanism; Dwork &
+Roth 2014, Theorem A.1). That calibration is a theorem only for epsilon < 1. For epsilon >= 1
+the analytic Gaussian mechanism (Balle & Wang, ICML 2018, Theorem 8) is used: N(0, sigma^2 I) on
+an update of L2 sensitivity D is (epsilon, delta)-DP iff
+    Phi(D/(2 sigma) - epsilon sigma/D) - e^epsilon Phi(-D/(2 sigma) - epsilon sigma/D) <= delta,
+and sigma is the smallest such value, found by bisection (the left side decreases in sigma).
 epsilon = infinity means no noise (and no privacy guarantee).
 """
 from __future__ import annotations
@@ -33,6 +38,7 @@ class NoiseCalibration:
     strong_convexity: float
     m: int
     n: int
+    calibration: str = "classical"  # "classical" (epsilon < 1), "analytic" (Balle & Wang), "none"
 
     def as_record(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
@@ -56,15 +62,67 @@ def calibrate(
     if lipschitz_loss <= 0 or hessian_lipschitz <= 0:
         raise ValueError("lipschitz_loss and hessian_lipschitz must be > 0")
     if math.isinf(epsilon):
-        return NoiseCalibration(epsilon, delta, 0.0, 0.0, lipschitz_loss, hessian_lipschitz, strong_convexity, m, n)
+        return NoiseCalibration(epsilon, delta, 0.0, 0.0, lipschitz_loss, hessian_lipschitz, strong_convexity, m, n,
+                                calibration="none")
     if not strong_convexity > 0:
         raise ValueError(
             "strong_convexity (lambda, the weight decay) must be > 0 for a finite epsilon: the "
             "noise bound gamma = 2 M L^2 m^2 / (lambda^3 n^2) is infinite otherwise"
         )
     gamma = 2.0 * hessian_lipschitz * lipschitz_loss**2 * m**2 / (strong_convexity**3 * n**2)
-    sigma = gamma / epsilon * math.sqrt(2.0 * math.log(1.25 / delta))
-    return NoiseCalibration(epsilon, delta, gamma, sigma, lipschitz_loss, hessian_lipschitz, strong_convexity, m, n)
+    if epsilon < 1.0:
+        sigma, how = classical_gaussian_sigma(epsilon, delta, gamma), "classical"
+    else:
+        sigma, how = analytic_gaussian_sigma(epsilon, delta, gamma), "analytic"
+    return NoiseCalibration(epsilon, delta, gamma, sigma, lipschitz_loss, hessian_lipschitz, strong_convexity, m, n,
+                            calibration=how)
+
+
+def classical_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """sigma = D sqrt(2 ln(1.25/delta)) / epsilon (Dwork & Roth 2014, Thm A.1; epsilon < 1 only)."""
+    validate_budget(epsilon, delta)
+    if not epsilon < 1.0:
+        raise ValueError(
+            f"the classical Gaussian calibration holds only for epsilon < 1 (got {epsilon}); use "
+            "analytic_gaussian_sigma (Balle & Wang 2018)"
+        )
+    return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
+
+
+def gaussian_delta(epsilon: float, sigma: float, sensitivity: float) -> float:
+    """The exact delta(epsilon) of N(0, sigma^2) on sensitivity D (Balle & Wang 2018, Thm 8):
+    Phi(D/(2s) - eps s/D) - e^eps Phi(-D/(2s) - eps s/D); the second term in log space."""
+    from scipy.special import log_ndtr, ndtr
+
+    if sigma <= 0:
+        return 1.0
+    if sensitivity == 0:
+        return 0.0
+    a = sensitivity / (2.0 * sigma)
+    b = epsilon * sigma / sensitivity
+    first = float(ndtr(a - b))
+    second = math.exp(epsilon + float(log_ndtr(-a - b))) if epsilon + float(log_ndtr(-a - b)) > -745 else 0.0
+    return max(first - second, 0.0)
+
+
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float, *, rtol: float = 1e-12) -> float:
+    """Smallest sigma with ``gaussian_delta(epsilon, sigma, D) <= delta`` (Balle & Wang 2018),
+    by bisection on sigma (the delta curve decreases in sigma); valid for every epsilon > 0."""
+    validate_budget(epsilon, delta)
+    if math.isinf(epsilon) or sensitivity == 0.0:
+        return 0.0
+    lo, hi = 0.0, sensitivity
+    while gaussian_delta(epsilon, hi, sensitivity) > delta:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e12 * sensitivity:
+            raise ValueError(f"no noise level reaches delta={delta} at epsilon={epsilon}")
+    while hi - lo > rtol * hi:
+        mid = 0.5 * (lo + hi)
+        if gaussian_delta(epsilon, mid, sensitivity) <= delta:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def secret_standard_normal(size: int | tuple[int, ...]) -> Tensor:

@@ -44,6 +44,13 @@ class FociResult:
         return len(self.picks)
 
 
+def standardize_columns(z: Tensor) -> Tensor:
+    """(z - mean) / std per column (population std); a constant column becomes 0."""
+    centred = z - z.mean(dim=0, keepdim=True)
+    std = centred.pow(2).mean(dim=0, keepdim=True).sqrt()
+    return torch.where(std > 0, centred / torch.where(std > 0, std, torch.ones_like(std)), torch.zeros_like(centred))
+
+
 def lfoci(
     y: Any,
     z: Any,
@@ -51,6 +58,7 @@ def lfoci(
     max_picks: int | None = None,
     generator: torch.Generator | None = None,
     block_bytes: int | None = None,
+    standardize: bool = True,
 ) -> FociResult:
     """Forward stepwise selection of columns of ``z`` (n x S) that ``y`` (n,) depends on.
 
@@ -61,6 +69,11 @@ def lfoci(
     CPUs; use tens of MiB on a GPU); refinement batches use 16 times that.  The D_X matrix and
     its row sort (3 x n x n) and the sorted candidate columns (4 x n x S) come on top.
     Works on the device and float dtype of the inputs (integers become float64).
+
+    ``standardize`` (default, as the reference FOCI implementation does) centres every column
+    of z and divides it by its standard deviation before anything else, so that the nearest
+    neighbours in (Z_picked, Z_j) -- and so the picks -- do not follow the columns' scales
+    (activations of different layers differ by orders of magnitude). Constant columns stay 0.
     """
     generator = check_generator(generator)
     if max_picks is not None:
@@ -71,6 +84,8 @@ def lfoci(
     dtype = torch.promote_types(yt.dtype, zt.dtype)
     yt, zt = yt.to(dtype), zt.to(dtype)
     check_not_constant(yt)
+    if standardize:
+        zt = standardize_columns(zt)
     if generator is not None:
         yt = lcodec_jitter(yt, generator)
         zt = lcodec_jitter(zt, generator)
