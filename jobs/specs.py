@@ -201,7 +201,8 @@ def format_errors(err: ValidationError, cls: type[BaseModel]) -> list[str]:
             lines.append(f"{where}: required field is missing; add it{hint}")
             continue
         got = e.get("input")
-        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None else ""
+        secret = any("token" in str(p) for p in loc)  # never echo a (short) token back
+        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None and not secret else ""
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {msg}{shown}{hint}")
     return lines
@@ -234,6 +235,8 @@ def load_spec(path: str | Path, cls: type[Spec], what: str = "spec") -> Spec:
         raise SpecError(f"{what} {path} is not valid YAML{at}: {problem}; fix the syntax") from None
     except UnicodeDecodeError:
         raise SpecError(f"{what} {path} is not UTF-8 text") from None
+    except RecursionError:
+        raise SpecError(f"{what} {path} nests too deeply to read; a spec is a few levels of fields") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{what} {path} must be a YAML mapping of fields (got {type(raw).__name__}); "
                         f"fields: {', '.join(cls.model_fields)}")
