@@ -36,8 +36,9 @@ def submit_to_ray(address: str, args: list[str]) -> str:
     uploaded working directory)."""
     import sys
 
-    from jobs.submit import DEFAULT_EXCLUDES, build_runtime_env, client, entrypoint
+    from jobs.submit import DEFAULT_EXCLUDES, build_runtime_env, check_job_paths, client, entrypoint
 
+    check_job_paths(Path.cwd(), tuple(args))
     return client(address).submit_job(entrypoint=entrypoint(sys.executable, tuple(args)),
                                       runtime_env=build_runtime_env(Path.cwd(), DEFAULT_EXCLUDES, ()))
 

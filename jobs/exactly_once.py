@@ -57,6 +57,14 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, VersionStoreError,
 MIN_PLD_NOISE_MULTIPLIER = 0.25
 
 
+class _SplitBatch(Exception):
+    """Internal: a multi-request stream batch whose removal raised; it is split, not closed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class BatchInputError(ValueError):
     """Settings or requests that would make every batch fail; refused before anything is written."""
 
@@ -181,6 +189,7 @@ class ExactlyOnce:
         self.limits = limits or Limits()
         self.cluster = cluster  # jobs.distributed.ClusterOptions, or None: in this process
         self._remover = remover
+        self._split_on_error = False
         store.register_ledger(model, ledger.path)
 
     # -- follow a rollback ----------------------------------------------------------------------
@@ -259,8 +268,10 @@ class ExactlyOnce:
         except TRANSIENT_ERRORS:
             raise
         except Exception as err:  # noqa: BLE001 - deterministic: recorded, never retried forever
-            state = "needs_retrain" if is_not_served(err) else "failed"
-            return self._close(batch, state, f"the removal failed: {type(err).__name__}: {err}")
+            reason = f"the removal failed: {type(err).__name__}: {err}"
+            if self._split_on_error and len(batch.request_ids) > 1:
+                raise _SplitBatch(reason) from None
+            return self._close(batch, "needs_retrain" if is_not_served(err) else "failed", reason)
         if run.record.get("needs_retrain"):
             return self._close(batch, "needs_retrain", f"the method cannot serve this batch: {run.record['needs_retrain']}")
         crash_point("after_compute")
@@ -354,22 +365,29 @@ class ExactlyOnce:
         verification) and the batch holds several requests, give them back and apply each alone,
         so one bad request does not fail the others."""
         index = len(self.ledger.batches(model=self.model, origin=origin))
-        batch = self.schedule(origin, index, request_ids, seed_of(index))
-        result = self.apply(batch)
-        if len(request_ids) == 1 or result.state == "applied" or not (result.reason or "").startswith("the removal failed"):
-            return [result]
-        self.ledger.release_batch(batch.batch_key, f"split into single requests after: {result.reason}")
+        return self._apply_splitting(self.schedule(origin, index, request_ids, seed_of(index)), seed_of)
+
+    def _apply_splitting(self, batch: BatchRow, seed_of: Callable[[int], int]) -> list[BatchResult]:
+        self._split_on_error = True
+        try:
+            return [self.apply(batch)]
+        except _SplitBatch as split:
+            self.ledger.release_batch(batch.batch_key, f"split into single requests after: {split.reason}")
+        finally:
+            self._split_on_error = False
         out = []
-        for rid in request_ids:
-            index = len(self.ledger.batches(model=self.model, origin=origin))
-            out.append(self.apply(self.schedule(origin, index, [rid], seed_of(index))))
+        for rid in batch.request_ids:
+            index = len(self.ledger.batches(model=self.model, origin=batch.origin))
+            out.append(self.apply(self.schedule(batch.origin, index, [rid], seed_of(index))))
         return out
 
-    def finish_leftovers(self, origin: str, log: Callable[[str], None] = lambda _: None) -> list[BatchResult]:
-        out = []
+    def finish_leftovers(self, origin: str, seed_of: Callable[[int], int],
+                         log: Callable[[str], None] = lambda _: None) -> list[BatchResult]:
+        """Bring the scheduled batches a killed stream worker left to an end (split like new ones)."""
+        out: list[BatchResult] = []
         for batch in self.ledger.batches(model=self.model, origin=origin, state="scheduled"):
             log(f"finishing batch {batch.batch_key} left from the last run")
-            out.append(self.apply(batch))
+            out += self._apply_splitting(batch, seed_of)
         return out
 
 

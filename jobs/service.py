@@ -150,7 +150,7 @@ class UnlearnService:
             self.machine.follow_rollbacks()
             current = self.store.open_verified(self.model)
             self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
-            self.machine.finish_leftovers(self.batch_origin, self.log)
+            self.machine.finish_leftovers(self.batch_origin, lambda k: self.config.seed + k, self.log)
             self.server = ThreadingHTTPServer((self.config.host, self.config.port), _handler_for(self))
         except BaseException:
             self._release()
