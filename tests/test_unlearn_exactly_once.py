@@ -310,3 +310,12 @@ def test_a_budget_that_requires_certified_releases_refuses_heuristic_ones(tmp_pa
     assert manifest["privacy"]["guarantee"] == "heuristic" and manifest["privacy"]["releases"]["heuristic"] == 1
     shown = CliRunner().invoke(jobs.ledger.command, ["show", "--store", str(root)])
     assert "release=heuristic" in shown.output and "releases: 0 certified, 1 heuristic, 0 none" in shown.output
+
+
+def test_seeds_up_to_2_63_minus_1_apply_and_the_ledger_records_them(tmp_path, root):
+    """Seeds above 1.8e13 used to fail every batch; the whole range [0, 2^63 - 1] now applies
+    (one past it is refused at ingest: tests/test_unlearn_bad_inputs.py)."""
+    top = 2**63 - 2
+    result = _run(_spec(tmp_path, root, "big", [IDS[0:1], IDS[1:2]], seed=top))
+    assert [b.state for b in result.batches] == ["applied", "applied"], result.batches
+    assert [b["seed"] for b in _rows(root / "ledger.sqlite3", "batches")] == [top, top + 1]

@@ -252,6 +252,7 @@ def test_random_kills_of_the_stream_service_during_its_batches(tmp_path, tmp_pat
         kills += 1
         states = audit(store, ledger, final=False)
         assert acknowledged <= set(states), "an acknowledged request was lost"
+        STATS["stream kills inside a batch"] += any(b["state"] == "scheduled" for b in _ledger(ledger)[1])
     proc, _ = _serve(config, port_file)
     port = _wait_port(proc, port_file)
     deadline = time.monotonic() + 120
