@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import torch
 from pydantic import ValidationError
 
 from jobs.specs import LEDGER_FILE, Limits

@@ -6,7 +6,6 @@ stores, real `python -m jobs.cli` subprocesses where a kill is needed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 from pathlib import Path
