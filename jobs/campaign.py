@@ -36,8 +36,9 @@ def submit_to_ray(address: str, args: list[str]) -> str:
     uploaded working directory)."""
     import sys
 
-    from jobs.submit import DEFAULT_EXCLUDES, build_runtime_env, client, entrypoint
+    from jobs.submit import DEFAULT_EXCLUDES, build_runtime_env, check_job_paths, client, entrypoint
 
+    check_job_paths(Path.cwd(), tuple(args))
     return client(address).submit_job(entrypoint=entrypoint(sys.executable, tuple(args)),
                                       runtime_env=build_runtime_env(Path.cwd(), DEFAULT_EXCLUDES, ()))
 
@@ -93,17 +94,29 @@ def resume(spec: str, ray_address: str | None, progress: bool | None) -> None:
 @user_errors
 def check(spec: str) -> None:
     """Validate SPEC, its request file and the sample ids, writing nothing."""
-    from jobs.campaign_runner import check_sample_ids
-    from pipeline.data.requests import read_requests
+    from jobs.campaign_runner import read_campaign_requests, validate_campaign
     from pipeline.store.versions import VersionStore
 
     loaded = _load(spec)
     store = VersionStore(loaded.model.store)
-    current = store.open_verified(loaded.model.name)
-    requests = read_requests(loaded.requests)
-    check_sample_ids(current.path, requests, loaded.model.name, current.version)
+    requests = read_campaign_requests(loaded)
+    version = validate_campaign(loaded, store, requests)
     batches = -(-len(requests) // loaded.batch_size)
-    click.echo(f"ok: {len(requests)} requests in {batches} batches on model '{loaded.model.name}' version {current.version}")
+    click.echo(f"ok: {len(requests)} requests in {batches} batches on model '{loaded.model.name}' version {version}")
+
+
+@command.command("cancel-batch", epilog=SPEC_HELP)
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.argument("index", type=click.IntRange(min=0))
+@click.option("--reason", required=True, help="Why (recorded in the ledger and the report).")
+@user_errors
+def cancel_batch(spec: str, index: int, reason: str) -> None:
+    """Close batch INDEX of a campaign, stuck as scheduled, as failed: its requests end failed
+    with the reason, their samples may be requested again, and `resume` goes on with the next batch."""
+    from jobs.campaign_runner import cancel_batch as cancel
+
+    result = cancel(_load(spec), index, reason)
+    click.echo(f"batch {result.batch_key}: {result.state}: {result.reason}")
 
 
 @command.command("status")

@@ -2,9 +2,10 @@
 (request file order, ``batch_size`` per batch, batch k seeded with ``seed + k``), each batch on
 the current version and published as a new one, then write the report.
 
-Resumable at any point: ingestion is one transaction (all requests or none); each batch is
-recorded before it is computed and finished by ``BatchApplier`` (see jobs/applier.py), which
-recognises a batch that was published before a crash. ``resume`` re-enters the same loop.
+Resumable at any point: ingestion is one transaction (all requests or none); each batch goes
+through the exactly-once state machine (jobs/exactly_once.py), which recognises a batch that was
+published before a crash and never re-publishes one an operator rolled back. ``resume``
+re-enters the same loop; ``cancel_batch`` closes a stuck batch so the campaign can go on.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from jobs.applier import BatchApplier, BatchResult, sync_rollbacks
+from jobs.exactly_once import BatchInputError, BatchResult, ExactlyOnce, validate_settings
 from pipeline.removal import training_set
 from jobs.report import write_report
 from jobs.specs import CampaignSpec
@@ -54,13 +55,26 @@ def check_sample_ids(version_dir: Path, requests: Sequence[DeletionRequest], mod
         )
 
 
-def _ingest(spec: CampaignSpec, store: VersionStore, ledger: Ledger) -> int:
+def read_campaign_requests(spec: CampaignSpec) -> list[DeletionRequest]:
+    try:
+        return read_requests(spec.requests)
+    except RecursionError:
+        raise CampaignError(f"request file {spec.requests} nests too deeply to read; requests are flat rows") from None
+
+
+def validate_campaign(spec: CampaignSpec, store: VersionStore, requests: Sequence[DeletionRequest]) -> int:
+    """Everything that can be checked before a write: the current version verifies, the sample ids
+    are in its training set, the method settings fit the model, the seeds fit. Returns the version."""
     model = spec.model.name
     current = store.open_verified(model)  # refuses a tampered current version before anything is written
-    requests = read_requests(spec.requests)
     check_sample_ids(current.path, requests, model, current.version)
-    ledger.ingest_campaign(spec.name, model, spec_record(spec), requests)
-    return len(requests)
+    batches = -(-len(requests) // spec.batch_size)
+    try:
+        validate_settings(spec.method.name, spec.method.settings, spec.limits, current.path,
+                          first_seed=spec.seed, last_seed=spec.seed + batches - 1)
+    except BatchInputError as err:
+        raise CampaignError(str(err)) from None
+    return current.version
 
 
 def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | None = None,
@@ -71,6 +85,10 @@ def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | N
     model = spec.model.name
     store = VersionStore(spec.model.store)
     store.require_model(model)
+    requests: list[DeletionRequest] | None = None
+    if not spec.ledger_path().exists():  # a new ledger: validate everything before creating it
+        requests = read_campaign_requests(spec)
+        validate_campaign(spec, store, requests)
     ledger = Ledger(spec.ledger_path())
     try:
         with store.lock(model):
@@ -87,30 +105,28 @@ def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | N
                 )
             if existing is not None and existing.model != model:
                 raise CampaignError(f"campaign '{spec.name}' belongs to model '{existing.model}', not '{model}'")
-            sync_rollbacks(store, ledger, model)
+            machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
+                                  limits=spec.limits, cluster=spec.ray.options() if spec.ray else None)
+            machine.follow_rollbacks()
             if existing is None:
-                count = _ingest(spec, store, ledger)
-                echo(f"accepted {count} requests into {ledger.path} (campaign '{spec.name}')")
+                requests = requests if requests is not None else read_campaign_requests(spec)
+                validate_campaign(spec, store, requests)
+                ledger.ingest_campaign(spec.name, model, spec_record(spec), requests)
+                echo(f"accepted {len(requests)} requests into {ledger.path} (campaign '{spec.name}')")
             crash_point("after_ingest")
 
             request_ids = ledger.campaign_request_ids(spec.name)
             chunks = [request_ids[i : i + spec.batch_size] for i in range(0, len(request_ids), spec.batch_size)]
             origin = f"campaign:{spec.name}"
-            applier = BatchApplier(store, ledger, model, method=spec.method.name,
-                                   settings=spec.method.settings, limits=spec.limits,
-                                   cluster=spec.ray.options() if spec.ray else None)
             results: list[BatchResult] = []
             removed: list[int] = []
             bar = tqdm(chunks, desc=f"campaign {spec.name}", unit="batch", file=sys.stderr,
                        disable=(not progress) if progress is not None else None)
             for k, chunk in enumerate(bar):
-                key = f"{origin}:{k}"
-                batch = ledger.get_batch(key)
+                batch = ledger.get_batch(f"{origin}:{k}")
                 if batch is None:
-                    batch = ledger.schedule_batch(batch_key=key, model=model, origin=origin, index=k, request_ids=chunk,
-                                                  parent_version=store.current(model), seed=spec.seed + k)
-                    crash_point("after_schedule")
-                result = applier.apply(batch, cumulative_ids=[*removed, *batch.sample_ids])
+                    batch = machine.schedule(origin, k, chunk, spec.seed + k)
+                result = machine.apply(batch, cumulative_ids=[*removed, *batch.sample_ids])
                 if result.state == "applied":
                     removed += batch.sample_ids
                 results.append(result)
@@ -129,3 +145,20 @@ def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | N
         if r.state != "applied":
             echo(f"  batch {r.batch_key}: {r.state}: {r.reason}")
     return CampaignResult(spec.name, results, final, report_dir)
+
+
+def cancel_batch(spec: CampaignSpec, index: int, reason: str) -> BatchResult:
+    """Close batch ``index`` of the campaign (stuck scheduled) as failed, under the model's lock."""
+    model = spec.model.name
+    store = VersionStore(spec.model.store)
+    store.require_model(model)
+    ledger = Ledger(spec.ledger_path(), create=False)
+    try:
+        with store.lock(model):
+            if ledger.get_campaign(spec.name) is None:
+                raise CampaignError(f"campaign '{spec.name}' is not in the ledger {ledger.path}")
+            machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
+                                  limits=spec.limits)
+            return machine.cancel(f"campaign:{spec.name}:{index}", reason)
+    finally:
+        ledger.close()

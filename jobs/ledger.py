@@ -59,8 +59,21 @@ def show(store: str | None, ledger: str | None, model: str | None, state: str | 
         if as_json:
             click.echo(json.dumps(row.to_json()))
         else:
+            guarantee = ((row.metrics or {}).get("privacy") or {}).get("guarantee") or "-"
             click.echo(f"{row.request_id:<24} {row.model:<16} {row.state:<13} v={row.version!s:<5} "
-                       f"samples={len(row.sample_ids):<4} eps={row.epsilon_spent} {row.error or ''}")
+                       f"samples={len(row.sample_ids):<4} eps={row.epsilon_spent} release={guarantee} {row.error or ''}")
+    if not request_id and not as_json:
+        counts = guarantee_counts(led, model)
+        click.echo("releases: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+
+
+def guarantee_counts(led, model: str | None = None) -> dict[str, int]:
+    """Applied requests by the guarantee of the release that applied them (certified / heuristic / none)."""
+    counts = {"certified": 0, "heuristic": 0, "none": 0}
+    for row in led.requests(model=model, state="applied"):
+        kind = ((row.metrics or {}).get("privacy") or {}).get("guarantee") or "none"
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 @command.command("export")

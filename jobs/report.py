@@ -22,12 +22,16 @@ def campaign_summary(store: VersionStore, ledger: Ledger, campaign_id: str) -> d
     model = campaign.model
     batches = sorted(ledger.batches(origin=f"campaign:{campaign_id}"), key=lambda b: b.index)
     rows, removed = [], 0
+    guarantees = {"certified": 0, "heuristic": 0, "none": 0}
     for b in batches:
         metrics: dict[str, Any] | None = None
         if b.state == "applied" and b.version is not None:
             manifest = store.manifest(model, b.version)
-            metrics = {**manifest["metrics"], "epsilon_total": manifest["privacy"]["spent_after"]["epsilon"],
-                       "epsilon": manifest["privacy"]["release"]["epsilon"]}
+            privacy = manifest["privacy"]
+            guarantee = privacy.get("guarantee") or privacy["release"].get("guarantee") or "none"
+            guarantees[guarantee] = guarantees.get(guarantee, 0) + 1
+            metrics = {**manifest["metrics"], "epsilon_total": privacy["spent_after"]["epsilon"],
+                       "epsilon": privacy["release"]["epsilon"], "guarantee": guarantee}
             removed += len(b.sample_ids)
         else:
             first = ledger.get_request(b.request_ids[0])
@@ -39,7 +43,7 @@ def campaign_summary(store: VersionStore, ledger: Ledger, campaign_id: str) -> d
     return {
         "campaign": campaign_id, "model": model, "spec": campaign.spec,
         "requests": {s: states.count(s) for s in ("accepted", "scheduled", "applied", "failed", "needs_retrain")},
-        "total_requests": len(states), "samples_removed": removed,
+        "total_requests": len(states), "samples_removed": removed, "releases": guarantees,
         "final_version": store.current(model), "batches": rows,
     }
 
@@ -96,15 +100,17 @@ def _markdown(summary: dict[str, Any]) -> str:
         f"{summary['total_requests']} requests.", "",
         "| requests | count |", "|---|---|",
         *[f"| {state} | {count} |" for state, count in summary["requests"].items()], "",
+        "Privacy releases of the applied batches: " + ", ".join(f"{count} {kind}" for kind, count in summary["releases"].items())
+        + " (certified: the bound's conditions hold; heuristic: calibrated noise without the theorem; none: no noise).", "",
         "![accuracy against samples removed](curves.png)", "",
-        "| batch | state | version | requests | removed | forget acc. | retain acc. | test acc. | epsilon total |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | state | version | requests | removed | forget acc. | retain acc. | test acc. | release | epsilon total |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in summary["batches"]:
         m = b["metrics"] or {}
         lines.append(f"| {b['index']} | {b['state']} | {_fmt(b['version'])} | {len(b['request_ids'])} | {b['removed_after']} | "
                      f"{_fmt(m.get('cumulative_forget_accuracy'))} | {_fmt(m.get('retain_accuracy'))} | "
-                     f"{_fmt(m.get('test_accuracy'))} | {_fmt(m.get('epsilon_total'))} |")
+                     f"{_fmt(m.get('test_accuracy'))} | {_fmt(m.get('guarantee'))} | {_fmt(m.get('epsilon_total'))} |")
     problems = [b for b in summary["batches"] if b["state"] != "applied"]
     if problems:
         lines += ["", "## Batches not applied", ""]

@@ -10,7 +10,8 @@ Limits: body size (413), per-client token-bucket rate limit (429), JSON only (41
 
 Worker: pending (accepted) stream requests are applied in arrival order, in batches of at most
 ``batching.max_requests``, as soon as that many are pending or the oldest has waited
-``batching.max_wait_s``. The maths are ``pipeline.removal.remove`` via ``jobs.applier``. On shutdown
+``batching.max_wait_s``, through the exactly-once state machine (``jobs.exactly_once``); a
+micro-batch whose removal fails is split so that one bad request does not fail the others. On shutdown
 the HTTP server stops first, then the worker finishes the batch in flight and stops; requests
 still pending stay accepted in the ledger and are applied by the next start.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.applier import BatchApplier, sync_rollbacks
+from jobs.exactly_once import BatchInputError, ExactlyOnce, validate_settings
 from pipeline.removal import training_set
 from jobs.specs import ServiceConfig
 from pipeline.checkpoint import atomic_write_bytes
@@ -38,6 +39,10 @@ from pipeline.store.ledger import Ledger, LedgerConflictError, SampleConflictErr
 from pipeline.store.versions import VersionStore
 
 REQUEST_PATH = re.compile(r"^/v1/requests/([^/]{1,128})$")
+MAX_RETRY_AFTER_S = 86_400.0  # a 429 never asks for more than a day (rate 1e-320 would say inf)
+MAX_JSON_DEPTH = 32
+# Stream batch k uses seed + k: the seed must leave room for this many batches below 2^63.
+STREAM_SEED_HEADROOM = 2**40
 
 
 class HttpError(Exception):
@@ -64,7 +69,43 @@ class RateLimiter:
                 self._buckets[client] = (tokens - 1.0, now)
                 return 0.0
             self._buckets[client] = (tokens, now)
-            return (1.0 - tokens) / self.rate
+            wait = (1.0 - tokens) / self.rate
+            return wait if wait < MAX_RETRY_AFTER_S else MAX_RETRY_AFTER_S
+
+
+def _depth(raw: bytes) -> int:
+    """Deepest nesting of brackets outside strings (checked before parsing, so no RecursionError)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body as JSON; any problem (bad UTF-8 or JSON, nesting deeper than
+    MAX_JSON_DEPTH, an integer of thousands of digits) is a 400 with the reason, never a 500."""
+    if _depth(raw) > MAX_JSON_DEPTH:
+        raise HttpError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HttpError(400, f"the body is not valid JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # e.g. an integer longer than Python's 4300-digit limit
+        raise HttpError(400, f"the body is not valid JSON ({str(err)[:160]})") from None
 
 
 def _age_seconds(received_at: str) -> float:
@@ -92,19 +133,24 @@ class UnlearnService:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> tuple[str, int]:
-        """Take the model's lock, bring unfinished batches to an end, bind and start serving."""
+        """Check the settings, take the model's lock, follow rollbacks, bring unfinished batches to
+        an end, bind and start serving."""
+        current = self.store.open_verified(self.model)
+        try:
+            validate_settings(self.config.method.name, self.config.method.settings, self.config.limits, current.path,
+                              first_seed=self.config.seed, last_seed=self.config.seed + STREAM_SEED_HEADROOM)
+        except BatchInputError as err:
+            raise BatchInputError(f"service configuration: {err}") from None
         self._lock_cm = self.store.lock(self.model)
         self._lock_cm.__enter__()
         try:
             self.ledger = Ledger(self.config.ledger_path())
-            self.applier = BatchApplier(self.store, self.ledger, self.model, method=self.config.method.name,
-                                        settings=self.config.method.settings, limits=self.config.limits)
-            sync_rollbacks(self.store, self.ledger, self.model)
+            self.machine = ExactlyOnce(self.store, self.ledger, self.model, method=self.config.method.name,
+                                       settings=self.config.method.settings, limits=self.config.limits)
+            self.machine.follow_rollbacks()
             current = self.store.open_verified(self.model)
             self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
-            for batch in self.ledger.batches(model=self.model, origin=self.batch_origin, state="scheduled"):
-                self.log(f"finishing batch {batch.batch_key} left from the last run")
-                self.applier.apply(batch)
+            self.machine.finish_leftovers(self.batch_origin, lambda k: self.config.seed + k, self.log)
             self.server = ThreadingHTTPServer((self.config.host, self.config.port), _handler_for(self))
         except BaseException:
             self._release()
@@ -188,14 +234,9 @@ class UnlearnService:
                 return
 
     def _apply(self, request_ids: list[str]) -> None:
-        index = len(self.ledger.batches(model=self.model, origin=self.batch_origin))
-        batch = self.ledger.schedule_batch(
-            batch_key=f"{self.batch_origin}:{index}", model=self.model, origin=self.batch_origin, index=index,
-            request_ids=request_ids, parent_version=self.store.current(self.model), seed=self.config.seed + index,
-        )
-        result = self.applier.apply(batch)
-        self.log(f"batch {index}: {len(request_ids)} requests -> {result.state}"
-                 + (f" (version {result.version})" if result.version is not None else f": {result.reason}"))
+        for result in self.machine.apply_isolating(self.batch_origin, request_ids, lambda k: self.config.seed + k):
+            self.log(f"batch {result.batch_key}: {result.state}"
+                     + (f" (version {result.version})" if result.version is not None else f": {result.reason}"))
 
     # -- request handling (called from handler threads) ---------------------------------------
     def authenticate(self, header: str | None) -> str:
@@ -328,11 +369,7 @@ def _handler_for(service: UnlearnService) -> type[BaseHTTPRequestHandler]:
             limit = service.config.max_body_bytes
             if length > limit:
                 raise HttpError(413, f"body of {length} bytes exceeds the limit of {limit} bytes; split the request")
-            raw = self.rfile.read(length)
-            try:
-                return json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise HttpError(400, f"the body is not valid JSON ({err})") from None
+            return parse_json_body(self.rfile.read(length))
 
         def do_GET(self) -> None:  # noqa: N802
             self._handle("GET")

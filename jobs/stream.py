@@ -59,6 +59,11 @@ def check(config_path: str) -> None:
     for client in config.auth.clients:
         client.resolve()
     info = VersionStore(config.model.store).open_verified(config.model.name)
+    from jobs.exactly_once import validate_settings
+    from jobs.service import STREAM_SEED_HEADROOM
+
+    validate_settings(config.method.name, config.method.settings, config.limits, info.path,
+                      first_seed=config.seed, last_seed=config.seed + STREAM_SEED_HEADROOM)
     click.echo(f"ok: model '{config.model.name}' at version {info.version}; would bind {config.host}:{config.port}")
 
 

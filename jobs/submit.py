@@ -5,7 +5,7 @@
     unlearn submit stop JOB_ID        unlearn submit list
 
 ``run`` uploads the working directory (``runtime_env.working_dir``; the virtualenv, git data,
-runs/, caches and build outputs excluded) and starts ``<python> -m jobs.cli ARGS`` as the
+runs/, caches, build outputs, version stores and ledgers excluded) and starts ``<python> -m jobs.cli ARGS`` as the
 job's entrypoint, ``<python>`` being this interpreter unless ``--python`` names the cluster's.
 It is the same as ``ray job submit --working-dir . -- python -m jobs.cli ARGS``. With
 ``--wait`` (default) it follows the job to the end, prints its logs and exits 0 only if the
@@ -26,10 +26,21 @@ import click
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # gitignore-style patterns relative to the working dir (Ray's runtime_env "excludes").
+# A version store or a ledger is never uploaded: a job working on a copy would fork the store and
+# its ledger (two "truths" about which requests were applied). They live on storage every node
+# mounts, named by absolute paths (see ``check_job_paths``).
+STORE_EXCLUDES: tuple[str, ...] = (
+    "*.sqlite3", "*.sqlite3-wal", "*.sqlite3-shm", "*.sqlite3-journal", "versions/", ".staging/", "CURRENT",
+    "LEDGERS", ".lock",
+)
 DEFAULT_EXCLUDES: tuple[str, ...] = (
     ".venv/", ".git/", "runs/", "__pycache__/", "*.pyc", ".torch_extensions/", "*.egg-info/",
-    ".pytest_cache/", "bench/results/", ".whl/", ".gl/", "build/",
+    ".pytest_cache/", "bench/results/", ".whl/", ".gl/", "build/", *STORE_EXCLUDES,
 )
+# Fields of a job's YAML that name files or folders the job reads or writes.
+PATH_FIELDS = frozenset({"model", "store", "ledger", "requests", "output", "out", "report_dir", "ids_file",
+                         "model_dir", "port_file", "token_file"})
+SHARED_FIELDS = frozenset({"store", "ledger"})  # must be the one shared copy, never an upload
 JOB_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -67,6 +78,81 @@ def build_runtime_env(working_dir: Path, excludes: tuple[str, ...], env: tuple[s
         env_vars[key] = value
     return {"working_dir": str(working_dir), "excludes": list(DEFAULT_EXCLUDES) + list(excludes),
             "env_vars": env_vars}
+
+
+def _excluded(relative: Path, excludes: tuple[str, ...]) -> bool:
+    import fnmatch
+
+    parts = relative.parts
+    for pattern in excludes:
+        if pattern.endswith("/"):
+            name = pattern.rstrip("/")
+            if "/" in name:
+                if relative.as_posix().startswith(name + "/") or relative.as_posix() == name:
+                    return True
+            elif name in parts:
+                return True
+        elif any(fnmatch.fnmatch(part, pattern) for part in parts):
+            return True
+    return False
+
+
+def _yaml_paths(obj: Any, where: str = "") -> list[tuple[str, str]]:
+    """(field path, value) of every string under a PATH_FIELDS key of a YAML document."""
+    out: list[tuple[str, str]] = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            at = f"{where}.{key}" if where else str(key)
+            if key in PATH_FIELDS and isinstance(value, str):
+                out.append((at, value))
+            else:
+                out += _yaml_paths(value, at)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            out += _yaml_paths(value, f"{where}[{i}]")
+    return out
+
+
+def job_config_files(args: tuple[str, ...]) -> list[str]:
+    """The YAML files an ``unlearn`` command line reads: ``--config X`` and campaign SPEC arguments."""
+    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    if len(args) >= 3 and args[0] == "campaign" and args[1] in ("run", "resume", "check", "status", "cancel-batch"):
+        files.append(args[2])
+    return files
+
+
+def check_job_paths(working_dir: Path, args: tuple[str, ...], excludes: tuple[str, ...] = DEFAULT_EXCLUDES) -> None:
+    """Refuse, before anything is submitted, a job whose configuration names a path the job will
+    not see: inside a Ray job the working directory is an upload of ``working_dir`` without
+    ``excludes`` (runs/, stores, ledgers), so a relative ``model: runs/models/x`` fails there.
+    A store or a ledger must be an absolute path on storage every node mounts."""
+    import yaml
+
+    problems: list[str] = []
+    for name in job_config_files(args):
+        config = Path(name)
+        local = config if config.is_absolute() else working_dir / config
+        if not config.is_absolute() and _excluded(config, excludes):
+            problems.append(f"{name}: the configuration file itself is not uploaded (excluded); keep it in the project")
+        if not local.is_file():
+            continue  # the command itself reports a missing file
+        try:
+            document = yaml.safe_load(local.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+            continue  # the command reports the syntax error with its own message
+        for field, value in _yaml_paths(document):
+            path = Path(value)
+            if path.is_absolute():
+                continue
+            if field.split(".")[-1] in SHARED_FIELDS or field in ("model.store",):
+                problems.append(f"{name}: {field} = '{value}' is relative: a job would write a copy of the store/ledger "
+                                "inside its uploaded working directory; give an absolute path on storage every node mounts")
+            elif _excluded(path, excludes) or (value.startswith("..")):
+                problems.append(f"{name}: {field} = '{value}' is not uploaded with the working directory (excluded or outside it); "
+                                "give an absolute path on storage every node mounts (e.g. /shared/unlearn/...)")
+    if problems:
+        raise click.ClickException("the job would not find its files on the cluster:\n  - " + "\n  - ".join(problems))
 
 
 def entrypoint(python: str, args: tuple[str, ...]) -> str:
@@ -115,6 +201,7 @@ def run(address: str | None, working_dir: Path, python: str | None, excludes: tu
     """Submit `unlearn ARGS` as a Ray job (after --)."""
     address = address or default_address()
     runtime_env = build_runtime_env(working_dir.resolve(), excludes, env)
+    check_job_paths(working_dir.resolve(), args, DEFAULT_EXCLUDES + tuple(excludes))
     c = client(address)
     sub = c.submit_job(entrypoint=entrypoint(python or sys.executable, args), runtime_env=runtime_env,
                        submission_id=job_id)

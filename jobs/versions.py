@@ -39,7 +39,7 @@ def import_(store: str, model: str, model_dir: str, note: str | None) -> None:
     load_model_dir(model_dir)  # a directory whose weights do not fit its card is refused before anything is written
     vs = _store(store, create=True)
     vs.model_dir(model)  # validates the name
-    with vs.lock(model):
+    with vs.lock(model, create=True):
         info = vs.import_model_dir(model, model_dir, note=note)
     click.echo(f"imported {model_dir} as version {info.version} of '{model}' in {vs.root}")
 
@@ -102,22 +102,21 @@ def verify(store: str, model: str, version: int | None) -> None:
 @click.argument("version", type=int)
 @click.option("--reason", required=True, help="Why (recorded in the pointer history and the ledger).")
 @click.option("--ledger", "ledger_path", default=None, type=click.Path(dir_okay=False),
-              help="Ledger file (default: <store>/ledger.sqlite3).")
+              help="Ledger file (default: every ledger recorded for the model, and <store>/ledger.sqlite3).")
 @user_errors
 def rollback(store: str, model: str, version: int, reason: str, ledger_path: str | None) -> None:
     """Point the model's CURRENT at an older VERSION. Nothing is deleted; requests applied by the
-    versions left behind move to needs_retrain in the ledger."""
-    from jobs.applier import sync_rollbacks
-    from jobs.specs import LEDGER_FILE
-    from pipeline.store.ledger import Ledger
+    versions left behind move to needs_retrain in the ledger(s). Every ledger is opened and checked
+    before CURRENT moves; naming the current version finishes a rollback that was interrupted."""
+    from jobs.exactly_once import ledgers_for, rollback as roll_back
 
     vs = _store(store)
+    vs.require_model(model)  # before the lock: an unknown model leaves nothing behind
     with vs.lock(model):
-        old, new = vs.rollback(model, version, reason)
-        ledger = Ledger(ledger_path or vs.root / LEDGER_FILE)
-        ledger.record_event(model, "rollback", None, {"from": old, "to": new, "reason": reason})
-        moved = sync_rollbacks(vs, ledger, model)
-    click.echo(f"'{model}': CURRENT moved from v{old} to v{new}; {len(moved)} request(s) now need_retrain")
+        paths = ledgers_for(vs, model, ledger_path)
+        old, new, moved = roll_back(vs, model, version, reason, paths)
+    where = ", ".join(str(p) for p in paths) or "no ledger"
+    click.echo(f"'{model}': CURRENT moved from v{old} to v{new}; {len(moved)} request(s) now need_retrain ({where})")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def format_errors(err: ValidationError, cls: type[BaseModel] | None = None, pref
             lines.append(f"{where}: required field is missing; add it{hint}")
             continue
         got = e.get("input")
-        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None else ""
+        secret = any("token" in str(part) for part in e["loc"])  # never echo a (short) token back
+        shown = f" (got {got!r})" if not isinstance(got, (dict, list)) and got is not None and not secret else ""
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {msg}{shown}{hint}")
     return lines

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import jobs.campaign
 import jobs.ledger
 import jobs.stream
+import jobs.submit
 import jobs.versions
 from jobs.campaign_runner import run_campaign
 from jobs.service import UnlearnService
@@ -44,16 +45,26 @@ def world(tmp_path_factory) -> dict[str, Any]:
     return {"tmp": tmp, "store": store, "base": base, "model_dir": model_dir}
 
 
-def snapshot(store: Path) -> tuple[str, list[tuple[str, str]]]:
-    """(checksum of every ledger row, every path under the store with its content's sha256 -
-    the ledger's own SQLite files aside, whose bytes change when it is merely read)."""
+def snapshot(store: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(every ledger file - the store's own and each one recorded in a model's LEDGERS - with the
+    checksum of all its rows; every other path under the store with its content's sha256). A
+    ledger's SQLite bytes (and its -wal/-shm files) change when it is merely read, so a ledger is
+    compared by its rows, and by its existence."""
     from pipeline.checkpoint import sha256_of
 
-    ledger = Ledger(store / "ledger.sqlite3")
-    try:
-        rows = ledger.fingerprint()
-    finally:
-        ledger.close()
+    ledgers = {store / "ledger.sqlite3"}
+    for listed in store.glob("*/LEDGERS"):
+        ledgers |= {Path(p) for p in json.loads(listed.read_text())}
+    rows = []
+    for path in sorted(ledgers):
+        if not path.is_file():
+            rows.append((str(path), "absent"))
+            continue
+        ledger = Ledger(path, create=False)
+        try:
+            rows.append((str(path), ledger.fingerprint()))
+        finally:
+            ledger.close()
     files = [(str(p.relative_to(store)), sha256_of(p) if p.is_file() else "dir")
              for p in sorted(store.rglob("*")) if not p.name.startswith("ledger.sqlite3")]
     return rows, files
@@ -158,7 +169,77 @@ CLI_CASES: list[tuple[str, Any, Callable[[Any, Path], list[str]], str]] = [
     ("service token env unset", jobs.stream.command,
      lambda w, t: ["check", "--config", str(_service_yaml(t, w, auth={"clients": [{"client": "c", "token_env": "UNLEARN_NO_SUCH_VAR"}]}))], "UNLEARN_NO_SUCH_VAR is unset"),
     ("service bad port", jobs.stream.command, lambda w, t: ["check", "--config", str(_service_yaml(t, w, port=70000))], "port"),
+    # issue 14.3: settings that used to pass validation and poison every batch
+    ("selection names an unknown parameter", jobs.campaign.command,
+     lambda w, t: ["run", str(_spec(w, t, method=_fast(selection="parameters", parameters=["nope"])))], "method.settings.parameters: ['nope']"),
+    ("epsilon too large for pld", jobs.campaign.command,
+     lambda w, t: ["run", str(_spec(w, t, method=_fast(epsilon=10000.0)))], "method.settings.epsilon = 10000"),
+    ("epsilon NaN", jobs.campaign.command, lambda w, t: ["run", str(_spec(w, t, method=_fast(epsilon=float("nan"))))], "settings.epsilon"),
+    ("seed above 2^63 - 1", jobs.campaign.command, lambda w, t: ["run", str(_spec(w, t, seed=2**63))], "seed: batches would use seeds"),
+    ("seed + batches above 2^63 - 1", jobs.campaign.command, lambda w, t: ["run", str(_spec(w, t, seed=2**63 - 1))], "outside [0, 2^63 - 1"),
+    ("check with an unknown parameter", jobs.campaign.command,
+     lambda w, t: ["check", str(_spec(w, t, method=_fast(selection="parameters", parameters=["nope"])))], "method.settings.parameters"),
+    ("service with an unknown parameter", jobs.stream.command,
+     lambda w, t: ["check", "--config", str(_service_yaml(t, w, method=_fast(selection="parameters", parameters=["0.nope"])))], "method.settings.parameters"),
+    ("service seed above 2^63 - 1", jobs.stream.command, lambda w, t: ["check", "--config", str(_service_yaml(t, w, seed=2**63 - 5))], "seed"),
+    ("cancel an applied batch", jobs.campaign.command,
+     lambda w, t: ["cancel-batch", str(_spec(w, t, name="first", requests=str(w["tmp"] / "first.csv"))), "0", "--reason", "x"], "already applied"),
+    ("cancel a batch of an unknown campaign", jobs.campaign.command,
+     lambda w, t: ["cancel-batch", str(_spec(w, t, name="never")), "0", "--reason", "x"], "campaign 'never' is not in the ledger"),
+    # issue 14.7: input that used to give a traceback
+    ("deeply nested YAML spec", jobs.campaign.command,
+     lambda w, t: ["run", str(_raw_spec(t, "name: " + "[" * 5000 + "]" * 5000 + "\n"))], "nests too deeply"),
+    ("deeply nested JSONL row", jobs.campaign.command, lambda w, t: ["run", str(_jsonl(w, t, "[" * 100_000 + "]" * 100_000 + "\n"))], "nested too deeply"),
+    ("deeply nested JSON list in a CSV cell", jobs.campaign.command,
+     lambda w, t: ["run", str(_spec(w, t, HEADER + 'a,s,"' + "[" * 5000 + "]" * 5000 + '"\n'))], "sample_ids"),
+    ("integer of 5000 digits in JSONL", jobs.campaign.command,
+     lambda w, t: ["run", str(_jsonl(w, t, '{"request_id": "a", "subject": "s", "sample_ids": [' + "7" * 5000 + "]}\n"))], "not valid JSON"),
+    ("integer of 5000 digits in CSV", jobs.campaign.command, lambda w, t: ["run", str(_spec(w, t, HEADER + "a,s," + "7" * 5000 + "\n"))], "not an integer"),
+    ("sample id above 2^63 - 1", jobs.campaign.command, lambda w, t: ["run", str(_spec(w, t, HEADER + "a,s," + "9" * 100 + "\n"))], "sample ids must be <= 2^63 - 1"),
+    ("short token", jobs.stream.command,
+     lambda w, t: ["check", "--config", str(_service_yaml(t, w, auth={"clients": [{"client": "c", "token": "hunter2"}]}))], "auth.clients.0.token"),
+    # issue 14.5 / 14.6: rollback and store names
+    ("rollback with a missing ledger", jobs.versions.command,
+     lambda w, t: ["rollback", "--store", str(w["store"]), "--model", MODEL, "0", "--reason", "x", "--ledger", str(t / "no.sqlite3")], "does not exist"),
+    ("rollback with a text file as ledger", jobs.versions.command,
+     lambda w, t: ["rollback", "--store", str(w["store"]), "--model", MODEL, "0", "--reason", "x", "--ledger", str(_touch(t / "l.sqlite3"))], "not a usable SQLite"),
+    ("rollback with a foreign SQLite file", jobs.versions.command,
+     lambda w, t: ["rollback", "--store", str(w["store"]), "--model", MODEL, "0", "--reason", "x", "--ledger", str(_foreign_sqlite(t))], "not a ledger"),
+    ("rollback of an unknown model", jobs.versions.command,
+     lambda w, t: ["rollback", "--store", str(w["store"]), "--model", "ghost", "0", "--reason", "x"], "model 'ghost' is not in the version store"),
+    ("import under a name with a newline", jobs.versions.command,
+     lambda w, t: ["import", "--store", str(w["store"]), "--model", "newbie\n", str(w["model_dir"])], "is invalid"),
+    ("import under a name with a tab", jobs.versions.command,
+     lambda w, t: ["import", "--store", str(w["store"]), "--model", "new\tbie", str(w["model_dir"])], "is invalid"),
+    # issue 14.8: a Ray job that would not find its files
+    ("submit a forget config with a relative model path", jobs.submit.command,
+     lambda w, t: ["run", "--working-dir", str(REPO), "--", "forget", "--config", str(_forget_yaml(t, "runs/models/linear-digits"))],
+     "model = 'runs/models/linear-digits' is not uploaded"),
+    ("submit a campaign with a relative store", jobs.submit.command,
+     lambda w, t: ["run", "--working-dir", str(REPO), "--", "campaign", "run", str(_spec(w, t, model={"store": "runs/store", "name": MODEL}))],
+     "model.store = 'runs/store' is relative"),
 ]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fast(**settings: Any) -> dict[str, Any]:
+    return {"name": METHOD["name"], "settings": {**METHOD["settings"], **settings}}
+
+
+def _foreign_sqlite(tmp_path: Path) -> Path:
+    import sqlite3
+
+    path = tmp_path / "foreign.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE things (x)")
+    conn.commit()
+    conn.close()
+    return path
+
+
+def _forget_yaml(tmp_path: Path, model: str) -> Path:
+    return write_yaml(tmp_path / "forget.yaml", {"model": model, "forget": {"sample_ids": [1]}, "output": "/tmp/out"})
 
 
 def _jsonl(world, tmp_path: Path, text: str) -> Path:
@@ -181,11 +262,13 @@ def test_cli_bad_input_is_refused_and_changes_nothing(world, tmp_path, name, gro
     args = make_args(world, tmp_path)
     before = snapshot(world["store"])
     result = CliRunner().invoke(group, args)
-    assert result.exit_code != 0, result.output
+    assert result.exit_code == 1, result.output  # a user error (ClickException), never a crash
     assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}"  # a clean exit, no traceback
     assert "Traceback" not in result.output
     assert expected in result.output, result.output
+    assert "hunter2" not in result.output  # a token is never echoed back
     assert snapshot(world["store"]) == before
+    assert not (world["store"] / "ghost").exists() and not (tmp_path / "no.sqlite3").exists()
 
 
 def test_cli_user_error_in_a_real_process_has_no_traceback(world, tmp_path):
@@ -240,6 +323,10 @@ HTTP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("unknown request", {"body": None, "path": "/v1/requests/nope", "method": "GET"}, 404, "no request 'nope'"),
     ("unknown path", {"body": None, "path": "/v2/things", "method": "GET"}, 404, "no endpoint"),
     ("wrong method", {"body": None, "path": "/v1/versions", "method": "DELETE"}, 405, "use GET"),
+    ("deeply nested body", {"body": b"[" * 5000 + b"]" * 5000}, 400, "nests deeper than"),
+    ("deeply nested field", {"body": b'{"request_id": "n1", "subject": "s", "sample_ids": ' + b"[" * 3000 + b"]" * 3000 + b"}"}, 400, "nests deeper than"),
+    ("integer of 5000 digits", {"body": b'{"request_id": "d1", "subject": "s", "sample_ids": [' + b"7" * 5000 + b"]}"}, 400, "not valid JSON"),
+    ("sample id above 2^63 - 1", {"body": {**GOOD, "sample_ids": [2**70]}}, 422, "2^63 - 1"),
 ]
 
 
@@ -265,3 +352,40 @@ def test_http_rate_limit_per_client(world, tmp_path):
         assert snapshot(world["store"]) == before
     finally:
         service.stop()
+
+
+def test_http_rate_limit_of_1e_320_per_second_gives_a_finite_retry_after(world, tmp_path):
+    """requests_per_second: 1e-320 makes (1 - tokens) / rate infinite: a 429 with a bounded
+    Retry-After, never int(inf) and a 500."""
+    import urllib.error
+    import urllib.request
+
+    config = load_spec(_service_yaml(tmp_path, world, model={"store": str(world["store"]), "name": LIMITED_MODEL},
+                                     rate_limit={"requests_per_second": 1e-320, "burst": 1}), ServiceConfig)
+    service = UnlearnService(config, log=lambda _: None)
+    _, port = service.start()
+    try:
+        assert _post(port, None, path="/v1/versions", method="GET")[0] == 200
+        before = snapshot(world["store"])
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/versions", headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=30)
+        assert caught.value.code == 429
+        assert 1 <= int(caught.value.headers["Retry-After"]) <= 86_400
+        assert "rate limit" in json.loads(caught.value.read())["error"]["message"]
+        assert snapshot(world["store"]) == before
+    finally:
+        service.stop()
+
+
+def test_a_campaign_with_a_new_ledger_path_creates_nothing_when_its_requests_are_bad(world, tmp_path):
+    new_ledger = tmp_path / "fresh" / "ledger.sqlite3"
+    before = snapshot(world["store"])
+    result = CliRunner().invoke(jobs.campaign.command, ["run", str(_spec(world, tmp_path, HEADER + "a,s,99999\n", ledger=str(new_ledger)))])
+    assert result.exit_code == 1 and "not in the training set" in result.output
+    assert not new_ledger.parent.exists() and snapshot(world["store"]) == before
+
+
+def test_every_listed_bad_input_is_covered():
+    """The closing note's count: bad inputs tried by this module."""
+    assert len(CLI_CASES) >= 70 and len(HTTP_CASES) >= 23

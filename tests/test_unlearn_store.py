@@ -93,7 +93,7 @@ def _publish(vs: VersionStore, parent: int, shift: float, key: str) -> int:
     module, _, card = load_model_dir(vs.open_verified("m", parent).path)
     state = {k: v + shift for k, v in module.state_dict().items()}
     with vs.lock("m"):
-        return vs.publish("m", state, card, parent=parent, manifest={"batch": {"key": key}}).version
+        return vs.publish("m", state, card, parent=parent, manifest={"batch": {"key": key, "content_sha256": f"h-{key}"}}).version
 
 
 def test_versions_publish_verify_tamper_and_rollback(store):
@@ -101,7 +101,7 @@ def test_versions_publish_verify_tamper_and_rollback(store):
     assert vs.versions("m") == [0] and vs.current("m") == 0
     assert _publish(vs, 0, 1.0, "b0") == 1 and _publish(vs, 1, 1.0, "b1") == 2
     assert vs.current("m") == 2 and vs.ancestors("m", 2) == [2, 1, 0]
-    assert vs.find_batch("m", "b1", parent=1).version == 2 and vs.find_batch("m", "b1", parent=0) is None
+    assert vs.find_published("m", "h-b1", parent=1).version == 2 and vs.find_published("m", "h-b1", parent=0) is None
     with pytest.raises(VersionStoreError, match="expected parent 1"):
         with vs.lock("m"):
             vs.publish("m", {}, None, parent=1, manifest={})  # type: ignore[arg-type]
@@ -224,7 +224,7 @@ def test_rollback_cli_moves_requests_to_needs_retrain_and_later_batches_build_on
     rows = json.loads(listing.output)
     assert [r["version"] for r in rows] == [0, 1, 2, 3] and [r["current"] for r in rows] == [False, False, False, True]
     shown = json.loads(runner.invoke(jobs.versions.command, ["show", "--store", str(root), "--model", "m", "2"]).output)
-    assert shown["batch"]["request_ids"] == ["one-1"] and shown["privacy"]["release"]["private"]
+    assert shown["batch"]["request_ids"] == ["one-1"] and shown["privacy"]["release"]["guarantee"] in ("certified", "heuristic")
     assert runner.invoke(jobs.versions.command, ["verify", "--store", str(root), "--model", "m"]).exit_code == 0
     out = tmp_path / "ledger.parquet"
     assert runner.invoke(jobs.ledger.command, ["export", "--store", str(root), "--out", str(out)]).exit_code == 0

@@ -55,7 +55,7 @@ def make_store(root: Path, model_dir: Path, name: str = "digits") -> Path:
     from pipeline.store.versions import VersionStore
 
     store = VersionStore(root, create=True)
-    with store.lock(name):
+    with store.lock(name, create=True):
         store.import_model_dir(name, model_dir)
     return root
 

@@ -19,6 +19,7 @@ from pipeline.config import parse_json
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 MAX_SAMPLES_PER_REQUEST = 100_000
+MAX_SAMPLE_ID = 2**63 - 1  # the ledger stores ids as SQLite INTEGER (signed 64-bit)
 COLUMNS = ("request_id", "subject", "sample_ids")
 
 
@@ -40,6 +41,9 @@ class DeletionRequest(BaseModel):
         negative = [i for i in ids if i < 0]
         if negative:
             raise ValueError(f"sample ids must be >= 0, got {negative[:5]}")
+        huge = [i for i in ids if i > MAX_SAMPLE_ID]
+        if huge:
+            raise ValueError(f"sample ids must be <= 2^63 - 1, got one of {len(str(huge[0]))} digits")
         seen: set[int] = set()
         dups = sorted({i for i in ids if i in seen or seen.add(i)})
         if dups:
@@ -58,16 +62,24 @@ def _split_ids(raw: Any) -> Any:
     if text.startswith("["):
         try:
             return parse_json(text, f"sample_ids '{raw[:40]}'")
-        except json.JSONDecodeError as err:
-            raise ValueError(f"sample_ids '{raw}' is not a valid JSON list ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, an integer too long, too deep
+            raise ValueError(f"sample_ids '{raw[:40]}' is not a valid JSON list of integers ({_json_problem(err)})") from None
     parts = [p for p in text.replace(";", " ").replace(",", " ").split() if p]
     out = []
     for p in parts:
         try:
             out.append(int(p))
         except ValueError:
-            raise ValueError(f"sample_ids '{raw}' holds '{p}', which is not an integer") from None
+            raise ValueError(f"sample_ids '{raw[:40]}' holds '{p[:40]}', which is not an integer") from None
     return out
+
+
+def _json_problem(err: BaseException) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"{err.msg} at column {err.colno}"
+    if isinstance(err, RecursionError):
+        return "nested too deeply; a request is a flat object"
+    return f"{err}"[:200]
 
 
 def _read_csv(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
@@ -98,8 +110,8 @@ def _read_jsonl(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
             continue
         try:
             obj = parse_json(line, f"{path} line {number}")
-        except json.JSONDecodeError as err:
-            raise RequestFileError(f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, an integer too long, too deep
+            raise RequestFileError(f"{path} line {number}: not valid JSON ({_json_problem(err)})") from None
         if not isinstance(obj, dict):
             raise RequestFileError(f"{path} line {number}: each line must be a JSON object with {list(COLUMNS)}")
         yield f"line {number}", obj

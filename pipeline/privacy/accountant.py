@@ -259,6 +259,7 @@ class Budget(BaseModel):
     delta: float = Field(default=1e-5, gt=0, lt=1, description="total delta allowed (target delta of pld/rdp)")
     composition: Rule = Field(default="pld", description="basic | pld | rdp")
     allow_non_private: bool = Field(default=False, description="accept removals without noise (epsilon = inf)")
+    require_certified: bool = Field(default=False, description="refuse releases whose guarantee is not 'certified'")
 
 
 @dataclass(frozen=True)

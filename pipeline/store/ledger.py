@@ -8,6 +8,7 @@ returns. Request states move along
     accepted -> scheduled -> applied | failed | needs_retrain
     accepted -> failed | needs_retrain
     applied  -> needs_retrain          (only when the version that applied it is rolled back)
+    scheduled -> accepted              (only by ``release_batch``: its batch published nothing)
 
 and any other move raises ``TransitionError`` (so nothing is applied twice). Submitting the same
 request id again with the same content is a no-op; with different content it raises
@@ -203,13 +204,23 @@ class Ledger:
     """One SQLite ledger file. Thread-safe (one connection behind a lock); several processes
     may open the same file (SQLite serialises writers)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+        """``create=False``: the file must already be a ledger (nothing is created or added)."""
         self.path = Path(path)
         self._lock = threading.RLock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not create and not self.path.is_file():
+            raise LedgerError(f"ledger {self.path} does not exist; point --ledger at the model's ledger file")
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
             self._conn.row_factory = sqlite3.Row
+            if not create:
+                tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if not set(TABLES) <= tables:
+                    self._conn.close()
+                    raise LedgerError(f"{self.path} is an SQLite file but not a ledger (tables missing: "
+                                      f"{sorted(set(TABLES) - tables)}); point --ledger at the model's ledger file")
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA foreign_keys=ON")
@@ -230,9 +241,17 @@ class Ledger:
             try:
                 yield self._conn
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._conn.execute("COMMIT")
+            try:
+                self._conn.execute("COMMIT")
+            except BaseException:  # a failed COMMIT leaves the transaction open: end it
+                self._rollback()
+                raise
+
+    def _rollback(self) -> None:
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -402,6 +421,27 @@ class Ledger:
                 self._move(conn, rid, state, version=version, epsilon_spent=epsilon, metrics=metrics, error=reason)
             self._event(conn, row["model"], f"batch_{state}", batch_key,
                         {"version": version, "reason": reason, "epsilon": epsilon})
+
+    def release_batch(self, batch_key: str, reason: str) -> list[str]:
+        """Abandon a scheduled batch that published nothing (it is closed as failed with the
+        reason) and give its requests back to the queue (accepted again, no batch): used to split
+        a micro-batch one of whose requests made the removal fail. Returns the request ids."""
+        with self._tx() as conn:
+            row = conn.execute("SELECT * FROM batches WHERE batch_key = ?", (batch_key,)).fetchone()
+            if row is None or row["state"] != "scheduled":
+                raise TransitionError(f"batch '{batch_key}' is not scheduled; it cannot be released")
+            now = utc_now()
+            conn.execute("UPDATE batches SET state = 'failed', reason = ?, updated_at = ? WHERE batch_key = ?",
+                         (reason, now, batch_key))
+            ids = json.loads(row["request_ids"])
+            for rid in ids:
+                moved = conn.execute(
+                    "UPDATE requests SET state = 'accepted', batch_key = NULL, updated_at = ? "
+                    "WHERE request_id = ? AND state = 'scheduled' AND batch_key = ?", (now, rid, batch_key))
+                if moved.rowcount != 1:
+                    raise TransitionError(f"request '{rid}' of batch '{batch_key}' is not scheduled by it")
+            self._event(conn, row["model"], "batch_released", batch_key, {"request_ids": ids, "reason": reason})
+        return ids
 
     # -- campaigns ---------------------------------------------------------------------------
     def ingest_campaign(self, campaign_id: str, model: str, spec: dict[str, Any], requests: Sequence[DeletionRequest]) -> None:

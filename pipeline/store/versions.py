@@ -7,6 +7,12 @@ Layout under the store root::
     <model>/CURRENT            JSON pointer: current version, its manifest's sha256, history
     <model>/.lock              advisory lock held by the one process that writes this model
     <model>/.staging/          half-built versions (removed when the lock is next taken)
+    <model>/LEDGERS            JSON list of the ledger files that recorded work on this model
+
+With a key in ``UNLEARN_STORE_HMAC_KEY`` (or a file named by ``UNLEARN_STORE_HMAC_KEY_FILE``)
+every manifest and ``CURRENT`` carry an HMAC-SHA256 over their content, and reading refuses
+one whose seal is missing or wrong: a consistent rewrite of weights + manifest + CURRENT by
+someone without the key is detected (without a key the hash chain only detects accidents).
 
 A version is built in ``.staging``, every file fsynced, the manifest (sha256 of every file, the
 parent version and the parent manifest's sha256) written last, then the directory is renamed
@@ -18,6 +24,8 @@ and records it; nothing is ever deleted.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -40,6 +48,38 @@ MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
 POINTER_FILE = "CURRENT"
 FORMAT = "unlearn-version/1"
+LEDGERS_FILE = "LEDGERS"
+HMAC_KEY_ENV = "UNLEARN_STORE_HMAC_KEY"
+HMAC_KEY_FILE_ENV = "UNLEARN_STORE_HMAC_KEY_FILE"
+SEAL_FIELD = "hmac"
+
+
+def valid_model_name(name: object) -> bool:
+    """1-64 letters, digits, '.', '_' or '-', starting with a letter or digit; the WHOLE string
+    (``re.match`` with ``$`` would accept a trailing newline)."""
+    return isinstance(name, str) and MODEL_NAME_PATTERN.fullmatch(name) is not None and not name.endswith("\n")
+
+
+def hmac_key_from_env() -> bytes | None:
+    """The store's sealing key: UNLEARN_STORE_HMAC_KEY, else the file UNLEARN_STORE_HMAC_KEY_FILE names."""
+    raw = os.environ.get(HMAC_KEY_ENV)
+    if raw:
+        key = raw.encode()
+    elif os.environ.get(HMAC_KEY_FILE_ENV):
+        path = Path(os.environ[HMAC_KEY_FILE_ENV])
+        if not path.is_file():
+            raise VersionStoreError(f"{HMAC_KEY_FILE_ENV} names {path}, which is not a file; point it at the key file")
+        key = path.read_bytes().strip()
+    else:
+        return None
+    if len(key) < 16:
+        raise VersionStoreError(f"the store HMAC key ({HMAC_KEY_ENV} / {HMAC_KEY_FILE_ENV}) is shorter than 16 bytes; use a long random key")
+    return key
+
+
+def _seal_of(obj: dict[str, Any], key: bytes) -> str:
+    body = json.dumps({k: v for k, v in obj.items() if k != SEAL_FIELD}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 class VersionStoreError(RuntimeError):
@@ -99,7 +139,9 @@ class VersionInfo:
 class VersionStore:
     """Versions of named models under one root folder."""
 
-    def __init__(self, root: str | Path, *, create: bool = False) -> None:
+    def __init__(self, root: str | Path, *, create: bool = False, hmac_key: bytes | None | bool = True) -> None:
+        """``hmac_key``: True = from the environment (see the module docstring), None = unsealed."""
+        self.hmac_key = hmac_key_from_env() if hmac_key is True else (hmac_key or None)
         self.root = Path(root)
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -110,7 +152,7 @@ class VersionStore:
 
     # -- names and paths --------------------------------------------------------------------
     def model_dir(self, model: str) -> Path:
-        if not isinstance(model, str) or not MODEL_NAME_PATTERN.match(model):
+        if not valid_model_name(model):
             raise VersionStoreError(
                 f"model name {model!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
@@ -145,7 +187,21 @@ class VersionStore:
             int(data["version"])
         except (ValueError, KeyError, TypeError) as err:
             raise TamperedVersionError(f"{path} is not a valid version pointer ({err}); restore it from a backup") from None
+        self._check_seal(data, f"the pointer {path}")
         return data
+
+    def _check_seal(self, obj: dict[str, Any], what: str) -> None:
+        if self.hmac_key is None:
+            return
+        given = obj.get(SEAL_FIELD)
+        if not isinstance(given, str) or not hmac.compare_digest(given, _seal_of(obj, self.hmac_key)):
+            raise TamperedVersionError(
+                f"{what}: its HMAC seal is {'missing' if given is None else 'wrong'} for the store key; it was written "
+                "without the key or modified after publishing - roll back to a verified version or restore it"
+            )
+
+    def _sealed(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return {**obj, SEAL_FIELD: _seal_of(obj, self.hmac_key)} if self.hmac_key is not None else obj
 
     def current(self, model: str) -> int:
         return int(self.pointer(model)["version"])
@@ -168,6 +224,7 @@ class VersionStore:
     def verify(self, model: str, version: int) -> VersionInfo:
         """Check every file's sha256, the file list, and the chain to the parent manifest."""
         info = self.info(model, version)
+        self._check_seal(info.manifest, f"version {version} of '{model}': the manifest")
         files = info.manifest.get("files")
         if not isinstance(files, dict) or set(files) != {WEIGHTS_FILE, CARD_FILE}:
             raise TamperedVersionError(f"version {version} of '{model}': the manifest's file list is damaged")
@@ -224,14 +281,20 @@ class VersionStore:
             v = self.manifest(model, v).get("parent")
         return chain
 
-    def find_batch(self, model: str, batch_key: str, *, parent: int) -> VersionInfo | None:
-        """The version that published ``batch_key`` on ``parent`` (only newer versions are read)."""
+    def find_published(self, model: str, content_sha256: str, *, parent: int) -> VersionInfo | None:
+        """The version published on ``parent`` whose manifest's batch has this content hash
+        (request ids, sample ids, seed, method and settings; never the batch's name alone)."""
         for v in self.versions(model):
             if v > parent:
                 info = self.info(model, v)
-                if info.batch_key == batch_key and info.parent == parent:
+                if info.parent == parent and (info.manifest.get("batch") or {}).get("content_sha256") == content_sha256:
                     return info
         return None
+
+    def was_current(self, model: str, version: int) -> bool:
+        """Whether CURRENT ever pointed at ``version`` (its history): a version that was current
+        and is no longer an ancestor of CURRENT was rolled back, never merely left unfinished."""
+        return any(h.get("version") == version for h in self.pointer(model).get("history", []))
 
     def removal_manifests(self, model: str) -> list[dict[str, Any]]:
         """Manifests of every published removal (rolled back or not: a release stays released)."""
@@ -239,10 +302,14 @@ class VersionStore:
 
     # -- writing (inside ``lock``) -----------------------------------------------------------
     @contextmanager
-    def lock(self, model: str) -> Iterator[None]:
-        """Exclusive write access to a model across processes (flock; freed by the kernel on kill)."""
+    def lock(self, model: str, *, create: bool = False) -> Iterator[None]:
+        """Exclusive write access to a model across processes (flock; freed by the kernel on kill).
+        Only ``create`` (an import) makes the model's folder; otherwise the model must exist."""
         folder = self.model_dir(model)
-        folder.mkdir(parents=True, exist_ok=True)
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            self.require_model(model)
         fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
@@ -254,8 +321,7 @@ class VersionStore:
                 ) from None
             with self._guard:
                 self._held[model] = fd
-            for leftover in (folder / ".staging").glob("*"):  # half-built versions of a killed writer
-                shutil.rmtree(leftover, ignore_errors=True)
+            self._clear_staging(folder)
             try:
                 yield
             finally:
@@ -264,6 +330,41 @@ class VersionStore:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _clear_staging(folder: Path) -> None:
+        """Remove half-built versions of a killed writer; never follow a link out of the store."""
+        staging = folder / ".staging"
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            raise VersionStoreError(
+                f"{staging} is a symbolic link or a file, not the store's own staging folder; remove it (it is never "
+                "followed, so nothing it points to was touched)"
+            )
+        if not staging.is_dir():
+            return
+        for leftover in staging.iterdir():
+            if leftover.is_symlink() or not leftover.is_dir():
+                leftover.unlink()
+            else:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- ledgers that recorded work on a model (so a rollback finds them all) -----------------
+    def ledgers(self, model: str) -> list[Path]:
+        path = self.model_dir(model) / LEDGERS_FILE
+        if not path.is_file():
+            return []
+        try:
+            return [Path(p) for p in json.loads(path.read_text())]
+        except (ValueError, TypeError) as err:
+            raise VersionStoreError(f"{path} is not a JSON list of ledger paths ({err}); fix or delete it") from None
+
+    def register_ledger(self, model: str, ledger_path: str | Path) -> None:
+        """Remember (atomically, under the lock) that ``ledger_path`` records work on ``model``."""
+        self._require_lock(model)
+        path = Path(ledger_path).resolve()
+        known = self.ledgers(model)
+        if path not in known:
+            atomic_write_bytes(self.model_dir(model) / LEDGERS_FILE, _json_bytes([str(p) for p in [*known, path]]))
 
     def _require_lock(self, model: str) -> Path:
         if model not in self._held:
@@ -279,7 +380,7 @@ class VersionStore:
             "manifest_sha256": sha256_of(self.version_dir(model, version) / MANIFEST_FILE),
             "history": history,
         }
-        atomic_write_bytes(self.model_dir(model) / POINTER_FILE, _json_bytes(pointer))
+        atomic_write_bytes(self.model_dir(model) / POINTER_FILE, _json_bytes(self._sealed(pointer)))
 
     def _stage(self, model: str, write: Any, manifest: dict[str, Any], version: int) -> VersionInfo:
         """Build a version in .staging with ``write(dir)`` and the manifest, then rename it into place."""
@@ -290,6 +391,7 @@ class VersionStore:
         crash_point("publish_staged")
         manifest = {**manifest, "format": FORMAT, "model": model, "version": version, "created_at": _now(),
                     "files": {name: sha256_of(staging / name) for name in (WEIGHTS_FILE, CARD_FILE)}}
+        manifest = self._sealed(manifest)
         atomic_write_bytes(staging / MANIFEST_FILE, _json_bytes(manifest))
         _fsync_dir(staging)
         target = self.version_dir(model, version)
