@@ -374,14 +374,27 @@ def exact_chunk(x, d, use_x, top, a_sel, a_top, o_top, a_full, o_full, zc, srt, 
             out_l[i, c] = bl
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _at_row(a_rows, a_full, r, i, t, inf):  # pragma: no cover - compiled
+    """a[i, t] from the per-row copy (row r) while t is inside it, else from the full array."""
+    if t < a_rows.shape[1]:
+        return a_rows[r, t]
+    if t < a_full.shape[1]:
+        return a_full[i, t]
+    return inf
+
+
 @njit(cache=True, nogil=True)
-def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, srt, perm, pos, which,
+def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, values, srt, perm, pos, which,
                big, out_l):  # pragma: no cover - compiled
     """Exact nearest neighbour in (X, z_j) for the points ``rows`` and candidates ``which``.
 
-    ``zc`` (n, C): the candidates' columns (values[which].T).  ``dense_top``'s pass over the K0 X-neighbours (``top``: (|rows|, K0) sorted by index,
-    ``a_sel`` their D_X), then the two walks of ``nn_two_walks`` continued from X-position K0
-    and from the point's sorted neighbours.  Writes ``out_l[r, c]`` (|rows|, C).
+    ``zc`` (n, C): the candidates' columns (values[which].T), for the first pass over the K0
+    X-neighbours (``top``: (|rows|, K0) sorted by index, ``a_sel`` their D_X), SIMD over
+    candidates; then, candidate by candidate, the two walks of ``nn_two_walks`` for the pairs
+    not settled by the bound a[i, K0], continued from X-position K0 and from the point's sorted
+    neighbours.  ``a_top``/``o_top`` (|rows|, T): the first T columns of a/order for these rows
+    (in row order: the walk reads them sequentially).  Writes ``out_l[r, c]`` (|rows|, C).
     """
     n = d.shape[0]
     inf = big[0]
@@ -394,7 +407,7 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
     a_k0 = np.empty(n_r, dtype=zc.dtype)
     for r in range(n_r):  # pass 1: K0 X-neighbours, SIMD over candidates
         i = rows[r]
-        a_k0[r] = _at(a_top, a_full, i, k0, inf)
+        a_k0[r] = _at_row(a_top, a_full, r, i, k0, inf)
         zr = zc[i]
         bdv = bdm[r]
         blv = blm[r]
@@ -424,10 +437,10 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
                 out_l[r, c] = bl
                 continue
             i = rows[r]
-            zi = zc[i, c]
+            zi = values[j, i]
             p = pos[j, i]
             t = k0
-            aa = _at(a_top, a_full, i, t, inf)
+            aa = _at_row(a_top, a_full, r, i, t, inf)
             lq = p - 1
             rq = p + 1
             if lq >= 0:
@@ -455,7 +468,7 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
                 elif not (canl or canr):
                     usex = True
                 else:
-                    a_next = _at(a_top, a_full, i, t + 1, inf)
+                    a_next = _at_row(a_top, a_full, r, i, t + 1, inf)
                     if left:
                         nb = br_z
                         if lq >= 1:
@@ -470,13 +483,13 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
                                 nb = dz * dz
                     usex = (a_next - aa) >= (nb - bz)
                 if usex:
-                    l = o_top[i, t] if t < ttop else o_full[i, t]
+                    l = o_top[r, t] if t < ttop else o_full[i, t]
                     dist = aa
                     t += 1
-                    aa = _at(a_top, a_full, i, t, inf)
+                    aa = _at_row(a_top, a_full, r, i, t, inf)
                     if l == i:
                         continue
-                    dz = zi - zc[l, c]
+                    dz = zi - values[j, l]
                     dist = dist + dz * dz
                 elif left:
                     l = perm[j, lq]

@@ -594,6 +594,7 @@ def gap_bound(cols: SortedColumns, i: Tensor, j: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------
 ROUND_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
 BOUND_CHUNK = 64  # candidates per kernel call (an n x 64 column block stays in L2)
+ROW_WALK = 32  # X-positions past K0 copied per row for the walk (further ones read from the full sort)
 COMPILED_K0 = 48  # X-neighbours of the compiled dense pass (tuned on bench_selection data:
 # wider than the torch pass's because its pairs left over cost a scalar walk each)
 
@@ -602,7 +603,9 @@ def _exact_rows(base: BaseSpace, cols: SortedColumns, rows: Tensor, which: Tenso
     """M_j(i) for points ``rows`` x candidates ``which`` (compiled, exact): (|rows|, C) int64."""
     use_x = base.x is not None
     x = base.x if use_x else base.d[:, :1]
-    a_top, o_top = base.top
+    width = min(base.n, k0 + ROW_WALK)
+    a_top = base.a.index_select(0, rows)[:, :width].contiguous()
+    o_top = base.order.index_select(0, rows)[:, :width].contiguous()
     top = torch.sort(base.order.index_select(0, rows)[:, :k0], dim=1).values
     a_sel = base.d.index_select(0, rows).gather(1, top)
     big = torch.full((1,), float("inf"), dtype=base.d.dtype)
@@ -612,8 +615,8 @@ def _exact_rows(base: BaseSpace, cols: SortedColumns, rows: Tensor, which: Tenso
         zc = cols.values.index_select(0, w).t().contiguous()
         o = torch.empty((rows.numel(), w.numel()), dtype=torch.int64)
         _kernels.exact_rows(_np(x), _np(base.d), use_x, _np(rows), _np(top), _np(a_sel), _np(a_top), _np(o_top),
-                            _np(base.a), _np(base.order), _np(zc), _np(cols.sorted), _np(cols.perm),
-                            _np(cols.pos), _np(w), big.numpy(), o.numpy())
+                            _np(base.a), _np(base.order), _np(zc), _np(cols.values), _np(cols.sorted),
+                            _np(cols.perm), _np(cols.pos), _np(w), big.numpy(), o.numpy())
         out[:, c0:c0 + w.numel()] = o
     return out
 
