@@ -29,6 +29,14 @@ Two exact algorithms, both vectorised over candidates (no Python loop over candi
 Memory: D_X and its row sort (3 n^2 numbers), the sorted candidate columns (4 n S numbers)
 and one tile (``block_bytes``).  Cost of a step: about n S (K0 + 2w) evaluations plus the
 refined tail; the per-candidate loop it replaces costs n^2 S.
+
+On the CPU (``compiled_ok``: numba installed, a CPU float tensor) the same functions run
+compiled kernels (``_kernels``) with the same answers bit for bit: ``nn_1d`` a walk over each
+sorted column, ``nn_given_base`` / ``dense_pass`` an exact search per pair (dense pass over the
+K0 X-neighbours, then two walks stopped by the bound fl(A + B) > best), and ``best_by_bounds``
+(called by ``codec.Scorer.best_conditional``) the argmax over candidates by branch and bound
+over rounds of points.  Given the columns of X (``BaseSpace.from_distances(d, x)``) the kernels
+recompute D_X(i, l) from them instead of reading the n x n matrix.  CUDA keeps the torch path.
 """
 from __future__ import annotations
 
