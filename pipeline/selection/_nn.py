@@ -605,6 +605,7 @@ BOUND_CHUNK = 64  # candidates per kernel call (an n x 64 column block stays in 
 ROW_WALK = 32  # X-positions past K0 copied per row for the walk (further ones read from the full sort)
 COMPILED_K0 = 48  # X-neighbours of the compiled dense pass (tuned on bench_selection data:
 # wider than the torch pass's because its pairs left over cost a scalar walk each)
+COMPILED_K0_1D = 96  # with one X column its nearest points in X alone are a poorer guide
 
 
 def _exact_rows(base: BaseSpace, cols: SortedColumns, rows: Tensor, which: Tensor, k0: int) -> Tensor:
@@ -647,7 +648,8 @@ def best_by_bounds(base: BaseSpace, cols: SortedColumns, which: Tensor, r: Tenso
     den = int(slack.sum())
     if den == 0:
         return None, 0, 0
-    k0 = max(1, min(max(k0, COMPILED_K0), n - 1))
+    one_column = base.x is not None and base.x.shape[1] == 1
+    k0 = max(1, min(COMPILED_K0_1D if one_column else max(k0, COMPILED_K0), n - 1))
     pts = torch.sort(r, descending=True, stable=True).indices
     ncand = which.numel()
     partial = torch.zeros(ncand, dtype=torch.int64)
