@@ -8,17 +8,21 @@ Euclidean distances computed with the same floating-point operations in the same
 outwards, so the nearest neighbours of q are found by walking left and right from q while the
 distance equals the smallest one seen (a run of equal values costs its length).
 
-``nn_two_walks`` (X given by its distance matrix D_X, each row sorted): for a point i and a
+``_walk`` (X given by its distance matrix D_X, each row sorted): for a point i and a
 candidate column z, walk two orders at once -- i's X-neighbours by increasing D_X and the
 column's sorted order outwards from z_i -- stepping the walk whose lower bound grows more
 with its next step (greedy; on probe-like data about 8-17 points per search for |X| = 1..5,
-against 60-190 when stepping the smaller bound).  Every point not visited by either walk has D_X(i, l) >= A (next
-X-distance) and (z_i - z_l)^2 >= B (next squared gap in the column), so, floating-point
-addition being monotone, its distance is >= fl(A + B); the search stops once that exceeds the
-best distance found (equality continues: a lower index could tie).  D_X(i, l) of a point met
-on the column walk is recomputed from the k columns of X (cache-resident) rather than read from
-the n x n matrix.  Loops: candidates outside, points inside, so one candidate's arrays stay in
-cache.  Nothing of size n x n x S is formed.
+against 60-190 when stepping the smaller bound).  Every point not visited by either walk has
+D_X(i, l) >= A (next X-distance) and (z_i - z_l)^2 >= B (next squared gap in the column), so,
+floating-point addition being monotone, its distance is >= fl(A + B); the search stops once
+that exceeds the best distance found (equality continues: a lower index could tie).  D_X(i, l)
+of a point met on the column walk is recomputed from the k columns of X (cache-resident) when
+they are given, rather than read from the n x n matrix.
+
+``exact_chunk`` (all points x a block of candidates) and ``exact_rows`` (some points x a block
+of candidates) first score every pair against the K0 nearest X-neighbours with a loop over
+candidates (SIMD), then finish the pairs that this does not settle with ``_walk``.  Nothing of
+size n x n x S is formed.
 """
 from __future__ import annotations
 
@@ -94,113 +98,99 @@ def _dx(x, d, use_x, i, l):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _at(a_top, a_full, i, t, inf):  # pragma: no cover - compiled
-    if t < a_top.shape[1]:
-        return a_top[i, t]
+def _at_row(a_rows, a_full, r, i, t, inf):  # pragma: no cover - compiled
+    """a[i, t] from the per-row copy (row r) while t is inside it, else from the full array."""
+    if t < a_rows.shape[1]:
+        return a_rows[r, t]
     if t < a_full.shape[1]:
         return a_full[i, t]
     return inf
 
 
-@njit(cache=True, nogil=True)
-def nn_two_walks(x, d, use_x, a_top, o_top, a_full, o_full, values, srt, perm, pos, which, big,
-                 out_l, out_d):  # pragma: no cover - compiled
-    """Exact nearest neighbour in (X, z_j) of every point, for the candidates ``which``.
+@njit(cache=True, nogil=True, inline="always")
+def _walk(x, d, use_x, a_rows, o_rows, r, a_full, o_full, i, zv, srt, perm, zi, t, lq, rq, bd, bl,
+          inf):  # pragma: no cover - compiled
+    """The two walks for point i and one candidate, from X-position ``t`` and sorted positions
+    ``lq`` (leftwards) / ``rq`` (rightwards), given the best (bd, bl) over what was visited.
 
-    ``x`` (n, k): the columns of X (used when ``use_x``; else D_X is read from ``d``);
-    ``d`` (n, n): D_X with +inf on the diagonal; ``a_full``/``o_full`` (n, n): each row of
-    ``d`` sorted ascending and the sample indices in that order, ``a_top``/``o_top`` their
-    first T columns (contiguous copies: the walk rarely goes further); ``values``/``srt``/
-    ``perm``/``pos`` (S, n): candidate columns, sorted values, sort permutation, each sample's
-    sorted position; ``which`` (C,): candidates; ``big`` (1,): +inf in the data dtype.
-    Writes ``out_l[i, c]`` (sample index, lowest among ties) and ``out_d[i, c]`` (distance).
+    ``zv``: the candidate's values by sample; ``srt``/``perm``: its sorted values and their
+    samples; ``a_rows``/``o_rows`` row r: the first columns of i's sorted D_X row and order
+    (``a_full``/``o_full`` beyond).  Steps the walk whose bound grows more (greedy on the next
+    increment) until fl(A + B) > bd; returns the exact (bd, bl), ties to the lowest index.
     """
-    n = d.shape[0]
-    inf = big[0]
-    top = o_top.shape[1]
-    for c in range(which.shape[0]):
-        j = which[c]
-        for i in range(n):
-            zi = values[j, i]
-            p = pos[j, i]
-            bd = inf
-            bl = n
-            t = 0
-            lq = p - 1
-            rq = p + 1
-            aa = a_top[i, 0]
+    n = a_full.shape[0]
+    ttop = o_rows.shape[1]
+    aa = _at_row(a_rows, a_full, r, i, t, inf)
+    if lq >= 0:
+        dz = zi - srt[lq]
+        bl_z = dz * dz
+    else:
+        bl_z = inf
+    if rq < n:
+        dz = srt[rq] - zi
+        br_z = dz * dz
+    else:
+        br_z = inf
+    while True:
+        canx = t < n
+        canl = lq >= 0
+        canr = rq < n
+        if not (canx or canl or canr):
+            break
+        left = canl and (bl_z <= br_z or not canr)
+        bz = bl_z if left else br_z
+        if aa + bz > bd:
+            break
+        if not canx:
+            usex = False
+        elif not (canl or canr):
+            usex = True
+        else:
+            a_next = _at_row(a_rows, a_full, r, i, t + 1, inf)
+            if left:
+                nb = br_z
+                if lq >= 1:
+                    dz = zi - srt[lq - 1]
+                    if dz * dz < nb:
+                        nb = dz * dz
+            else:
+                nb = bl_z
+                if rq + 1 < n:
+                    dz = srt[rq + 1] - zi
+                    if dz * dz < nb:
+                        nb = dz * dz
+            usex = (a_next - aa) >= (nb - bz)
+        if usex:
+            l = o_rows[r, t] if t < ttop else o_full[i, t]
+            dist = aa
+            t += 1
+            aa = _at_row(a_rows, a_full, r, i, t, inf)
+            if l == i:
+                continue
+            dz = zi - zv[l]
+            dist = dist + dz * dz
+        elif left:
+            l = perm[lq]
+            dist = _dx(x, d, use_x, i, l) + bl_z
+            lq -= 1
             if lq >= 0:
-                dz = zi - srt[j, lq]
+                dz = zi - srt[lq]
                 bl_z = dz * dz
             else:
                 bl_z = inf
+        else:
+            l = perm[rq]
+            dist = _dx(x, d, use_x, i, l) + br_z
+            rq += 1
             if rq < n:
-                dz = srt[j, rq] - zi
+                dz = srt[rq] - zi
                 br_z = dz * dz
             else:
                 br_z = inf
-            while True:
-                canx = t < n
-                canl = lq >= 0
-                canr = rq < n
-                if not (canx or canl or canr):
-                    break
-                left = canl and (bl_z <= br_z or not canr)
-                bz = bl_z if left else br_z
-                if aa + bz > bd:
-                    break
-                # step the walk whose bound grows more (greedy on the next increment)
-                if not canx:
-                    usex = False
-                elif not (canl or canr):
-                    usex = True
-                else:
-                    a_next = _at(a_top, a_full, i, t + 1, inf)
-                    if left:
-                        nb = br_z
-                        if lq >= 1:
-                            dz = zi - srt[j, lq - 1]
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    else:
-                        nb = bl_z
-                        if rq + 1 < n:
-                            dz = srt[j, rq + 1] - zi
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    usex = (a_next - aa) >= (nb - bz)
-                if usex:
-                    l = o_top[i, t] if t < top else o_full[i, t]
-                    dist = aa
-                    t += 1
-                    aa = _at(a_top, a_full, i, t, inf)
-                    if l == i:
-                        continue
-                    dz = zi - values[j, l]
-                    dist = dist + dz * dz
-                elif left:
-                    l = perm[j, lq]
-                    dist = _dx(x, d, use_x, i, l) + bl_z
-                    lq -= 1
-                    if lq >= 0:
-                        dz = zi - srt[j, lq]
-                        bl_z = dz * dz
-                    else:
-                        bl_z = inf
-                else:
-                    l = perm[j, rq]
-                    dist = _dx(x, d, use_x, i, l) + br_z
-                    rq += 1
-                    if rq < n:
-                        dz = srt[j, rq] - zi
-                        br_z = dz * dz
-                    else:
-                        br_z = inf
-                if dist < bd or (dist == bd and l < bl):
-                    bd = dist
-                    bl = l
-            out_l[i, c] = bl
-            out_d[i, c] = bd
+        if dist < bd or (dist == bd and l < bl):
+            bd = dist
+            bl = l
+    return bd, bl
 
 
 @njit(cache=True, nogil=True)
@@ -245,7 +235,7 @@ def exact_chunk(x, d, use_x, top, a_sel, a_top, o_top, a_full, o_full, zc, srt, 
     2. a window of ``w`` sorted neighbours on each side in each candidate's column (shifted
        pairs in the sorted layout: one distance serves both points of a pair);
     3. for the pairs not yet proved exact -- best >= fl(a[i, K0] + B), B the squared gap to
-       the first sorted neighbour outside the window -- the two walks of ``nn_two_walks``
+       the first sorted neighbour outside the window -- the two walks of ``_walk``
        continued from X-position K0 and from the window's edges.
     ``xs`` (n, k), ``bdq`` (n,), ``blq`` (n,) are scratch.  Writes out_d / out_l (n, C).
     """
@@ -253,7 +243,6 @@ def exact_chunk(x, d, use_x, top, a_sel, a_top, o_top, a_full, o_full, zc, srt, 
     inf = big[0]
     k0 = top.shape[1]
     kx = x.shape[1]
-    ttop = o_top.shape[1]
     dense_top(zc, top, a_sel, out_d, out_l)
     for c in range(n_c):
         j = which[c]
@@ -296,92 +285,10 @@ def exact_chunk(x, d, use_x, top, a_sel, a_top, o_top, a_full, o_full, zc, srt, 
                 if bdq[q] < bd or (bdq[q] == bd and blq[q] < bl):
                     bd = bdq[q]
                     bl = blq[q]
-            zi = srt[j, q]
-            t = k0
-            aa = a_top[i, t] if t < ttop else (a_full[i, t] if t < n else inf)
-            lq = q - w - 1
-            rq = q + w + 1
-            if lq >= 0:
-                dz = zi - srt[j, lq]
-                bl_z = dz * dz
-            else:
-                bl_z = inf
-            if rq < n:
-                dz = srt[j, rq] - zi
-                br_z = dz * dz
-            else:
-                br_z = inf
-            while True:
-                canx = t < n
-                canl = lq >= 0
-                canr = rq < n
-                if not (canx or canl or canr):
-                    break
-                left = canl and (bl_z <= br_z or not canr)
-                bz = bl_z if left else br_z
-                if aa + bz > bd:
-                    break
-                if not canx:
-                    usex = False
-                elif not (canl or canr):
-                    usex = True
-                else:
-                    a_next = _at(a_top, a_full, i, t + 1, inf)
-                    if left:
-                        nb = br_z
-                        if lq >= 1:
-                            dz = zi - srt[j, lq - 1]
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    else:
-                        nb = bl_z
-                        if rq + 1 < n:
-                            dz = srt[j, rq + 1] - zi
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    usex = (a_next - aa) >= (nb - bz)
-                if usex:
-                    l = o_top[i, t] if t < ttop else o_full[i, t]
-                    dist = aa
-                    t += 1
-                    aa = _at(a_top, a_full, i, t, inf)
-                    if l == i:
-                        continue
-                    dz = zi - zc[l, c]
-                    dist = dist + dz * dz
-                elif left:
-                    l = perm[j, lq]
-                    dist = _dx(x, d, use_x, i, l) + bl_z
-                    lq -= 1
-                    if lq >= 0:
-                        dz = zi - srt[j, lq]
-                        bl_z = dz * dz
-                    else:
-                        bl_z = inf
-                else:
-                    l = perm[j, rq]
-                    dist = _dx(x, d, use_x, i, l) + br_z
-                    rq += 1
-                    if rq < n:
-                        dz = srt[j, rq] - zi
-                        br_z = dz * dz
-                    else:
-                        br_z = inf
-                if dist < bd or (dist == bd and l < bl):
-                    bd = dist
-                    bl = l
+            bd, bl = _walk(x, d, use_x, a_top, o_top, i, a_full, o_full, i, zc[:, c], srt[j], perm[j],
+                           srt[j, q], k0, q - w - 1, q + w + 1, bd, bl, inf)
             out_d[i, c] = bd
             out_l[i, c] = bl
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _at_row(a_rows, a_full, r, i, t, inf):  # pragma: no cover - compiled
-    """a[i, t] from the per-row copy (row r) while t is inside it, else from the full array."""
-    if t < a_rows.shape[1]:
-        return a_rows[r, t]
-    if t < a_full.shape[1]:
-        return a_full[i, t]
-    return inf
 
 
 @njit(cache=True, nogil=True)
@@ -391,7 +298,7 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
 
     ``zc`` (n, C): the candidates' columns (values[which].T), for the first pass over the K0
     X-neighbours (``top``: (|rows|, K0) sorted by index, ``a_sel`` their D_X), SIMD over
-    candidates; then, candidate by candidate, the two walks of ``nn_two_walks`` for the pairs
+    candidates; then, candidate by candidate, the two walks of ``_walk`` for the pairs
     not settled by the bound a[i, K0], continued from X-position K0 and from the point's sorted
     neighbours.  ``a_top``/``o_top`` (|rows|, T): the first T columns of a/order for these rows
     (in row order: the walk reads them sequentially).  Writes ``out_l[r, c]`` (|rows|, C).
@@ -399,7 +306,6 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
     n = d.shape[0]
     inf = big[0]
     k0 = top.shape[1]
-    ttop = o_top.shape[1]
     n_r = rows.shape[0]
     n_c = which.shape[0]
     bdm = np.empty((n_r, n_c), dtype=zc.dtype)
@@ -437,79 +343,7 @@ def exact_rows(x, d, use_x, rows, top, a_sel, a_top, o_top, a_full, o_full, zc, 
                 out_l[r, c] = bl
                 continue
             i = rows[r]
-            zi = values[j, i]
             p = pos[j, i]
-            t = k0
-            aa = _at_row(a_top, a_full, r, i, t, inf)
-            lq = p - 1
-            rq = p + 1
-            if lq >= 0:
-                dz = zi - srt[j, lq]
-                bl_z = dz * dz
-            else:
-                bl_z = inf
-            if rq < n:
-                dz = srt[j, rq] - zi
-                br_z = dz * dz
-            else:
-                br_z = inf
-            while True:
-                canx = t < n
-                canl = lq >= 0
-                canr = rq < n
-                if not (canx or canl or canr):
-                    break
-                left = canl and (bl_z <= br_z or not canr)
-                bz = bl_z if left else br_z
-                if aa + bz > bd:
-                    break
-                if not canx:
-                    usex = False
-                elif not (canl or canr):
-                    usex = True
-                else:
-                    a_next = _at_row(a_top, a_full, r, i, t + 1, inf)
-                    if left:
-                        nb = br_z
-                        if lq >= 1:
-                            dz = zi - srt[j, lq - 1]
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    else:
-                        nb = bl_z
-                        if rq + 1 < n:
-                            dz = srt[j, rq + 1] - zi
-                            if dz * dz < nb:
-                                nb = dz * dz
-                    usex = (a_next - aa) >= (nb - bz)
-                if usex:
-                    l = o_top[r, t] if t < ttop else o_full[i, t]
-                    dist = aa
-                    t += 1
-                    aa = _at_row(a_top, a_full, r, i, t, inf)
-                    if l == i:
-                        continue
-                    dz = zi - values[j, l]
-                    dist = dist + dz * dz
-                elif left:
-                    l = perm[j, lq]
-                    dist = _dx(x, d, use_x, i, l) + bl_z
-                    lq -= 1
-                    if lq >= 0:
-                        dz = zi - srt[j, lq]
-                        bl_z = dz * dz
-                    else:
-                        bl_z = inf
-                else:
-                    l = perm[j, rq]
-                    dist = _dx(x, d, use_x, i, l) + br_z
-                    rq += 1
-                    if rq < n:
-                        dz = srt[j, rq] - zi
-                        br_z = dz * dz
-                    else:
-                        br_z = inf
-                if dist < bd or (dist == bd and l < bl):
-                    bd = dist
-                    bl = l
+            bd, bl = _walk(x, d, use_x, a_top, o_top, r, a_full, o_full, i, values[j], srt[j], perm[j],
+                           values[j, i], k0, p - 1, p + 1, bd, bl, inf)
             out_l[r, c] = bl

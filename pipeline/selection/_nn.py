@@ -284,26 +284,6 @@ class DenseChunk:
 COMPILED_DENSE_CHUNK = 64  # candidates per call of the compiled dense kernel (n x 64 fits in L2)
 
 
-def exact_nn(base: BaseSpace, cols: SortedColumns, which: Tensor) -> tuple[Tensor, Tensor]:
-    """Compiled exact search (CPU): (M_j(i) as (n, C) int64, its squared distance (n, C)).
-
-    Two walks, of i's X-neighbours and of the candidate's sorted column at once, stopped
-    by the bound fl(A + B) > best (see ``_kernels.nn_two_walks``); ties to the lowest index.
-    """
-    n = base.n
-    c = which.numel()
-    out_l = torch.empty((n, c), dtype=torch.int64)
-    out_d = torch.empty((n, c), dtype=base.d.dtype)
-    big = torch.full((1,), float("inf"), dtype=base.d.dtype)
-    use_x = base.x is not None
-    x = base.x if use_x else base.d[:, :1]
-    a_top, o_top = base.top
-    _kernels.nn_two_walks(_np(x), _np(base.d), use_x, _np(a_top), _np(o_top), _np(base.a), _np(base.order),
-                          _np(cols.values), _np(cols.sorted), _np(cols.perm), _np(cols.pos),
-                          _np(which.to(torch.int64)), big.numpy(), out_l.numpy(), out_d.numpy())
-    return out_l, out_d
-
-
 def compiled_zwindow(zwindow: int) -> int:
     """Window of the compiled kernel's second pass: wider than the torch pass's (it is cheap
     there), and a small one even where the torch pass uses none."""
@@ -428,8 +408,6 @@ def nn_given_base(
     """
     n = base.n
     which = which.to(device=base.d.device, dtype=torch.int64)
-    if compiled_ok(base.d):
-        return exact_nn(base, cols, which)[0]
     out = torch.empty((n, which.numel()), dtype=torch.int64, device=base.d.device)
     for ch in dense_pass(base, cols, which, k0, block_bytes, zwindow):
         finish_chunk(base, cols, ch, k0, block_bytes)
