@@ -1,6 +1,10 @@
 """Benchmark: vectorised L-FOCI against the per-candidate loop of the published code.
 
-    .venv/bin/python -m bench.bench_selection [--n 1000] [--s 10000] [--loop-sample 200] ...
+    .venv/bin/python -m bench.bench_selection --threads 1 [--n 1000] [--s 10000] [--loop-sample 200] ...
+    .venv/bin/python -m bench.bench_selection --threads 1 --quick   (smoke run: small sizes)
+
+On the CPU ``lfoci`` runs the compiled kernels (numba, ``pipeline/selection/_kernels.py``);
+``--kernel torch`` times the earlier torch-vectorised path instead (the CUDA path is torch).
 
 Data (realistic for the probe step): n perturbations x S slice activations.  Slices respond
 to 16 shared latent perturbation directions (so many are correlated), 30 % pass a ReLU
@@ -35,6 +39,7 @@ from torch import Tensor
 
 from bench.common import write_json
 from pipeline.selection import codec_scores, lcodec_jitter, lfoci, rank_stats
+from pipeline.selection._nn import compiled_ok
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
 
@@ -120,7 +125,13 @@ def run(args: argparse.Namespace) -> dict:
     block = int((args.block_mib or (64 if dev.type == "cuda" else 1)) * 2**20)
     if args.threads:
         torch.set_num_threads(args.threads)
+    os.environ["UNLEARN_SELECTION_KERNEL"] = args.kernel
+    kernel = "numba" if compiled_ok(torch.empty(1, dtype=dtype, device=dev)) else "torch"
+    if kernel == "numba":  # compile (or load the cached kernels) outside the timed region
+        yw, zw, _ = make_data(64, 8, args.seed + 2, dtype)
+        lfoci(yw, zw, max_picks=3, block_bytes=block)
     load_before = os.getloadavg()
+    cpu0 = time.process_time()
 
     # --- small problem: full loop vs vectorised, picks must be identical -----------------
     y, z, rel = make_data(args.verify_n, args.verify_s, args.seed + 1, dtype)
@@ -150,16 +161,16 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     y, z = lcodec_jitter(y, g).to(dev), lcodec_jitter(z, g).to(dev)
     _sync(dev)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = lfoci(y, z, max_picks=args.max_picks, block_bytes=block)
     _sync(dev)
-    t_vec = time.perf_counter() - t0
+    t_vec, cpu_vec = time.perf_counter() - t0, time.process_time() - c0
     print(f"vectorised {args.n}x{args.s}: picks {res.picks} in {t_vec:.2f}s")
 
     # loop, step by step along the vectorised picks (every step it would run, incl. the last)
     gen = torch.Generator().manual_seed(args.seed + 7)
     steps = []
-    t_loop = 0.0
+    t_loop = cpu_loop = 0.0
     extrapolated = False
     all_match = True
     n_steps = len(res.picks) + (0 if len(res.picks) == (args.max_picks or args.s) else 1)
@@ -176,12 +187,13 @@ def run(args: argparse.Namespace) -> dict:
             extrapolated = True
             if k < len(res.picks) and res.picks[k] not in cand:
                 cand[0] = res.picks[k]  # include the winner to check its score
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         t_cand = loop_scores(y, z, picks, cand)
         _sync(dev)
-        el = time.perf_counter() - t0
+        el, cpu_el = time.perf_counter() - t0, time.process_time() - c0
         est = el * len(rem) / len(cand)
         t_loop += est
+        cpu_loop += cpu_el * len(rem) / len(cand)
         # exactness of the sampled scores against the vectorised exact scores
         xs = None if not picks else z[:, picks]
         vec = codec_scores(y, z[:, cand], xs).tolist()
@@ -197,8 +209,11 @@ def run(args: argparse.Namespace) -> dict:
               f"(scores match: {match})")
 
     load_after = os.getloadavg()
+    ratio = t_loop / t_vec
     out = {
         "benchmark": "L-FOCI vectorised vs per-candidate cdist loop",
+        "command": "python -m bench.bench_selection " + " ".join(args.argv),
+        "kernel": kernel,
         "sizes": {"n_perturbations": args.n, "n_slices": args.s, "dtype": args.dtype, "device": str(dev),
                   "block_bytes": block},
         "data": "latent-factor activations, 30% ReLU, log-normal scales; y = loss of 3 slices + noise; "
@@ -218,8 +233,12 @@ def run(args: argparse.Namespace) -> dict:
         "identical_picks_small_problem": small,
         "identical": bool(small["identical"] and all_match),
         "times_s": {"vectorised": t_vec, "loop": t_loop},
-        "ratio": t_loop / t_vec,
-        "goals": {"ratio_at_least_100": t_loop / t_vec >= 100, "vectorised_at_most_30s": t_vec <= 30},
+        "cpu_times_s": {"vectorised": cpu_vec, "loop": cpu_loop, "ratio": cpu_loop / cpu_vec,
+                        "note": "process CPU time: less sensitive to other processes on a shared machine"},
+        "ratio": ratio,
+        "goals": {"ratio_at_least_50_floor": ratio >= 50, "ratio_at_least_100_goal": ratio >= 100,
+                  "vectorised_at_most_30s": t_vec <= 30},
+        "process_cpu_s_whole_run": time.process_time() - cpu0,
         "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "loadavg_before": load_before, "loadavg_after": load_after,
                     "torch": torch.__version__, "python": platform.python_version(),
@@ -243,13 +262,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--full-loop", action="store_true", help="time the loop on every candidate")
     p.add_argument("--verify-n", type=int, default=300)
     p.add_argument("--verify-s", type=int, default=300)
+    p.add_argument("--kernel", default="numba", choices=["numba", "torch"],
+                   help="CPU selection kernels: compiled (numba) or the torch-vectorised path")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: n=300, s=1000, verify 120x40, 50 loop candidates per step")
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
+    raw = list(argv) if argv is not None else __import__("sys").argv[1:]
+    args = p.parse_args(raw)
+    args.argv = raw
+    if args.quick:
+        args.n, args.s, args.verify_n, args.verify_s, args.loop_sample = 300, 1000, 120, 40, 50
+        if args.out == RESULTS:
+            args.out = RESULTS.with_name("selection_quick.json")
     out = run(args)
     write_json(args.out, out)
     print(f"vectorised {out['times_s']['vectorised']:.2f}s  loop {out['times_s']['loop']:.1f}s"
           f"{' (extrapolated)' if out['loop']['extrapolated'] else ''}  ratio {out['ratio']:.1f}  "
-          f"identical {out['identical']}  -> {args.out}")
+          f"identical {out['identical']}  (CPU time ratio {out['cpu_times_s']['ratio']:.1f})  -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,8 @@
 """The streaming removal service: an HTTP front end that records deletion requests durably and
 one worker that applies them in micro-batches, each batch publishing a new model version.
 
-HTTP (JSON; every endpoint needs ``Authorization: Bearer <token>`` from the configuration):
-  POST /v1/requests        {"request_id", "subject", "sample_ids"} -> 202 once committed to the
-                           ledger (200 for an identical resubmission; 409 conflict; 422 invalid)
-  GET  /v1/requests/{id}   the request's state, version, epsilon, metrics, error
-  GET  /v1/versions        the model's versions and the current one
-Limits: body size (413), per-client token-bucket rate limit (429), JSON only (415).
+HTTP: FastAPI on uvicorn, see ``jobs.http_api`` (endpoints, bearer tokens, per-client
+ownership, body/header limits and timeouts, /healthz, /readyz, /openapi.json).
 
 Worker: pending (accepted) stream requests are applied in arrival order, in batches of at most
 ``batching.max_requests``, as soon as that many are pending or the oldest has waited
@@ -18,18 +14,17 @@ still pending stay accepted in the ledger and are applied by the next start.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pydantic import ValidationError
 
 from jobs.exactly_once import BatchInputError, ExactlyOnce, validate_settings
+from jobs.http_api import HttpServer
 from pipeline.removal import training_set
 from jobs.specs import ServiceConfig
 from pipeline.checkpoint import atomic_write_bytes
@@ -38,7 +33,6 @@ from pipeline.models.card import read_card
 from pipeline.store.ledger import Ledger, LedgerConflictError, SampleConflictError
 from pipeline.store.versions import VersionStore
 
-REQUEST_PATH = re.compile(r"^/v1/requests/([^/]{1,128})$")
 MAX_RETRY_AFTER_S = 86_400.0  # a 429 never asks for more than a day (rate 1e-320 would say inf)
 MAX_JSON_DEPTH = 32
 # Stream batch k uses seed + k: the seed must leave room for this many batches below 2^63.
@@ -128,8 +122,9 @@ class UnlearnService:
         self._stopping = threading.Event()
         self.worker_error: BaseException | None = None
         self._lock_cm = None
-        self.server: ThreadingHTTPServer | None = None
+        self.server: HttpServer | None = None
         self._threads: list[threading.Thread] = []
+        self._ready = False
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> tuple[str, int]:
@@ -151,29 +146,29 @@ class UnlearnService:
             current = self.store.open_verified(self.model)
             self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
             self.machine.finish_leftovers(self.batch_origin, lambda k: self.config.seed + k, self.log)
-            self.server = ThreadingHTTPServer((self.config.host, self.config.port), _handler_for(self))
+            self._threads = [threading.Thread(target=self._worker, name="removal-worker", daemon=True)]
+            self._threads[0].start()
+            self.server = HttpServer(self)
+            host, port = self.server.start()
         except BaseException:
+            self._stopping.set()
+            self._wake.set()
+            for t in self._threads:
+                t.join()
             self._release()
             raise
-        self.server.daemon_threads = False
-        self.server.block_on_close = True
-        host, port = self.server.server_address[:2]
-        self._threads = [
-            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True),
-            threading.Thread(target=self._worker, name="removal-worker", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._ready = True
         if self.config.port_file is not None:
             atomic_write_bytes(self.config.port_file, str(port).encode())
-        self.log(f"serving model '{self.model}' on http://{host}:{port}")
+        scheme = "https" if self.config.tls is not None else "http"
+        self.log(f"serving model '{self.model}' on {scheme}://{host}:{port}")
         return str(host), int(port)
 
     def stop(self) -> None:
         """Stop accepting, let handlers finish, drain the batch in flight, release the lock."""
+        self._ready = False
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()  # joins handler threads (block_on_close)
+            self.server.stop()  # stop accepting; requests in flight get http.shutdown_timeout_s
         self._stopping.set()
         self._wake.set()
         for t in self._threads:
@@ -239,6 +234,15 @@ class UnlearnService:
                      + (f" (version {result.version})" if result.version is not None else f": {result.reason}"))
 
     # -- request handling (called from handler threads) ---------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason) for /readyz: started, the worker alive, not stopping."""
+        if not self._ready:
+            return False, "starting or stopping"
+        if self.worker_error is not None or not all(t.is_alive() for t in self._threads):
+            return False, "the removal worker stopped"
+        return True, "ok"
+
+
     def authenticate(self, header: str | None) -> str:
         import hmac
 
@@ -294,93 +298,3 @@ class UnlearnService:
         out.pop("seq", None)
         return out
 
-
-def _handler_for(service: UnlearnService) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "unlearn-stream/1"
-        timeout = 15  # seconds a client may take to send its request
-
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
-            pass
-
-        def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(payload, default=str).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _handle(self, method: str) -> None:
-            try:
-                client = service.authenticate(self.headers.get("Authorization"))
-                wait = service.limiter.allow(client)
-                if wait > 0:
-                    raise HttpError(429, f"rate limit of client '{client}' exceeded; retry in {wait:.2f} s",
-                                    retry_after=wait)
-                status, payload = self._route(method, client)
-                self._send(status, payload)
-            except HttpError as err:
-                headers = {}
-                if err.status == 401:
-                    headers["WWW-Authenticate"] = 'Bearer realm="unlearn"'
-                if err.status == 429:
-                    headers["Retry-After"] = str(max(1, int(err.extra.get("retry_after", 1) + 0.999)))
-                extra = {k: v for k, v in err.extra.items() if k != "retry_after"}
-                self.close_connection = True
-                self._send(err.status, {"error": {"status": err.status, "message": err.message, **extra}}, headers)
-            except Exception as err:  # noqa: BLE001 - a 500, never a dropped connection
-                service.log(f"internal error on {method} {self.path}: {type(err).__name__}: {err}")
-                self.close_connection = True
-                self._send(500, {"error": {"status": 500, "message": "internal error; see the service log"}})
-
-        def _route(self, method: str, client: str) -> tuple[int, dict[str, Any]]:
-            path = self.path.split("?", 1)[0]
-            if path == "/v1/requests":
-                if method != "POST":
-                    raise HttpError(405, "use POST on /v1/requests")
-                return service.submit(client, self._json_body())
-            match = REQUEST_PATH.match(path)
-            if match:
-                if method != "GET":
-                    raise HttpError(405, "use GET on /v1/requests/{id}")
-                return 200, service.request_state(match.group(1))
-            if path == "/v1/versions":
-                if method != "GET":
-                    raise HttpError(405, "use GET on /v1/versions")
-                return 200, service.versions()
-            raise HttpError(404, f"no endpoint {path}; endpoints: POST /v1/requests, GET /v1/requests/{{id}}, GET /v1/versions")
-
-        def _json_body(self) -> Any:
-            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                raise HttpError(415, "send the body as Content-Type: application/json")
-            raw_length = self.headers.get("Content-Length")
-            if raw_length is None:
-                raise HttpError(411, "Content-Length is required")
-            try:
-                length = int(raw_length)
-                if length < 0:
-                    raise ValueError
-            except ValueError:
-                raise HttpError(400, f"Content-Length {raw_length!r} is not a non-negative integer") from None
-            limit = service.config.max_body_bytes
-            if length > limit:
-                raise HttpError(413, f"body of {length} bytes exceeds the limit of {limit} bytes; split the request")
-            return parse_json_body(self.rfile.read(length))
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._handle("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._handle("POST")
-
-        def do_PUT(self) -> None:  # noqa: N802
-            self._handle("PUT")
-
-        def do_DELETE(self) -> None:  # noqa: N802
-            self._handle("DELETE")
-
-    return Handler

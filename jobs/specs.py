@@ -121,6 +121,23 @@ class RateLimit(Strict):
     burst: int = Field(default=40, gt=0, description="requests a client may send at once")
 
 
+class Tls(Strict):
+    certfile: Path = Field(description="PEM certificate chain served to clients")
+    keyfile: Path = Field(description="PEM private key of the certificate")
+
+
+class HttpLimits(Strict):
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300,
+                                    description="a client must send its request line and headers within this time")
+    body_timeout_s: float = Field(default=10.0, gt=0, le=300, description="and its body within this time (else 408)")
+    keep_alive_s: int = Field(default=5, ge=1, le=300, description="idle keep-alive connections are closed after this")
+    max_connections: int = Field(default=1000, ge=1, le=100_000,
+                                 description="open connections (and requests in flight) above this get 503")
+    max_header_bytes: int = Field(default=16_384, ge=1024, le=1_048_576, description="largest request line + headers")
+    shutdown_timeout_s: float = Field(default=5.0, gt=0, le=300,
+                                      description="on stop, requests in flight get this long before their connections close")
+
+
 class ServiceConfig(Strict):
     model: ModelRef
     ledger: Path | None = Field(default=None, description=f"SQLite ledger file; default <store>/{LEDGER_FILE}")
@@ -134,6 +151,24 @@ class ServiceConfig(Strict):
     batching: Batching = Field(default_factory=Batching)
     rate_limit: RateLimit = Field(default_factory=RateLimit)
     max_body_bytes: int = Field(default=65_536, gt=0, le=16 * 2**20, description="largest accepted request body")
+    tls: Tls | None = Field(default=None, description="serve HTTPS with this certificate (needed beyond loopback)")
+    allow_insecure_remote: bool = Field(default=False,
+                                        description="allow plain HTTP on a non-loopback address (tokens travel in clear)")
+    http: HttpLimits = Field(default_factory=HttpLimits)
+
+    @model_validator(mode="after")
+    def _loopback_or_tls(self) -> "ServiceConfig":
+        import ipaddress
+
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback and self.tls is None and not self.allow_insecure_remote:
+            raise ValueError(f"host {self.host!r} is not a loopback address: bearer tokens would travel in clear; "
+                             "set tls: {certfile, keyfile}, or allow_insecure_remote: true behind a TLS proxy, "
+                             "or bind host: 127.0.0.1")
+        return self
 
     @field_validator("auth")
     @classmethod

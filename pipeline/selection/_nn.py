@@ -29,18 +29,32 @@ Two exact algorithms, both vectorised over candidates (no Python loop over candi
 Memory: D_X and its row sort (3 n^2 numbers), the sorted candidate columns (4 n S numbers)
 and one tile (``block_bytes``).  Cost of a step: about n S (K0 + 2w) evaluations plus the
 refined tail; the per-candidate loop it replaces costs n^2 S.
+
+On the CPU (``compiled_ok``: numba installed, a CPU float tensor) the same functions run
+compiled kernels (``_kernels``) with the same answers bit for bit: ``nn_1d`` a walk over each
+sorted column, ``nn_given_base`` / ``dense_pass`` an exact search per pair (dense pass over the
+K0 X-neighbours, then two walks stopped by the bound fl(A + B) > best), and ``best_by_bounds``
+(called by ``codec.Scorer.best_conditional``) the argmax over candidates by branch and bound
+over rounds of points.  Given the columns of X (``BaseSpace.from_distances(d, x)``) the kernels
+recompute D_X(i, l) from them instead of reading the n x n matrix.  CUDA keeps the torch path.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from pipeline.selection import _kernels
 
 BIG_INDEX = torch.iinfo(torch.int64).max
 
 # working-memory budget of one dense tile (bytes); about 1 MiB keeps a tile in cache
 DEFAULT_BLOCK_BYTES = 2**20
+WALK_TOP = 64  # X-neighbours per point kept contiguous for the compiled walk
 ZWINDOW = 8  # half width of the dense z-window of the first pass (when used)
 
 
@@ -71,6 +85,20 @@ class SortedColumns:
         return int(self.values.shape[1])
 
 
+def compiled_ok(t: Tensor) -> bool:
+    """Use the compiled CPU kernels (``_kernels``) for ``t``: numba present, a CPU float tensor.
+
+    CUDA tensors keep the torch path.  ``UNLEARN_SELECTION_KERNEL=torch`` forces the torch
+    path on the CPU as well (used by the tests that compare the two).
+    """
+    return (_kernels.HAVE_NUMBA and t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+            and os.environ.get("UNLEARN_SELECTION_KERNEL", "numba") != "torch")
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
 def _lexmin(d: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """Row-wise minimum of ``d`` (P x m) and the lowest ``idx`` attaining it."""
     dmin = d.amin(dim=1)
@@ -97,6 +125,10 @@ def nn_1d(v: Tensor, idx: Tensor) -> Tensor:
     """
     c, n = v.shape
     dev = v.device
+    if compiled_ok(v):
+        m = torch.empty((c, n), dtype=torch.int64)
+        _kernels.nn_1d_sorted(_np(v), _np(idx.to(torch.int64)), m.numpy())
+        return m
     inf = torch.tensor(float("inf"), dtype=v.dtype, device=dev)
     eq_next = v[:, 1:] == v[:, :-1]
     if not bool(eq_next.any()):
@@ -182,11 +214,22 @@ class BaseSpace:
     d: Tensor  # (n, n) D_X with +inf on the diagonal
     a: Tensor  # (n, n) each row of d sorted ascending (the +inf of i itself last)
     order: Tensor  # (n, n) int64, a[i, t] = d[i, order[i, t]] (stable: ties by index)
+    x: Tensor | None = None  # (n, k) the columns d was built from (optional; faster CPU kernel)
 
     @classmethod
-    def from_distances(cls, d: Tensor) -> "BaseSpace":
+    def from_distances(cls, d: Tensor, x: Tensor | None = None) -> "BaseSpace":
+        """``d`` from ``squared_distances``; ``x``, if given, must be the columns it was built
+        from, in the same order (the compiled kernel recomputes D_X(i, l) from them)."""
         a, order = torch.sort(d, dim=1, stable=True)
-        return cls(d, a, order)
+        if x is not None:
+            x = x.reshape(d.shape[0], -1).to(d.dtype).contiguous()
+        return cls(d, a, order, x)
+
+    @cached_property
+    def top(self) -> tuple[Tensor, Tensor]:
+        """The first ``WALK_TOP`` columns of ``a`` and ``order`` as contiguous copies."""
+        t = min(WALK_TOP, self.n)
+        return self.a[:, :t].contiguous(), self.order[:, :t].contiguous()
 
     @property
     def n(self) -> int:
@@ -238,6 +281,31 @@ class DenseChunk:
     pos: Tensor  # (C,) positions of these candidates in the ``which`` the pass was given
 
 
+COMPILED_DENSE_CHUNK = 64  # candidates per call of the compiled dense kernel (n x 64 fits in L2)
+
+
+def compiled_zwindow(zwindow: int) -> int:
+    """Window of the compiled kernel's second pass: wider than the torch pass's (it is cheap
+    there), and a small one even where the torch pass uses none."""
+    return int(os.environ.get("UNLEARN_SELECTION_ZWINDOW", 0)) or (16 if zwindow > 0 else 4)
+
+
+def _compiled_chunk(base: BaseSpace, cols: SortedColumns, which: Tensor, zc: Tensor, top: Tensor,
+                    a_sel: Tensor, w: int, out_d: Tensor, out_l: Tensor) -> None:
+    n = base.n
+    use_x = base.x is not None
+    x = base.x if use_x else base.d[:, :1]
+    a_top, o_top = base.top
+    big = torch.full((1,), float("inf"), dtype=base.d.dtype)
+    xs = torch.empty((n, x.shape[1]), dtype=base.d.dtype)
+    bdq = torch.empty(n, dtype=base.d.dtype)
+    blq = torch.empty(n, dtype=torch.int64)
+    _kernels.exact_chunk(_np(x), _np(base.d), use_x, _np(top), _np(a_sel), _np(a_top), _np(o_top),
+                         _np(base.a), _np(base.order), _np(zc), _np(cols.sorted), _np(cols.perm),
+                         _np(cols.pos), _np(which.to(torch.int64)), int(min(w, n - 1)), big.numpy(),
+                         out_d.numpy(), out_l.numpy(), xs.numpy(), bdq.numpy(), blq.numpy())
+
+
 def dense_pass(
     base: BaseSpace,
     cols: SortedColumns,
@@ -260,13 +328,19 @@ def dense_pass(
     a_top = base.d.gather(1, top).unsqueeze(2)  # (n, k0, 1)
     a_next = base.a[:, k0:k0 + 1]  # (n, 1)
     itemsize = cols.values.element_size()
-    c_chunk = 256
+    compiled = compiled_ok(base.d)
+    c_chunk = COMPILED_DENSE_CHUNK if compiled else 256
     rows = max(1, min(n, int(block_bytes // (k0 * c_chunk * itemsize))))
     for c0 in range(0, which.numel(), c_chunk):
         w = which[c0:c0 + c_chunk]
         zc = cols.values.index_select(0, w).t().contiguous()  # (n, C)
         best_d = torch.empty_like(zc)
         best_l = torch.empty(zc.shape, dtype=torch.int64, device=zc.device)
+        if compiled:  # exact in one call: every pair resolved
+            _compiled_chunk(base, cols, w, zc, top, a_top[:, :, 0], compiled_zwindow(zwindow), best_d, best_l)
+            yield DenseChunk(w, best_d, best_l, torch.ones(best_l.shape, dtype=torch.bool),
+                             torch.arange(c0, c0 + w.numel(), device=w.device))
+            continue
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             t = top[r0:r1]
@@ -499,3 +573,101 @@ def gap_bound(cols: SortedColumns, i: Tensor, j: Tensor) -> Tensor:
     gl = torch.where(p > 0, (zi - srt.take(j * n + (p - 1).clamp(min=0))).square(), inf)
     gr = torch.where(p < n - 1, (zi - srt.take(j * n + (p + 1).clamp(max=n - 1))).square(), inf)
     return torch.minimum(gl, gr)
+
+
+# --------------------------------------------------------------------------------------
+# compiled branch and bound over candidates (CPU): the argmax of T without every score
+# --------------------------------------------------------------------------------------
+ROUND_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
+BOUND_CHUNK = 64  # candidates per kernel call (an n x 64 column block stays in L2)
+ROW_WALK = 32  # X-positions past K0 copied per row for the walk (further ones read from the full sort)
+COMPILED_K0 = 48  # X-neighbours of the compiled dense pass (tuned on bench_selection data:
+# wider than the torch pass's because its pairs left over cost a scalar walk each)
+COMPILED_K0_1D = 96  # with one X column its nearest points in X alone are a poorer guide
+
+
+def _exact_rows(base: BaseSpace, cols: SortedColumns, rows: Tensor, which: Tensor, k0: int) -> Tensor:
+    """M_j(i) for points ``rows`` x candidates ``which`` (compiled, exact): (|rows|, C) int64."""
+    use_x = base.x is not None
+    x = base.x if use_x else base.d[:, :1]
+    width = min(base.n, k0 + ROW_WALK)
+    a_top = base.a.index_select(0, rows)[:, :width].contiguous()
+    o_top = base.order.index_select(0, rows)[:, :width].contiguous()
+    top = torch.sort(base.order.index_select(0, rows)[:, :k0], dim=1).values
+    a_sel = base.d.index_select(0, rows).gather(1, top)
+    big = torch.full((1,), float("inf"), dtype=base.d.dtype)
+    out = torch.empty((rows.numel(), which.numel()), dtype=torch.int64)
+    for c0 in range(0, which.numel(), BOUND_CHUNK):
+        w = which[c0:c0 + BOUND_CHUNK]
+        zc = cols.values.index_select(0, w).t().contiguous()
+        o = torch.empty((rows.numel(), w.numel()), dtype=torch.int64)
+        _kernels.exact_rows(_np(x), _np(base.d), use_x, _np(rows), _np(top), _np(a_sel), _np(a_top), _np(o_top),
+                            _np(base.a), _np(base.order), _np(zc), _np(cols.values), _np(cols.sorted),
+                            _np(cols.perm), _np(cols.pos), _np(w), big.numpy(), o.numpy())
+        out[:, c0:c0 + w.numel()] = o
+    return out
+
+
+def best_by_bounds(base: BaseSpace, cols: SortedColumns, which: Tensor, r: Tensor, rn: Tensor,
+                   slack: Tensor, k0: int) -> tuple[int | None, int, int]:
+    """Exact argmax over ``which`` of sum_i [min(R_i, R_M(i)) - rn_i] among positive ones.
+
+    Returns (position in ``which`` or None, its numerator, the denominator sum(slack)), the
+    same as ``codec.Scorer.best_conditional``.  Points are visited in rounds, highest rank
+    first; after each round a candidate's numerator is bounded above by its exact partial sum
+    plus the slack R_i - rn_i of the points not yet visited (min(R_i, R_M(i)) <= R_i), and the
+    loss R_i - min(R_i, R_M(i)) that pulls a candidate below that bound is largest for high
+    ranks.  The candidate with the highest bound is completed first (the incumbent); a
+    candidate is dropped once its bound is below the incumbent (or equal, at a higher
+    position) or <= 0.  Ties go to the lowest position.  Exact: every candidate kept to the
+    end has its full sum.
+    """
+    n = base.n
+    den = int(slack.sum())
+    if den == 0:
+        return None, 0, 0
+    one_column = base.x is not None and base.x.shape[1] == 1
+    k0 = max(1, min(COMPILED_K0_1D if one_column else max(k0, COMPILED_K0), n - 1))
+    pts = torch.sort(r, descending=True, stable=True).indices
+    ncand = which.numel()
+    partial = torch.zeros(ncand, dtype=torch.int64)
+    alive = torch.arange(ncand)
+    best_pos: int | None = None
+    best_num = 0
+    lo = 0
+    rem_slack = den
+
+    def terms(rows: Tensor, cand: Tensor) -> Tensor:
+        m = _exact_rows(base, cols, rows, which[cand], k0)
+        return (torch.minimum(r[rows].unsqueeze(1), r[m]) - rn[rows].unsqueeze(1)).sum(dim=0)
+
+    for frac in ROUND_FRACTIONS:
+        hi = n if frac >= 1.0 else max(lo + 1, int(round(frac * n)))
+        if hi <= lo:
+            continue
+        rows = pts[lo:hi]
+        partial[alive] += terms(rows, alive)
+        rem_slack -= int(slack[rows].sum())
+        lo = hi
+        upper = partial[alive] + rem_slack
+        if lo >= n:  # every survivor is exact
+            if alive.numel():
+                top = int(upper.max())
+                if top > 0:
+                    p = int(alive[upper == top].min())
+                    if best_pos is None or top > best_num or (top == best_num and p < best_pos):
+                        best_pos, best_num = p, top
+            break
+        # incumbent: complete the survivor with the highest bound
+        cand = int(alive[torch.argmax(upper)])
+        if int(upper.max()) > 0:
+            num = int(partial[cand]) + int(terms(pts[lo:], torch.tensor([cand]))[0])
+            if num > 0 and (best_pos is None or num > best_num or (num == best_num and cand < best_pos)):
+                best_pos, best_num = cand, num
+        keep = (upper > 0) & (alive != cand)  # the completed one is settled either way
+        if best_pos is not None:
+            keep &= (upper > best_num) | ((upper == best_num) & (alive < best_pos))
+        alive = alive[keep]
+        if alive.numel() == 0:
+            break
+    return best_pos, best_num, den

@@ -36,6 +36,8 @@ from torch import Tensor
 from pipeline.selection._nn import (
     DEFAULT_BLOCK_BYTES,
     BaseSpace,
+    best_by_bounds,
+    compiled_ok,
     dense_segment,
     gap_bound,
     merge_lex,
@@ -268,6 +270,8 @@ class Scorer:
         rn, slack, den = self._conditional_setup(base)
         if den == 0:
             return None, 0, 0
+        if compiled_ok(base.d):  # CPU: compiled kernels, bounds over rounds of points (same result)
+            return best_by_bounds(base, self.cols, which, self.r, rn, slack, k0)
         r = self.r
         dev = r.device
         ncand = which.numel()

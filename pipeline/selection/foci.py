@@ -109,7 +109,7 @@ def lfoci(
         else:
             k = len(picks)
             pos, num_best, den = scorer.best_conditional(
-                BaseSpace.from_distances(d_x), which, default_k0(k, n), default_zwindow(k))
+                BaseSpace.from_distances(d_x, zt[:, picks]), which, default_k0(k, n), default_zwindow(k))
             if pos is None:  # best T <= 0 (or Y already determined by the picks): stop
                 break
             best, t_best = pos, num_best / den
