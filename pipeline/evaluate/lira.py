@@ -99,7 +99,9 @@ def shadow_statistics(
     mask = balanced_membership(len(forget), n_shadows, seed)
     stats = np.zeros((n_shadows, len(forget)))
     y = forget.columns["y"]
-    for s in range(n_shadows):
+    from pipeline.progress import track
+
+    for s in track(range(n_shadows), desc="LiRA shadow models", unit="model"):
         included = forget.take(torch.as_tensor(np.flatnonzero(mask[s])))
         data = SampleSet({k: torch.cat([retain.columns[k], included.columns[k]]) for k in retain.columns},
                          torch.cat([retain.sample_ids, included.sample_ids]))
