@@ -75,7 +75,13 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     "salun": {"epochs": 2, "lr": 0.02, "batch_size": 128, "retain_fraction": 0.1, "sparsity": 0.5},
 }
 QUICK_OVERRIDES: dict[str, dict[str, Any]] = {"lfoci-newton": {"perturbations": 64, "curvature_samples": 512}}
-SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model family (not this head)
+SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model family: see MIXED_LINEAR
+# Mixed-Linear (Golatkar et al. 2021) is a different model: core = the frozen features + the head's
+# hidden layer at its seeded initialisation (trained on no sample), user weights = the output layer
+# of the linearised head, MSE on one-hot targets. Its forgetting is compared with retraining the user
+# weights on D_r (exactness) and, like every row, with the network's Retrain (Avg. Gap).
+MIXED_LINEAR = {"settings": {"user_last_modules": 1, "cg_rtol": 1e-10},
+                "scenarios": ("class", "subject"), "forget_sets": 1}
 NTK_MAX_OUTPUTS = 12_000  # n * K above this: the (nK)^2 kernel does not fit; recorded as not applicable
 
 DATASETS: dict[str, dict[str, Any]] = {
@@ -263,6 +269,8 @@ class Context:
     task: Any = None
     w0s: list[dict[str, torch.Tensor]] = field(default_factory=list)  # start weights of original s
     methods: list[str] = field(default_factory=list)
+    mixed_linear: dict[str, Any] | None = None  # lin model and user weights trained on D (lazy)
+    mixed_linear_on: bool = True
 
 
 def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: Callable[[str], None]) -> dict[str, Any]:
@@ -305,12 +313,87 @@ def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: C
     out: dict[str, Any] = {"seed": seed, "m": len(ids), "n": len(train), "classes": classes,
                            "forget_ids": ids if len(ids) <= 100 else {"count": len(ids), "first": ids[:20]},
                            "rows": rows, "records": records}
+    if scenario in MIXED_LINEAR["scenarios"] and seed < MIXED_LINEAR["forget_sets"] and ctx.mixed_linear_on:
+        tick("mixed-linear")
+        try:
+            ml = mixed_linear_rows(ctx, sets, positions, wd, seed, rows["retrain"], retrain_s)
+            rows.update(ml.pop("rows"))
+            out["mixed_linear"] = ml
+        except Exception as err:  # recorded, never dropped
+            rows["mixed-linear"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
     if shadows:
         out["ulira"] = ulira_game(ctx, sets, positions, wd, seed, shadows, retrained, unlearned_models, tick)
         for name, res in out["ulira"].items():
             if name in rows and isinstance(res, dict) and "accuracy" in res:
                 rows[name]["ULiRA"] = res["accuracy"]
     return out
+
+
+class LinearizedNet(nn.Module):
+    """f_ML(x) = f_{w_c}(x) + J_{w_c}(x) w_u as a module, so the scorecard can evaluate it."""
+
+    def __init__(self, lin: Any, user_weights: torch.Tensor) -> None:
+        super().__init__()
+        self.lin, self.w = lin, user_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin.predict({"x": x.to(self.lin.dtype)}, self.w).float()
+
+
+def _float64(data: Any) -> Any:
+    from pipeline.data.sampleset import SampleSet
+
+    return SampleSet({**data.columns, "x": data.columns["x"].double()}, data.sample_ids)
+
+
+def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed: int,
+                      network_retrain: dict[str, Any], network_retrain_s: float) -> dict[str, Any]:
+    """Rows ml-original / ml-retrain / mixed-linear and the exactness of the forgetting."""
+    from pipeline.evaluate.scorecard import avg_gap
+    from pipeline.linearized import LinearizedModel
+    from pipeline.methods import RemovalProblem, get_method
+    from pipeline.methods.mixed_linear import train_user_weights, user_block
+    from pipeline.recipe import initial_model
+
+    method = get_method("mixed-linear")
+    parsed = method.Settings.model_validate(MIXED_LINEAR["settings"])
+    if ctx.mixed_linear is None:
+        core, task, _ = initial_model("mlp", ctx.head, seed=0)
+        core = core.double().eval()  # float64 products: exactness is judged to 1e-5
+        block = user_block(core, parsed.user_parameters or None, parsed.user_last_modules)
+        lin = LinearizedModel(core, task, block)
+        t = time.perf_counter()
+        trained = train_user_weights(lin, _float64(ctx.data.train), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
+        ctx.mixed_linear = {"core": core, "lin": lin, "block": block, "w": trained.user_weights,
+                            "seconds": time.perf_counter() - t, "record": trained.record}
+    ml = ctx.mixed_linear
+    t = time.perf_counter()
+    exact = train_user_weights(ml["lin"], _float64(sets.retain), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
+    retrain_s = time.perf_counter() - t
+    problem = RemovalProblem(ml["core"], ctx.task, _float64(ctx.data.train), positions, wd, seed=seed, batch_size=EVAL_BATCH,
+                             extras={"user_weights": ml["w"].clone(), "user_block": ml["block"]})
+    t = time.perf_counter()
+    outcome = method.run(problem, parsed)
+    forget_s = time.perf_counter() - t
+    forgotten = problem.extras["user_weights"]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, w, seconds in (("ml-original", ml["w"], 0.0), ("ml-retrain", exact.user_weights, retrain_s),
+                             ("mixed-linear", forgotten, forget_s)):
+        net = LinearizedNet(ml["lin"], w)
+        rows[name] = {**score_row(net, ctx.task, sets, seed), "seconds": seconds}
+        rows[name]["AvgGap"] = avg_gap(rows[name], network_retrain)
+    for name in ("ml-original", "mixed-linear"):
+        rows[name]["AvgGap_vs_ml_retrain"] = avg_gap(rows[name], rows["ml-retrain"])
+    rows["mixed-linear"]["ratio"] = retrain_s / forget_s if forget_s > 0 else None
+    base = float(torch.linalg.vector_norm(ml["w"] - exact.user_weights)) or 1.0
+    return {
+        "rows": rows, "user_dim": ml["block"].numel, "train_on_D_seconds": ml["seconds"],
+        "relative_distance_to_exact_retrain": float(torch.linalg.vector_norm(forgotten - exact.user_weights)) / base,
+        "absolute_distance_to_exact_retrain": float(torch.linalg.vector_norm(forgotten - exact.user_weights)),
+        "ratio_ml_retrain_over_forget": retrain_s / forget_s if forget_s > 0 else None,
+        "ratio_network_retrain_over_forget": network_retrain_s / forget_s if forget_s > 0 else None,
+        "forget_record": _jsonable({k: v for k, v in outcome.record.items() if k != "user_block"}),
+    }
 
 
 def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed: int, shadows: int,
@@ -480,7 +563,7 @@ TITLES = {"fmnist": "Fashion-MNIST (random conv trunk + MLP head)", "r8": "Reute
 
 def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods: list[str] | None = None,
         smoke: dict[str, Any] | None = None, scenarios: tuple[str, ...] = SCENARIOS,
-        shadows: int | None = None) -> dict[str, Any]:
+        shadows: int | None = None, mixed_linear: bool = True) -> dict[str, Any]:
     """The whole benchmark for one dataset; returns the JSON-ready result."""
     from pipeline.methods import METHODS
     from pipeline.progress import bar, note
@@ -493,6 +576,8 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
     head = head_options(data, dataset, smoke)
     ctx = Context(dataset, quick, data, head, smoke)
     ctx.methods = methods or sorted(m for m in METHODS if m not in SKIP_METHODS)
+    ctx.mixed_linear_on = mixed_linear and (methods is None or "mixed-linear" in methods)
+    ctx.methods = [m for m in ctx.methods if m not in SKIP_METHODS]
     n_models = max(1, shadows)
     from pipeline.recipe import initial_model
 
@@ -506,13 +591,18 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
         ctx.train_seconds.append(seconds)
 
     per_set = 1 + len(ctx.methods)
-    total = len(scenarios) * seeds * per_set + sum(
+    total = len(scenarios) * seeds * per_set + (len(set(scenarios) & set(MIXED_LINEAR["scenarios"])) * min(
+        seeds, MIXED_LINEAR["forget_sets"]) if ctx.mixed_linear_on else 0) + sum(
         (shadows - 1) * (1 + len(ctx.methods)) for sc in scenarios if sc in ULIRA_SCENARIOS and shadows)
     result: dict[str, Any] = {
         "benchmark": "forgetting", "dataset": dataset, "dataset_title": TITLES[dataset], "quick": quick,
         "n_train": len(data.train), "n_test": len(data.test), "num_classes": data.num_classes, "seeds": seeds,
         "shadows": shadows, "cache": data.cache, "head": head, "recipe": recipe_for(dataset, 0, smoke).model_dump(),
         "method_settings": {m: resolved_settings(m, len(data.train), quick) for m in ctx.methods},
+        "mixed_linear": {**MIXED_LINEAR, "enabled": ctx.mixed_linear_on,
+                         "model": "core = frozen features + the head's hidden layer at its seeded initialisation "
+                                  "(trained on no sample); user weights = the linearised output layer, MSE on "
+                                  "one-hot targets, trained and forgotten by exact Newton steps (CG)"},
         "train_seconds": ctx.train_seconds, "scenarios": {},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),

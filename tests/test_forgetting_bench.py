@@ -24,14 +24,18 @@ def smoke_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     from pipeline.methods import METHODS
-    from bench.forgetting import SCENARIOS, SKIP_METHODS
+    from bench.forgetting import MIXED_LINEAR, SCENARIOS, SKIP_METHODS
 
     expected = {"original", "retrain"} | {m for m in METHODS if m not in SKIP_METHODS}
+    ml_rows = {"ml-original", "ml-retrain", "mixed-linear"}
     assert {"finetune", "gradient-ascent", "random-labels", "salun", "lfoci-newton", "fisher", "ntk"} <= expected
     assert list(smoke_result["scenarios"]) == list(SCENARIOS)
     for scenario, block in smoke_result["scenarios"].items():
         for run in block["runs"]:
-            assert set(run["rows"]) == expected, scenario
+            with_ml = scenario in MIXED_LINEAR["scenarios"]
+            assert set(run["rows"]) == expected | (ml_rows if with_ml else set()), scenario
+            if with_ml:  # exact forgetting of the user weights (issue 12: to 1e-5)
+                assert run["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-5
             for name, row in run["rows"].items():
                 assert "error" not in row and "not_applicable" not in row, (scenario, name, row)
                 for col in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
@@ -41,6 +45,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
             assert agg["AvgGap"]["count"] == 1
     ulira = smoke_result["scenarios"]["random_1pct"]["runs"][0]["ulira"]
     assert set(ulira) == expected - {"retrain"}
+    assert "mixed-linear" in smoke_result["method_settings"] or smoke_result["mixed_linear"]["enabled"]
     for name, res in ulira.items():
         assert 0.0 <= res["accuracy"] <= 100.0 and res["shadow_pairs"] == 3, name
     assert smoke_result["scenarios"]["class"]["runs"][0]["classes"] is not None
