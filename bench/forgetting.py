@@ -82,7 +82,7 @@ SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model fami
 # weights on D_r (exactness) and, like every row, with the network's Retrain (Avg. Gap).
 MIXED_LINEAR = {"settings": {"user_last_modules": 1, "cg_rtol": 1e-10},
                 "scenarios": ("class", "subject"), "forget_sets": 1}
-NTK_MAX_OUTPUTS = 12_000  # n * K above this: the (nK)^2 kernel does not fit; recorded as not applicable
+NTK_MAX_OUTPUTS = 5_000  # n * K above this: the (nK)^2 kernel (and its Jacobians) cost minutes; recorded as not applicable
 
 DATASETS: dict[str, dict[str, Any]] = {
     "fmnist": {
