@@ -504,7 +504,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     scenarios = list(result["scenarios"])
-    methods = [m for m in result["scenarios"][scenarios[0]]["summary"] if m != "retrain"]
+    methods: list[str] = []
+    for sc in scenarios:
+        methods += [m for m in result["scenarios"][sc]["summary"] if m not in ("retrain", "ml-retrain") and m not in methods]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / max(1, len(methods))
     for j, method in enumerate(methods):
@@ -530,7 +532,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     bx.axvline(20, color="grey", ls=":", lw=1)
     bx.set_xlabel("Retrain seconds / removal seconds (log)")
     bx.set_ylabel("Avg. Gap")
-    bx.set_title("cost vs quality (marker = scenario)")
+    bx.set_title("cost vs quality: " + ", ".join(f"{'o s D ^'.split()[i % 4]} {sc}" for i, sc in enumerate(scenarios)),
+                 fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
