@@ -33,7 +33,18 @@ Metrics: UA, RA, TA, MIA-efficacy (SVC on confidence), Avg. Gap to Retrain of th
   one from the other on the forget examples with per-example Gaussians (leave one pair out;
   ``pipeline.evaluate.lira.ulira_attack_accuracy``); accuracy 50 % = indistinguishable. Run on
   the first forget set of the random-1 % and one-subject scenarios (bounded cost).
-Writes bench/results/forgetting_<dataset>[_quick].json, .md and .png (atomically).
+Writes bench/results/forgetting_<dataset>[_quick].json, .md and .png (atomically); progress (tqdm,
+time left) on stderr when it is a terminal (``UNLEARN_PROGRESS=1`` forces it, ``0`` silences it).
+
+Cost (``--threads 1``, measured on the shared 2-core box at load average 8-10, i.e. ~1/3 of a core):
+  quick   FMNIST 439 s, R8 409 s (+ ~150 s the first time, for the MiniLM features): < 10 min.
+  full    FMNIST: features 47 s (once), one head training 52 s (x 22: 4 originals, 12 Retrains,
+          6 U-LiRA shadow Retrains), per removal: fisher 124 s (dense 1,290-entry output-layer
+          Hessian from Hessian-vector products over 59,400 samples), lfoci-newton 18 s, salun 3.4 s,
+          random-labels 2.4 s, finetune 2.0 s, gradient-ascent 0.2 s (x 18 each: 12 forget sets + 6
+          shadows) -> ~70 min at that load, ~25-35 min on an idle 2-core box, about half of it the
+          dense Fisher (its settings are in METHOD_SETTINGS). R8: MiniLM features ~8-10 min idle
+          (once, cached), then ~15-20 min (heads are small; the dense 2,056-entry Fisher dominates).
 """
 from __future__ import annotations
 
