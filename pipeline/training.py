@@ -1,6 +1,8 @@
 """Training to the objective the removal methods assume:
     L_D(w) = (1/n) sum_{z in D} loss(w, z) + (lambda/2) ||w||^2.
 
+Progress (``pipeline.progress``): a tqdm bar with the time left on stderr when it is a terminal.
+
 Two optimisers: full-batch L-BFGS with strong-Wolfe line search (to a tight optimum, used for
 oracles and small models) and mini-batch SGD with momentum (large models; the weight decay is
 added to the objective, not through the optimiser, so the convention is the same).
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.progress import bar
 from pipeline.tasks import Task
 
 
@@ -66,13 +69,16 @@ def fit_lbfgs(
         return loss
 
     steps = 0
-    for steps in range(1, max_steps + 1):
-        loss = opt.step(closure)
-        gnorm = gradient_norm(model, task, data, weight_decay, batch_size)
-        if callback is not None:
-            callback(steps, float(loss))
-        if gnorm <= tolerance:
-            break
+    with bar(max_steps, "training (L-BFGS)", unit="step") as progress:
+        for steps in range(1, max_steps + 1):
+            loss = opt.step(closure)
+            gnorm = gradient_norm(model, task, data, weight_decay, batch_size)
+            progress.set_postfix(objective=f"{float(loss):.4g}", grad=f"{gnorm:.2g}", refresh=False)
+            progress.update(1)
+            if callback is not None:
+                callback(steps, float(loss))
+            if gnorm <= tolerance:
+                break
     final = float(objective(model, task, data, weight_decay, batch_size).detach())
     return FitReport(final, gradient_norm(model, task, data, weight_decay, batch_size), steps)
 
@@ -98,7 +104,9 @@ def fit_newton(
 
     steps = 0
     g = block_gradient(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
+    progress = bar(max_steps, "training (Newton)", unit="step")
     for steps in range(1, max_steps + 1):
+        progress.update(1)
         if float(torch.linalg.vector_norm(g)) <= tolerance:
             break
         h = BlockHessian(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size).to_dense()
@@ -117,6 +125,7 @@ def fit_newton(
             block.add_to_model(model, t * direction)
             t *= 0.5
         g = block_gradient(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
+    progress.close()
     return FitReport(value(), float(torch.linalg.vector_norm(g)), steps)
 
 
@@ -131,20 +140,24 @@ def fit_sgd(
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs))
     gen = torch.Generator().manual_seed(seed)
     model.train()
-    for epoch in range(epochs):
-        order = torch.randperm(len(data), generator=gen)
-        running = 0.0
-        for start in range(0, len(data), batch_size):
-            batch_set = data.take(order[start : start + batch_size])
-            batch = batch_set.columns
-            opt.zero_grad()
-            loss = task.per_sample_loss(task.forward(model, batch), batch).mean() + l2_penalty(model, weight_decay)
-            loss.backward()
-            opt.step()
-            running += float(loss.detach()) * len(batch_set)
-        sched.step()
-        if callback is not None:
-            callback(epoch, running / len(data))
+    per_epoch = (len(data) + batch_size - 1) // batch_size
+    with bar(epochs * per_epoch, "training (SGD)", unit="batch") as progress:
+        for epoch in range(epochs):
+            order = torch.randperm(len(data), generator=gen)
+            running = 0.0
+            for start in range(0, len(data), batch_size):
+                batch_set = data.take(order[start : start + batch_size])
+                batch = batch_set.columns
+                opt.zero_grad()
+                loss = task.per_sample_loss(task.forward(model, batch), batch).mean() + l2_penalty(model, weight_decay)
+                loss.backward()
+                opt.step()
+                running += float(loss.detach()) * len(batch_set)
+                progress.update(1)
+            sched.step()
+            progress.set_postfix(epoch=f"{epoch + 1}/{epochs}", loss=f"{running / len(data):.4g}", refresh=False)
+            if callback is not None:
+                callback(epoch, running / len(data))
     model.eval()
     final = float(objective(model, task, data, weight_decay).detach())
     return FitReport(final, gradient_norm(model, task, data, weight_decay), epochs)

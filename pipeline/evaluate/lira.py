@@ -99,7 +99,9 @@ def shadow_statistics(
     mask = balanced_membership(len(forget), n_shadows, seed)
     stats = np.zeros((n_shadows, len(forget)))
     y = forget.columns["y"]
-    for s in range(n_shadows):
+    from pipeline.progress import track
+
+    for s in track(range(n_shadows), desc="LiRA shadow models", unit="model"):
         included = forget.take(torch.as_tensor(np.flatnonzero(mask[s])))
         data = SampleSet({k: torch.cat([retain.columns[k], included.columns[k]]) for k in retain.columns},
                          torch.cat([retain.sample_ids, included.sample_ids]))
@@ -116,3 +118,31 @@ def lira_scores(
     target = logit_confidence(logits_of(model, task, forget, batch_size), forget.columns["y"])
     scores = gaussian_llr(target, shadow_stats, shadow_stats, in_mask, fixed_variance=fixed_variance)
     return {**summarize(scores), "scores": scores.tolist()}
+
+
+def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_var: float = 1e-4) -> dict[str, float]:
+    """U-LiRA distinguishing game (Hayes et al. 2024), leave one shadow pair out.
+
+    ``unlearned`` (S, N): phi of each forget example under S models trained on D (different
+    seeds) then unlearned; ``retrained`` (S, N): under S models retrained on D_r. For each held
+    out pair s the attacker fits, per example, Gaussians N(mu_u, v_u) and N(mu_r, v_r) on the
+    other S - 1 pairs (variances pooled over examples, Carlini et al.'s fixed-variance variant),
+    and calls a target "unlearned" when log N(phi; mu_u, v_u) - log N(phi; mu_r, v_r) > 0 (a tie
+    counts half). Accuracy over the 2 S N decisions, in percent: 50 = indistinguishable."""
+    u, r = np.asarray(unlearned, dtype=np.float64), np.asarray(retrained, dtype=np.float64)
+    if u.shape != r.shape or u.ndim != 2 or u.shape[0] < 3:
+        raise ValueError(f"U-LiRA needs (S, N) statistics with S >= 3 shadow pairs of equal shape, got {u.shape}, {r.shape}")
+    s_count = u.shape[0]
+    correct = []
+    for s in range(s_count):
+        keep = np.arange(s_count) != s
+        mu_u, mu_r = u[keep].mean(0), r[keep].mean(0)
+        var_u = max(float(((u[keep] - mu_u) ** 2).mean()), min_var)
+        var_r = max(float(((r[keep] - mu_r) ** 2).mean()), min_var)
+        for target, is_unlearned in ((u[s], True), (r[s], False)):
+            llr = _log_normal(target, mu_u, np.full_like(mu_u, var_u)) - _log_normal(target, mu_r, np.full_like(mu_r, var_r))
+            said = np.where(llr > 0, 1.0, np.where(llr < 0, 0.0, 0.5))
+            correct.append(said if is_unlearned else 1.0 - said)
+    acc = np.concatenate(correct)
+    return {"accuracy": 100.0 * float(acc.mean()), "shadow_pairs": int(s_count), "examples": int(u.shape[1]),
+            "decisions": int(acc.size)}

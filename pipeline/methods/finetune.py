@@ -1,0 +1,161 @@
+"""Fine-tune ("FT", Warnecke et al. 2023; Jia et al., NeurIPS 2023): a few epochs of SGD with
+momentum on the retained data D_r, starting from the trained weights; catastrophic forgetting
+of D_f, no guarantee. Also the mini-batch SGD machinery shared by the field's reference
+approximate methods (gradient ascent, random labels, SalUn).
+
+One step on a batch B of the objective J (mean loss over B, plus (lambda/2)||w_P||^2 for
+descent objectives), on the parameters P (PyTorch's SGD convention, dampening 0):
+    g   = mask * grad_P J(w)          (mask = 1 unless a saliency mask is given)
+    b   <- momentum * b + g
+    w_P <- w_P - lr * b
+Shuffling is seeded per removal (``stream_seed(problem.seed, FINETUNE_STREAM)``); the model
+runs in eval mode (no dropout draws, BatchNorm statistics untouched), so a removal repeats
+exactly. The model is updated in place; ``new_parameters`` holds the changed parameters.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.methods.base import (
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method, stream_seed,
+)
+from pipeline.probe import eval_mode_restored
+from pipeline.tasks import Batch, Task
+
+# Random streams of the SGD-based baselines (hashed with the removal seed by ``stream_seed``;
+# numbers kept apart from pipeline.methods.base.RandomStream's).
+FINETUNE_STREAM = 21
+RANDOM_LABEL_STREAM = 22
+
+
+class SGDSettings(MethodSettings):
+    """Settings every SGD-based baseline shares."""
+
+    parameters: Literal["all"] | list[str] = Field(
+        "all", description="'all' trainable parameters, or qualified names (e.g. [fc.weight, fc.bias])")
+    epochs: int = Field(2, ge=1, description="passes over the method's data")
+    lr: float = Field(0.01, gt=0, description="SGD learning rate (constant)")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    batch_size: int = Field(128, ge=1)
+
+
+class FineTuneSettings(SGDSettings):
+    retain_samples: int | None = Field(
+        None, gt=0, description="D_r samples drawn (seeded) per epoch; null = all of D_r")
+
+
+def selected_parameters(model: nn.Module, names: Literal["all"] | list[str]) -> dict[str, nn.Parameter]:
+    """The parameters a baseline updates: every trainable one, or the named ones."""
+    params = dict(model.named_parameters())
+    if names == "all":
+        chosen = {k: p for k, p in params.items() if p.requires_grad}
+    else:
+        unknown = [k for k in names if k not in params]
+        if unknown:
+            raise ValueError(f"settings.parameters names unknown parameters {unknown}; "
+                             f"the model has e.g. {list(params)[:6]}")
+        chosen = {k: params[k] for k in names}
+    if not chosen:
+        raise ValueError("settings.parameters selects no trainable parameter")
+    return chosen
+
+
+def shuffled_batches(data: SampleSet, batch_size: int, generator: torch.Generator) -> Iterator[Batch]:
+    """One epoch of ``data`` in a seeded random order."""
+    order = torch.randperm(len(data), generator=generator)
+    for start in range(0, len(data), batch_size):
+        yield data.take(order[start:start + batch_size]).columns
+
+
+def retain_draw(retain: SampleSet, count: int | None, generator: torch.Generator) -> SampleSet:
+    """All of D_r, or a seeded draw of ``count`` samples of it."""
+    if count is None or count >= len(retain):
+        return retain
+    return retain.take(torch.randperm(len(retain), generator=generator)[:count].sort().values)
+
+
+def mean_batch_loss(model: nn.Module, task: Task, batch: Batch) -> Tensor:
+    return task.per_sample_loss(task.forward(model, batch), batch).mean()
+
+
+class SGD:
+    """Manual SGD with momentum on named parameters, with an optional 0/1 mask per parameter."""
+
+    def __init__(self, params: dict[str, nn.Parameter], *, lr: float, momentum: float,
+                 masks: dict[str, Tensor] | None = None) -> None:
+        self.params, self.lr, self.momentum, self.masks = params, lr, momentum, masks or {}
+        self.buffers: dict[str, Tensor] = {}
+        self.steps = 0
+
+    def step(self, objective: Tensor) -> None:
+        names = list(self.params)
+        grads = torch.autograd.grad(objective, [self.params[k] for k in names], allow_unused=True)
+        with torch.no_grad():
+            for name, g in zip(names, grads):
+                if g is None:
+                    continue
+                if name in self.masks:
+                    g = g * self.masks[name]
+                buf = self.buffers.get(name)
+                buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
+                self.buffers[name] = buf
+                self.params[name].sub_(self.lr * buf)
+        self.steps += 1
+
+
+def l2(params: dict[str, nn.Parameter], weight_decay: float) -> Tensor | float:
+    if weight_decay == 0:
+        return 0.0
+    return 0.5 * weight_decay * sum(p.pow(2).sum() for p in params.values())
+
+
+def run_epochs(problem: RemovalProblem, epochs: int, epoch_batches: Callable[[int], Iterable[Batch]],
+               objective: Callable[[Batch], Tensor], optimizer: SGD, timings: dict[str, float],
+               stage: str) -> None:
+    """``epochs`` passes; each batch's ``objective`` is minimised by one optimizer step."""
+    with problem.stage(stage, timings):
+        for epoch in range(epochs):
+            for batch in epoch_batches(epoch):
+                optimizer.step(objective(batch))
+
+
+def outcome(params: dict[str, nn.Parameter], record: dict) -> RemovalOutcome:
+    return RemovalOutcome({k: p.detach().clone() for k, p in params.items()}, record)
+
+
+def forget_loss(model: nn.Module, task: Task, forget: SampleSet, batch_size: int) -> float:
+    with torch.no_grad():
+        total = sum(float(task.per_sample_loss(task.forward(model, b), b).sum()) for b in forget.batches(batch_size))
+    return total / len(forget)
+
+
+@register_method
+class FineTune(RemovalMethod):
+    """Minimise (1/|B|) sum_B loss + (lambda/2)||w_P||^2 over batches of D_r, from the trained w."""
+
+    name = "finetune"
+    Settings = FineTuneSettings
+
+    def run(self, problem: RemovalProblem, settings: FineTuneSettings) -> RemovalOutcome:  # type: ignore[override]
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        model, task = problem.model, problem.task
+        params = selected_parameters(model, settings.parameters)
+        gen = torch.Generator().manual_seed(stream_seed(problem.seed, FINETUNE_STREAM))
+        retain = problem.retain
+        opt = SGD(params, lr=settings.lr, momentum=settings.momentum)
+        with eval_mode_restored(model):
+            before = forget_loss(model, task, problem.forget, problem.batch_size)
+            run_epochs(problem, settings.epochs,
+                       lambda _: shuffled_batches(retain_draw(retain, settings.retain_samples, gen), settings.batch_size, gen),
+                       lambda b: mean_batch_loss(model, task, b) + l2(params, problem.weight_decay), opt, timings, "finetune")
+            after = forget_loss(model, task, problem.forget, problem.batch_size)
+        return outcome(params, {"steps": opt.steps, "forget_loss": {"before": before, "after": after},
+                                "parameters": list(params), "timings": timings,
+                                "seconds": time.perf_counter() - started})
