@@ -305,7 +305,8 @@ def solve_newton_system(
             f"the Newton system was not solved to the stated tolerance (relative residual "
             f"{info.relative_residual:.3e} > {rtol:.1e} after {info.iterations} iterations, damping "
             f"{info.damping:.3e}); a step from it would be an arbitrary direction, so nothing was published",
-            {"solver": dict(info.__dict__)},
+            {"solver": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                        for k, v in info.__dict__.items()}},
         )
     return _check_finite(x, "Newton direction"), info
 

@@ -141,7 +141,7 @@ def convex_model_reason(model: nn.Module, task: Task) -> str | None:
 
 def privacy_release(
     problem: RemovalProblem, settings: LFociNewtonSettings, cal: NoiseCalibration, *, full_block: bool,
-    steps: int, damping_used: float, subsampled: bool, start_gradient_norm: float, final_gradient_norm: float,
+    steps: int, damping_used: float, subsampled: bool, shortened: bool, start_gradient_norm: float, final_gradient_norm: float,
 ) -> PrivacyRelease:
     """``certified`` only where Sekhari et al. (2021, Thm 3.2) holds: a full-parameter step on a
     convex model with weight decay lambda > 0 (strong convexity no larger than lambda), and
@@ -168,6 +168,8 @@ def privacy_release(
         one_step.append(f"{steps} Newton steps (the one-step bound covers one)")
     if damping_used > 0:
         one_step.append(f"damped solve (damping {damping_used:.3g})")
+    if shortened:
+        one_step.append("a Newton step was shortened by the line search")
     if subsampled:
         one_step.append("curvature estimated on a subsample")
     if not start_gradient_norm <= settings.exact_start_tol:
@@ -279,7 +281,8 @@ class LFociNewton(RemovalMethod):
         damping_used = max(h["damping"] for h in history) if history else settings.damping
         release = privacy_release(
             problem, settings, noise_cal, full_block=full_block, steps=len(history), damping_used=damping_used,
-            subsampled=subsampled, start_gradient_norm=start_norm, final_gradient_norm=norm_g)
+            subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
+            start_gradient_norm=start_norm, final_gradient_norm=norm_g)
         noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
         block.add_to_model(model, noise)
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
