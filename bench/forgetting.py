@@ -380,7 +380,7 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     from pipeline.evaluate.scorecard import avg_gap
     from pipeline.linearized import LinearizedModel
     from pipeline.methods import RemovalProblem, get_method
-    from pipeline.methods.mixed_linear import train_user_weights, user_block
+    from pipeline.methods.mixed_linear import UserWeights, train_user_weights, user_block
     from pipeline.recipe import initial_model
 
     method = get_method("mixed-linear")
@@ -399,11 +399,12 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     exact = train_user_weights(ml["lin"], _float64(sets.retain), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
     retrain_s = time.perf_counter() - t
     problem = RemovalProblem(ml["core"], ctx.task, _float64(ctx.data.train), positions, wd, seed=seed, batch_size=EVAL_BATCH,
-                             extras={"user_weights": ml["w"].clone(), "user_block": ml["block"]})
+                             extras={"user_weights": UserWeights(ml["w"].clone(), wd, ctx.data.train.sample_ids.tolist()),
+                                     "user_block": ml["block"]})
     t = time.perf_counter()
     outcome = method.run(problem, parsed)
     forget_s = time.perf_counter() - t
-    forgotten = problem.extras["user_weights"]
+    forgotten = problem.extras["user_weights"].weights  # the method updates the bound weights in place
     rows: dict[str, dict[str, Any]] = {}
     for name, w, seconds in (("ml-original", ml["w"], 0.0), ("ml-retrain", exact.user_weights, retrain_s),
                              ("mixed-linear", forgotten, forget_s)):

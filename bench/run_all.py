@@ -120,6 +120,8 @@ def _scorecard(scenarios: dict[str, Any], speed: bool) -> list[str]:
         errors = sc.get("errors") or sc.get("method_errors") or {}
         for method, err in errors.items():
             lines.append(f"- {method} failed: {str(err)[:200]}")
+        for method, why in (sc.get("needs_retrain") or {}).items():  # the method's own refusal (RemovalNotServed)
+            lines.append(f"- {method} refused the request (needs retrain): {str(why)[:200]}")
     return lines
 
 

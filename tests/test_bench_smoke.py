@@ -91,19 +91,26 @@ def test_fmnist_smoke(fmnist: dict) -> None:
         rows = sc["rows"]
         assert {"original", "retrain", "finetune"} <= set(rows)
         assert not sc["errors"], (name, sc["errors"])  # a method that raised fails the smoke run
-        for method in METHODS:  # every registered method ran and has its row
+        for method, why in sc["needs_retrain"].items():  # the method's own refusal (RemovalNotServed), with its reason
+            assert method == "lfoci-newton" and method not in rows and "retained gradient" in why, (name, why)
+        for method in METHODS:  # every registered method ran and has its row (or its refusal)
             if method == "mixed-linear":
                 assert "mixed_linear" in sc, name
             else:
-                assert method in rows, (name, method)
+                assert method in rows or method in sc["needs_retrain"], (name, method)
         for row in rows.values():
             for key in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
                 assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (name, key)
         assert rows["retrain"]["AvgGap"] == 0.0 and rows["retrain"]["seconds"] > 0
-        assert sc["ratio_retrain_over_removal"]["lfoci-newton"]["wall"] > 0
-        assert set(sc["stage_timings"]["lfoci-newton"]) == LFOCI_STAGES  # 5,658 > dense_max entries: L-FOCI
+        if "lfoci-newton" in rows:
+            assert sc["ratio_retrain_over_removal"]["lfoci-newton"]["wall"] > 0
+            assert set(sc["stage_timings"]["lfoci-newton"]) == LFOCI_STAGES  # 5,658 > dense_max entries: L-FOCI
+            assert sc["method_records"]["lfoci-newton"]["gradient_share"]["retained_removed"] >= 0.5
         if "mixed_linear" in sc:
             assert sc["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-2  # exact up to the CG tolerance
+    # one whole class (m = 12) is served by the Newton step (measured: 3 steps, cholesky); a single
+    # random sample of this small SGD-trained CNN may be refused (see bench_fmnist's notes)
+    assert "lfoci-newton" in fmnist["scenarios"]["class_1"]["rows"]
     assert set(fmnist["headline"]) == {"random_1pct", "class_1"}
     assert fmnist["scenarios"]["class_1"]["m"] > fmnist["scenarios"]["random_1pct"]["m"]
     _machine(fmnist)
