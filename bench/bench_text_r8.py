@@ -45,10 +45,11 @@ GRAIN = 3  # label index of "grain" among the sorted R8 topics
 HEAD = ["classifier.weight", "classifier.bias"]
 POOLER_HEAD = ["bert.pooler.dense.weight", "bert.pooler.dense.bias", *HEAD]
 METHOD_SETTINGS: dict[str, dict[str, Any]] = {
-    # L-FOCI picks slices of the trainable layers; the block solve is CG with a bounded number of
-    # Hessian-vector products (each one is a double backward through the last encoder layer).
+    # L-FOCI picks slices of the trainable layers; the block solve is CG (each Hessian-vector
+    # product is a double backward through the last encoder layer). The method refuses a system
+    # not solved to cg_rtol (RemovalNotServed), so cg_max_iter is a safety cap, not a truncation.
     "lfoci-newton": {"perturbations": 32, "pass_size": 16, "max_slices": 16, "curvature_samples": 64,
-                     "damping": 0.01, "dense_max": 256, "cg_rtol": 1e-6, "cg_max_iter": 20},
+                     "damping": 0.01, "dense_max": 256, "cg_rtol": 1e-6, "cg_max_iter": 500},
     "fisher": {"parameters": POOLER_HEAD, "curvature": "diagonal"},
     "ntk": {"parameters": HEAD},  # w0_path: the recipe's start weights, supplied by pipeline.evaluate.protocol
     "mixed-linear": {"user_last_modules": 1},

@@ -120,6 +120,8 @@ def _scorecard(scenarios: dict[str, Any], speed: bool) -> list[str]:
         errors = sc.get("errors") or sc.get("method_errors") or {}
         for method, err in errors.items():
             lines.append(f"- {method} failed: {str(err)[:200]}")
+        for method, why in (sc.get("needs_retrain") or {}).items():  # the method's own refusal (RemovalNotServed)
+            lines.append(f"- {method} refused the request (needs retrain): {str(why)[:200]}")
     return lines
 
 
@@ -172,30 +174,35 @@ def summarise_growth(d: dict[str, Any]) -> list[str]:
     by_stage = d.get("loglog_slopes_by_stage") or {}
     if by_stage.get("perturbations"):
         st = by_stage["perturbations"]
-        lines.append(f"- vs perturbations: log-log slope probe {_f(st.get('probe'))}, select {_f(st.get('select'))}")
+        lines.append(f"- vs perturbations: log-log slope probe {_f(st.get('probe'))}, selection {_f(st.get('selection'))}")
     return lines
 
 
 def summarise_huge(d: dict[str, Any]) -> list[str]:
     s, m = d.get("solver", {}), d.get("model", {})
-    fc6 = (d.get("selection", {}).get("forced_rows") or {}).get("classifier.0.weight", [])
+    selection = d.get("selection") or {}
+    selected = selection.get("selected")
+    newton = (d.get("method_record") or {}).get("newton") or {}
     rows = [["parameters", m.get("parameters")], ["block entries", d.get("block", {}).get("numel")],
-            ["fc6 rows in the block (25,089 parameters each)", len(fc6)],
-            ["L-FOCI slices", len(d.get("selection", {}).get("lfoci_selected", []))],
-            ["dense block would be (GiB)", d.get("block", {}).get("dense_would_be_gib")],
+            [f"fc6 rows in the block ({(m.get('fc6') or {}).get('row_parameters', '?')} parameters each)",
+             len(d.get("block", {}).get("fc6_rows") or [])],
+            ["L-FOCI slices", len(selected) if isinstance(selected, list) else selected],
+            ["output layer in the block", f"{m.get('output_layer')} ({m.get('output_layer_numel')} entries)"],
+            ["Newton steps", newton.get("steps")],
             ["CG iterations (cap) / damping", f"{s.get('iterations')} ({s.get('cg_max_iter')}) / {s.get('damping')}"],
-            ["CG relative residual", s.get("relative_residual")], ["seconds per CG iteration", s.get("seconds_per_iteration")],
+            ["CG relative residual (tolerance)", f"{s.get('relative_residual')} ({s.get('tolerance')})"],
             ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
     rows += [[f"stage: {k} (s)", v] for k, v in d.get("stage_seconds", {}).items()]
-    return ["VGG-16 (D) removal on the CPU, fc6 rows solved matrix-free by CG (bounded)."] + [""] + _table(["figure", "value"], rows)
+    return ["VGG-16 (D) removal on the CPU: the L-FOCI block solved matrix-free by CG to its tolerance."] + [""] + \
+        _table(["figure", "value"], rows)
 
 
 def summarise_gpu(d: dict[str, Any]) -> list[str]:
     s, m = d.get("solver", {}), d.get("model", {})
     rows = [["device", d.get("device")], ["scale", d.get("scale")], ["parameters", m.get("parameters")],
             ["input", "x".join(str(v) for v in m.get("input", []))], ["n / m", f"{d.get('n')} / {d.get('m')}"],
-            ["perturbations", d.get("selection", {}).get("perturbations")],
-            ["L-FOCI ran on", d.get("selection", {}).get("select_device")], ["block entries", d.get("block", {}).get("numel")],
+            ["perturbations", (d.get("method_record") or {}).get("selection", {}).get("perturbations")],
+            ["block entries", d.get("block", {}).get("numel")],
             ["CG iterations (cap)", f"{s.get('iterations')} ({s.get('cg_max_iter')})"],
             ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
     rows += [[f"{k} (s)", v] for k, v in d.get("stage_summary", {}).items()]

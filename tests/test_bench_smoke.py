@@ -59,6 +59,23 @@ def gpu(out_dir: Path) -> dict:
     return _load(out_dir / "gpu_reid_smoke.json")
 
 
+# the stages lfoci-newton reports (pipeline/methods/block_choice.py, lfoci_newton.py) when its
+# block is chosen by L-FOCI
+LFOCI_STAGES = {"probe", "selection", "gradients", "curvature_and_solve", "verify"}
+
+
+def _solved(record: dict, settings: dict) -> None:
+    """Every Newton system of the removal solved by CG to the stated tolerance, within the cap."""
+    solvers = record["curvature"]["solvers"]
+    assert solvers and len(solvers) == record["newton"]["steps"]
+    for info in solvers:
+        assert info["solver"] == "cg" and info["converged"], info
+        assert info["relative_residual"] <= settings["cg_rtol"] == info["tolerance"], info
+        assert 1 <= info["iterations"] <= settings["cg_max_iter"], info
+    # the method's min_gradient_reduction (default 0.5), met by the published step
+    assert record["gradient_share"]["retained_removed"] >= settings.get("min_gradient_reduction", 0.5)
+
+
 def _machine(d: dict) -> None:
     assert d["machine"]["cpus"] >= 1
     assert len(d["machine"]["loadavg"]) == 3 and d["machine"]["loadavg_after"]
@@ -74,19 +91,26 @@ def test_fmnist_smoke(fmnist: dict) -> None:
         rows = sc["rows"]
         assert {"original", "retrain", "finetune"} <= set(rows)
         assert not sc["errors"], (name, sc["errors"])  # a method that raised fails the smoke run
-        for method in METHODS:  # every registered method ran and has its row
+        for method, why in sc["needs_retrain"].items():  # the method's own refusal (RemovalNotServed), with its reason
+            assert method == "lfoci-newton" and method not in rows and "retained gradient" in why, (name, why)
+        for method in METHODS:  # every registered method ran and has its row (or its refusal)
             if method == "mixed-linear":
                 assert "mixed_linear" in sc, name
             else:
-                assert method in rows, (name, method)
+                assert method in rows or method in sc["needs_retrain"], (name, method)
         for row in rows.values():
             for key in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
                 assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (name, key)
         assert rows["retrain"]["AvgGap"] == 0.0 and rows["retrain"]["seconds"] > 0
-        assert sc["ratio_retrain_over_removal"]["lfoci-newton"]["wall"] > 0
-        assert set(sc["stage_timings"]["lfoci-newton"]) >= {"probe", "select", "curvature_and_solve"}
+        if "lfoci-newton" in rows:
+            assert sc["ratio_retrain_over_removal"]["lfoci-newton"]["wall"] > 0
+            assert set(sc["stage_timings"]["lfoci-newton"]) == LFOCI_STAGES  # 5,658 > dense_max entries: L-FOCI
+            assert sc["method_records"]["lfoci-newton"]["gradient_share"]["retained_removed"] >= 0.5
         if "mixed_linear" in sc:
             assert sc["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-2  # exact up to the CG tolerance
+    # one whole class (m = 12) is served by the Newton step (measured: 3 steps, cholesky); a single
+    # random sample of this small SGD-trained CNN may be refused (see bench_fmnist's notes)
+    assert "lfoci-newton" in fmnist["scenarios"]["class_1"]["rows"]
     assert set(fmnist["headline"]) == {"random_1pct", "class_1"}
     assert fmnist["scenarios"]["class_1"]["m"] > fmnist["scenarios"]["random_1pct"]["m"]
     _machine(fmnist)
@@ -99,7 +123,7 @@ def test_growth_smoke(growth: dict, out_dir: Path) -> None:
     for p in points:
         assert "error" not in p, p.get("error")
         assert p["seconds"] > 0 and p["peak_rss_gib"] > 0 and p["block_numel"] >= 1
-        assert set(p["stages"]) >= {"probe", "select", "gradients", "curvature_and_solve", "verify"}
+        assert set(p["stages"]) == LFOCI_STAGES
     assert not points[0]["in_process"], "the first point must run in a fresh process"
     assert (out_dir / "growth_smoke.png").stat().st_size > 1000
     _machine(growth)
@@ -109,11 +133,20 @@ def test_huge_layers_smoke(huge: dict) -> None:
     assert huge["benchmark"] == "huge_layers"
     fc6 = huge["model"]["fc6"]
     assert fc6["row_parameters"] == fc6["weight_shape"][1] + 1
-    forced = huge["selection"]["forced_rows"]["classifier.0.weight"]
-    assert len(forced) == huge["profile"]["fc6_rows"]
-    assert huge["block"]["numel"] >= len(forced) * fc6["row_parameters"]
-    assert huge["solver"]["solver"] == "cg" and 1 <= huge["solver"]["iterations"] <= huge["profile"]["cg_max_iter"]
-    assert set(huge["stage_seconds"]) == {"probe", "select", "block", "gradients", "curvature_and_solve", "update", "verify"}
+    record = huge["method_record"]
+    selection = huge["selection"]
+    assert selection["strategy_used"] == "lfoci" and selection["selected"], selection  # 528k entries > dense_max
+    # the block: L-FOCI's picks + the output layer (+ slices by forget-gradient norm); fc6 rows only where picked
+    assert huge["block"]["numel"] == record["block"]["numel"] >= huge["model"]["output_layer_numel"]
+    rows = huge["block"]["fc6_rows"]
+    picked = {s["unit"] for s in selection["selected"] + selection.get("added_by_forget_gradient", [])
+              if s["weight"] == "classifier.0.weight"}
+    assert rows == sorted(picked)
+    assert sum(p["numel"] for p in huge["block"]["fc6_parts"]) == len(rows) * fc6["row_parameters"]
+    _solved(record, huge["settings"])
+    assert huge["solver"]["solver"] == "cg" and huge["solver"]["converged"]
+    assert set(huge["stage_seconds"]) == set(record["timings"]) == LFOCI_STAGES
+    assert all(v > 0 for v in huge["stage_seconds"].values())
     assert huge["peak_rss_gib"] > 0 and huge["within_memory"]["ok"]
     _machine(huge)
 
@@ -121,11 +154,12 @@ def test_huge_layers_smoke(huge: dict) -> None:
 def test_gpu_reid_smoke_falls_back(gpu: dict) -> None:
     assert gpu["benchmark"] == "gpu_reid"
     assert gpu["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert set(gpu["stage_summary"]) == {"probe", "selection", "curvature_and_solve", "verify"}
+    record = gpu["method_record"]
+    assert set(gpu["stage_summary"]) == set(record["timings"]) | {"metrics"} == LFOCI_STAGES | {"metrics"}
     assert all(v >= 0 for v in gpu["stage_summary"].values())
     assert gpu["m"] >= 1 and gpu["model"]["options"]["num_classes"] == 751
-    assert gpu["solver"]["iterations"] >= 1 and gpu["removal_seconds"] > 0
-    assert gpu["imports_bypassed"] == []  # the project's environment has pydantic and safetensors
+    _solved(record, gpu["settings"])
+    assert gpu["removal_seconds"] > 0
     _machine(gpu)
 
 

@@ -1,5 +1,6 @@
 """bench.forgetting at tiny size on real Fashion-MNIST: every row of every scenario is produced
-(none raised, none skipped), the JSON is strict, the table renders from it; the U-LiRA game,
+(none raised, none skipped; a removal lfoci-newton refuses with RemovalNotServed is recorded as
+``needs_retrain`` with its reason, never as an error), the JSON is strict, the table renders from it; the U-LiRA game,
 the feature cache and the progress switches against their oracles."""
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-SMOKE = {"train_limit": 200, "test_limit": 100, "hidden": 8, "recipe": {"epochs": 1}}
+# 20 epochs (a second or two): after 1 the head is far from a minimum and lfoci-newton refused every
+# request (needs_retrain); after 20 it serves random 10 % and class (measured), so its rows are scored
+SMOKE = {"train_limit": 200, "test_limit": 100, "hidden": 8, "recipe": {"epochs": 20}}
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +41,28 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
                 assert run["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-5
             for name, row in run["rows"].items():
                 assert "error" not in row and "not_applicable" not in row, (scenario, name, row)
+                if "needs_retrain" in row:  # the method refused (RemovalNotServed): recorded with its reason
+                    assert name == "lfoci-newton" and row["needs_retrain"].strip(), (scenario, name, row)
+                    assert "UA" not in row and name not in run["records"]
+                    continue
                 for col in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
                     assert isinstance(row[col], float), (scenario, name, col)
             assert run["rows"]["retrain"]["AvgGap"] == 0.0
         for name, agg in block["summary"].items():
+            if "AvgGap" not in agg:  # refused on every forget set: only the reasons
+                assert name == "lfoci-newton" and agg["needs_retrain"], (scenario, name, agg)
+                continue
             assert agg["AvgGap"]["count"] == 1
-    ulira = smoke_result["scenarios"]["random_1pct"]["runs"][0]["ulira"]
-    assert set(ulira) == expected - {"retrain"}
+    run0 = smoke_result["scenarios"]["random_1pct"]["runs"][0]
+    ulira = run0["ulira"]
+    refused = {name for name, row in run0["rows"].items() if "needs_retrain" in row}
+    assert set(ulira) == expected - {"retrain"} - refused
     assert "mixed-linear" in smoke_result["method_settings"] or smoke_result["mixed_linear"]["enabled"]
     for name, res in ulira.items():
+        assert "error" not in res, (name, res)
+        if "needs_retrain" in res:  # a shadow request refused by the method: no game, the reason recorded
+            assert name == "lfoci-newton" and res["needs_retrain"].strip()
+            continue
         assert 0.0 <= res["accuracy"] <= 100.0 and res["shadow_pairs"] == 3, name
     assert smoke_result["scenarios"]["class"]["runs"][0]["classes"] is not None
 
