@@ -81,7 +81,7 @@ class PerturbOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     perturb_sigma: float = Field(0.1, ge=0, description="std of the input noise (dense inputs)")
-    token_replacements: int = Field(2, ge=1, description="tokens replaced per sequence (text)")
+    token_replacements: int = Field(2, ge=0, description="tokens replaced per sequence (text); 0 = none")
 
     def keys(self) -> list[str]:
         return list(type(self).model_fields)

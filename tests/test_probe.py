@@ -14,7 +14,7 @@ from pipeline.tasks import DenseInputTask, TokenTask
 
 def probe(model, task, batch, rows=5, **options):
     return run_probe(model, task, batch, seed=3, start=0, stop=rows, pass_size=2,
-                     perturb_options=options or {"sigma": 0.0})
+                     perturb_options=options or {"perturb_sigma": 0.0})
 
 
 def test_linear_columns_are_batch_means_of_each_unit():
@@ -38,11 +38,11 @@ def test_perturbed_rows_use_their_own_inputs():
     x = torch.randn(4, 3)
     batch = {"x": x, "y": torch.tensor([0, 1, 0, 1])}
     task = DenseInputTask()
-    result = probe(model, task, batch, rows=3, sigma=0.5)
+    result = probe(model, task, batch, rows=3, perturb_sigma=0.5)
     from pipeline.probe import perturbation_generator
 
     for p in range(3):
-        xp = task.perturb(batch, perturbation_generator(3, p), sigma=0.5)["x"]
+        xp = task.perturb(batch, perturbation_generator(3, p), perturb_sigma=0.5)["x"]
         with torch.no_grad():
             assert torch.allclose(result.activations[p], model[0](xp).mean(0), atol=1e-6, rtol=0)
 
@@ -76,7 +76,7 @@ def test_token_linear_columns_average_real_tokens_then_the_batch():
     ids = torch.tensor([[1, 7, 8, 9, 0], [1, 10, 11, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     batch = {"input_ids": ids, "attention_mask": mask, "y": torch.tensor([0, 1])}
-    result = probe(model, TokenTask(vocab_size=20, special_ids=(0, 1)), batch, k=0)
+    result = probe(model, TokenTask(vocab_size=20, special_ids=(0, 1)), batch, token_replacements=0)
     with torch.no_grad():
         h = model.proj(model.embed(ids))
         per_sample = torch.stack([h[0, :4].mean(0), h[1, :3].mean(0)])  # real tokens only
@@ -114,8 +114,8 @@ def test_unused_module_is_zero_and_listed_and_repeated_calls_sum():
     assert result.not_run == ("unused",)
     assert bool(torch.isfinite(result.activations).all())
     # gathered shards keep the list
-    a = run_probe(model, DenseInputTask(), batch, seed=3, start=0, stop=2, pass_size=2, perturb_options={"sigma": 0.0})
-    b = run_probe(model, DenseInputTask(), batch, seed=3, start=2, stop=5, pass_size=2, perturb_options={"sigma": 0.0})
+    a = run_probe(model, DenseInputTask(), batch, seed=3, start=0, stop=2, pass_size=2, perturb_options={"perturb_sigma": 0.0})
+    b = run_probe(model, DenseInputTask(), batch, seed=3, start=2, stop=5, pass_size=2, perturb_options={"perturb_sigma": 0.0})
     merged = gather([b, a])
     assert merged.not_run == ("unused",) and torch.equal(merged.activations, result.activations)
 
@@ -128,7 +128,7 @@ def test_token_replacements_are_never_special_ids():
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
     batch = {"input_ids": ids, "attention_mask": mask}
     for p in range(50):
-        out = task.perturb(batch, torch.Generator().manual_seed(p), k=2)["input_ids"]
+        out = task.perturb(batch, torch.Generator().manual_seed(p), token_replacements=2)["input_ids"]
         assert torch.equal(out[ids != 11], ids[ids != 11])  # special positions untouched
         assert bool((out[ids == 11] == 11).all())            # and replacements are never special
     # A realistic vocabulary: replacements avoid the BERT special ids.
@@ -136,7 +136,7 @@ def test_token_replacements_are_never_special_ids():
     seq = torch.tensor([[101] + list(range(1, 40)) + [102]])
     drawn = []
     for p in range(300):
-        out = bert.perturb({"input_ids": seq}, torch.Generator().manual_seed(p), k=5)["input_ids"]
+        out = bert.perturb({"input_ids": seq}, torch.Generator().manual_seed(p), token_replacements=5)["input_ids"]
         drawn.append(out[out != seq])
     drawn = torch.cat(drawn)
     assert drawn.numel() > 1000 and not bool(torch.isin(drawn, torch.tensor([0, 100, 101, 102, 103])).any())
@@ -145,4 +145,4 @@ def test_token_replacements_are_never_special_ids():
 def test_bad_vocabulary_is_a_clear_error():
     task = TokenTask(vocab_size=3, special_ids=(0, 1, 2))
     with pytest.raises(ValueError, match="vocab_size=3"):
-        task.perturb({"input_ids": torch.tensor([[5, 6]])}, torch.Generator().manual_seed(0), k=1)
+        task.perturb({"input_ids": torch.tensor([[5, 6]])}, torch.Generator().manual_seed(0), token_replacements=1)
