@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from pipeline.checkpoint import read_state_dict
 from pipeline.config import load_config
 from jobs.forget import ForgetConfig, run_forget
 from jobs.submit import DEFAULT_EXCLUDES, JOB_ENV
@@ -37,14 +39,26 @@ def removal(tmp_path_factory):
     config = {
         "model": str(model_dir),
         "forget": {"sample_ids": [1, 2, 33, 48]},
-        "method": {"name": "lfoci-newton", "settings": {"perturbations": 96, "pass_size": 16}},
+        "method": {"name": "lfoci-newton", "settings": {"selection": "lfoci", "perturbations": 96, "pass_size": 16}},
         "seed": 7,
         "output": str(root / "in-process"),
     }
     path = root / "forget.yaml"
     path.write_text(yaml.safe_dump(config))
     run_forget(load_config(ForgetConfig, path), root)
-    return root, path, (root / "in-process" / "model.safetensors").read_bytes()
+    return root, path, root / "in-process" / "model.safetensors"
+
+
+def assert_same_removal(got: Path, expected: Path, original: Path) -> None:
+    """The job's weights equal the in-process removal's up to float summation order (the job's
+    processes use other thread counts), far closer than the removal's own step."""
+    a, b, w0 = read_state_dict(got), read_state_dict(expected), read_state_dict(original)
+    assert set(a) == set(b)
+    for key in b:
+        step = float((b[key] - w0[key]).abs().max())
+        diff = float((a[key] - b[key]).abs().max())
+        assert diff <= 1e-3 * step + 1e-7, (key, diff, step)
+    assert any(not torch.equal(b[k], w0[k]) for k in b), "the removal changed nothing"
 
 
 def test_ray_job_submit_runs_a_removal_on_the_cluster(head, removal):
@@ -58,7 +72,7 @@ def test_ray_job_submit_runs_a_removal_on_the_cluster(head, removal):
     proc = subprocess.run(cmd, env=head.env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "succeeded" in (proc.stdout + proc.stderr).lower()
-    assert (out / "model.safetensors").read_bytes() == expected
+    assert_same_removal(out / "model.safetensors", expected, root / "model" / "model.safetensors")
     record = json.loads((out / "removal.json").read_text())
     assert record["distributed"]["workers"] == 2
     assert record["distributed"]["address"] != "local"  # the pool ran on the job's cluster
@@ -74,7 +88,7 @@ def test_unlearn_submit_wraps_the_jobs_sdk(head, removal):
     proc = subprocess.run(cmd, env=head.env, capture_output=True, text=True, timeout=330, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"job_id": "unlearn-submit-test", "status": "SUCCEEDED"}
-    assert (out / "model.safetensors").read_bytes() == expected
+    assert_same_removal(out / "model.safetensors", expected, root / "model" / "model.safetensors")
     status = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "status", "--address", head.address,
                              "unlearn-submit-test"], env=head.env, capture_output=True, text=True, timeout=60)
     assert json.loads(status.stdout)["status"] == "SUCCEEDED"
