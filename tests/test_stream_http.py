@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from jobs.service import UnlearnService
-from jobs.specs import ServiceConfig, SpecError, load_spec
+from jobs.specs import ServiceConfig, load_spec
+from pipeline.config import ConfigError
 from tests.unlearn_store_support import (
     METHOD_FAST, REPO, cached_model_dir, http_json, make_store, train_ids, unlearn_argv, write_yaml,
 )
@@ -205,9 +206,9 @@ def test_slow_clients_do_not_block_requests_and_sigterm_stops_the_service(tmp_pa
 
 # ----------------------------------------------------------------------------------------------
 def test_plain_http_beyond_loopback_is_refused(tmp_path, store):
-    with pytest.raises(SpecError, match=r"host '0\.0\.0\.0'.*tls.*allow_insecure_remote"):
+    with pytest.raises(ConfigError, match=r"host '0\.0\.0\.0'.*tls.*allow_insecure_remote"):
         load_spec(_config(tmp_path, store, host="0.0.0.0"), ServiceConfig)
-    with pytest.raises(SpecError, match="not a loopback address"):
+    with pytest.raises(ConfigError, match="not a loopback address"):
         load_spec(_config(tmp_path, store, host="example.org"), ServiceConfig)
     ok = load_spec(_config(tmp_path, store, host="0.0.0.0", allow_insecure_remote=True), ServiceConfig)
     assert ok.allow_insecure_remote

@@ -189,7 +189,7 @@ CLI_CASES: list[tuple[str, Any, Callable[[Any, Path], list[str]], str]] = [
     # issue 14.7: input that used to give a traceback
     ("deeply nested YAML spec", jobs.campaign.command,
      lambda w, t: ["run", str(_raw_spec(t, "name: " + "[" * 5000 + "]" * 5000 + "\n"))], "nests too deeply"),
-    ("deeply nested JSONL row", jobs.campaign.command, lambda w, t: ["run", str(_jsonl(w, t, "[" * 100_000 + "]" * 100_000 + "\n"))], "nested too deeply"),
+    ("deeply nested JSONL row", jobs.campaign.command, lambda w, t: ["run", str(_jsonl(w, t, "[" * 100_000 + "]" * 100_000 + "\n"))], "too deeply"),
     ("deeply nested JSON list in a CSV cell", jobs.campaign.command,
      lambda w, t: ["run", str(_spec(w, t, HEADER + 'a,s,"' + "[" * 5000 + "]" * 5000 + '"\n'))], "sample_ids"),
     ("integer of 5000 digits in JSONL", jobs.campaign.command,

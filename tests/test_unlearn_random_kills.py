@@ -72,14 +72,16 @@ def _events(ledger: Path) -> int:
 
 def _run_and_kill_in_work(argv: list[str], ledger: Path, rng: random.Random) -> tuple[bool, subprocess.CompletedProcess | None]:
     """Start ``argv`` and SIGKILL it at a random moment: one life in four anywhere in its first
-    seconds (imports, ingest), the others a random 0-2 s after it first wrote to the ledger (inside
-    the batches: compute, staging, rename, pointer, ledger, report - wherever the clock falls)."""
+    seconds (imports, ingest), the others 0-0.3 s after 1-3 more ledger events (inside the
+    batches: compute, staging, rename, pointer, ledger, report - wherever the clock falls)."""
     proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     early = rng.random() < 0.25
-    delay = rng.uniform(0.5, 4.0) if early else rng.uniform(0.0, 2.0)
-    start, seen = time.monotonic(), _events(ledger)
-    while not early and proc.poll() is None and _events(ledger) == seen and time.monotonic() - start < 120:
-        time.sleep(0.05)
+    # a random moment counted in the ledger's own progress (1-3 new events, then 0-0.3 s), not
+    # in seconds alone: on a fast machine a whole campaign fits in a couple of seconds
+    delay = rng.uniform(0.5, 4.0) if early else rng.uniform(0.0, 0.3)
+    start, target = time.monotonic(), _events(ledger) + rng.randint(1, 3)
+    while not early and proc.poll() is None and _events(ledger) < target and time.monotonic() - start < 120:
+        time.sleep(0.02)
     try:
         out, err = proc.communicate(timeout=delay)
         return False, subprocess.CompletedProcess(argv, proc.returncode, out, err)
