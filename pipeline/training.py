@@ -73,7 +73,7 @@ def fit_lbfgs(
         for steps in range(1, max_steps + 1):
             loss = opt.step(closure)
             gnorm = gradient_norm(model, task, data, weight_decay, batch_size)
-            progress.set_postfix(objective=f"{float(loss):.4g}", grad=f"{gnorm:.2g}", refresh=False)
+            progress.set_postfix(objective=f"{float(loss.detach()):.4g}", grad=f"{gnorm:.2g}", refresh=False)
             progress.update(1)
             if callback is not None:
                 callback(steps, float(loss))
