@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import yaml
 
+from tests.kit import http_json  # noqa: F401  (the one HTTP helper, re-used by the store tests)
+
 REPO = Path(__file__).resolve().parents[1]
 WEIGHT_DECAY = 0.01
 # lfoci-newton as deployed (L-FOCI picks the slices from a small probe), with a finite epsilon
@@ -113,20 +115,3 @@ def copy_store(src: Path, dst: Path) -> Path:
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, default=str)
-
-
-def http_json(port: int, method: str, path: str, body: bytes | dict | None = None,
-              headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    """One HTTP request to 127.0.0.1:port; (status, decoded JSON body) for successes and errors alike."""
-    import urllib.error
-    import urllib.request
-
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
-    for key, value in (headers or {}).items():
-        req.add_header(key, value)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
