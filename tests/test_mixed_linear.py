@@ -1,6 +1,8 @@
 """Mixed-Linear forgetting against exact float64 oracles (shared/REFERENCE.md sections 4, 5)."""
 from __future__ import annotations
 
+import copy
+
 import json
 import threading
 
@@ -113,6 +115,16 @@ def test_sequential_requests_equal_one_combined(setup, trained):
     assert rel(after_second, combined) <= 1e-6
 
 
+def _rank_copies(lin: LinearizedModel, size: int) -> list[LinearizedModel]:
+    """One model per 'rank', as real ranks have: torch.func.functional_call swaps the module's
+    parameters in place while it runs, so two threads must never share one module."""
+    copies = []
+    for _ in range(size):
+        model = copy.deepcopy(lin.model)
+        copies.append(LinearizedModel(model, lin.task, user_block(model, last_modules=2)))  # the setup's block
+    return copies
+
+
 class ThreadGroup:
     """An in-process stand-in for torch.distributed.all_reduce across ``size`` threads."""
 
@@ -154,8 +166,9 @@ def test_sharded_reduction_matches_single_process(setup, trained):
     _, _, _, lin, user = setup
     retain = user.without(torch.arange(0, 400, 7))
     shards = _two_shards(retain)
+    lins = _rank_copies(lin, 2)
     results = ThreadGroup(2).run(lambda rank, reduce: forget_user_data(
-        lin, trained, shards[rank], LAMBDA, rtol=RTOL, allreduce=reduce).user_weights)
+        lins[rank], trained, shards[rank], LAMBDA, rtol=RTOL, allreduce=reduce).user_weights)
     single = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
     assert torch.equal(results[0], results[1])
     assert rel(results[0], single) <= 1e-9
@@ -181,8 +194,9 @@ def test_noise_is_the_same_on_every_rank(setup, trained):
     _, _, _, lin, user = setup
     retain = user.without(torch.arange(0, 10))
     shards = _two_shards(retain)
+    lins = _rank_copies(lin, 2)
     results = ThreadGroup(2).run(lambda rank, reduce: forget_user_data(
-        lin, trained, shards[rank], LAMBDA, rtol=RTOL, sigma=0.05, root=rank == 0, allreduce=reduce).user_weights)
+        lins[rank], trained, shards[rank], LAMBDA, rtol=RTOL, sigma=0.05, root=rank == 0, allreduce=reduce).user_weights)
     exact = forget_user_data(lin, trained, retain, LAMBDA, rtol=RTOL).user_weights
     assert torch.equal(results[0], results[1])
     assert float((results[0] - exact).std()) == pytest.approx(0.05, rel=0.1)
