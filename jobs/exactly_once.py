@@ -43,6 +43,7 @@ from pydantic import ValidationError
 
 from jobs.specs import LEDGER_FILE, Limits
 from pipeline.curvature import RemovalNotServed
+from pipeline.jsonio import jsonable
 from pipeline.privacy.accountant import check_budget, release_from_record
 from pipeline.privacy.release import Guarantee, PrivacyRelease
 from pipeline.store.crashpoint import crash_point
@@ -89,17 +90,6 @@ def guarantee_counts(releases: Iterable[PrivacyRelease]) -> dict[str, int]:
     for r in releases:
         counts[r.guarantee.value] += 1
     return counts
-
-
-def strict_json(obj: Any) -> Any:
-    """A copy with every non-finite float written as null (records are strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return obj
 
 
 def is_not_served(err: BaseException) -> bool:
@@ -265,7 +255,7 @@ class ExactlyOnce:
         except (ValidationError, ValueError, ArithmeticError, MemoryError) as err:
             return self._close(batch, "needs_retrain", f"the privacy accounting failed: {type(err).__name__}: {err}")
         counts = guarantee_counts([*history, release])
-        privacy = strict_json({"release": release.model_dump(mode="json"), "guarantee": release.guarantee.value,
+        privacy = jsonable({"release": release.model_dump(mode="json"), "guarantee": release.guarantee.value,
                                "releases": counts, "spent_before": decision.before.to_json(),
                                "spent_after": decision.after.to_json(), "budget": self.limits.budget.model_dump()})
         problems = [decision.reason] if decision.reason else []
@@ -281,7 +271,7 @@ class ExactlyOnce:
                 "or loosen limits.retain_accuracy_margin")
         if problems:
             return self._close(batch, "needs_retrain", "; ".join(problems), metrics={**metrics, "privacy": privacy})
-        manifest = strict_json({
+        manifest = jsonable({
             "batch": {"key": batch.batch_key, "origin": batch.origin, "index": batch.index,
                       "request_ids": batch.request_ids, "sample_ids": batch.sample_ids, "seed": batch.seed,
                       "content_sha256": self.content_sha256(batch)},

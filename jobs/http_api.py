@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import math
 import re
 import socket
 import threading
@@ -43,28 +42,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jobs.specs import ServiceConfig
 from pipeline.data.requests import DeletionRequest
+from pipeline.jsonio import jsonable
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
 ENDPOINTS = "POST /v1/requests, GET /v1/requests/{id}, GET /v1/versions"
 CLAIMED_SAMPLE = re.compile(r"(\d+) \(request '")
 
 
-def _finite(value: Any) -> Any:
-    """Strict JSON: non-finite floats become null (recursively)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 class JSONResponse(_BaseJSONResponse):
     """JSON with no NaN/Infinity (written as null) and anything else unusual as its str()."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(_finite(content), default=str, allow_nan=False, separators=(",", ":")).encode()
+        return json.dumps(jsonable(content), default=str, allow_nan=False, separators=(",", ":")).encode()
 
 
 class ApiError(Exception):
