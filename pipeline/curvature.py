@@ -91,6 +91,15 @@ class Combination(LinearOperator):
             out = out + coeff * op.matmat(columns)
         return out
 
+    def to_dense(self, chunk: int = 256) -> Tensor:
+        """sum_k c_k dense(A_k) + damping I: each term materialised its own way (a term that
+        already holds its matrix is not multiplied by the identity)."""
+        out = torch.zeros(self.dim, self.dim, dtype=torch.float64)
+        for coeff, op in self.terms:
+            out += coeff * op.to_dense(chunk)
+        out.diagonal().add_(self.damping)
+        return out
+
 
 @dataclass
 class DenseOperator(LinearOperator):
@@ -104,6 +113,9 @@ class DenseOperator(LinearOperator):
 
     def matmat(self, columns: Tensor) -> Tensor:
         return self.matrix @ columns
+
+    def to_dense(self, chunk: int = 256) -> Tensor:
+        return self.matrix.to(torch.float64)
 
 
 class BlockObjective:

@@ -15,6 +15,15 @@ Converged block Newton (``newton_max_steps`` > 1): the step is repeated with a f
 and fresh curvature until ||grad_P L_{D\\U}|| <= max(newton_atol, newton_rtol ||grad_P^0||);
 on a convex block (an output layer over fixed features) this is exact retraining of the block.
 
+Anchored target (``anchor: training_residual``): a model trained by SGD for a fixed budget is
+not at a stationary point of L_D; its residual r0 = grad_P L_D(w) is unfinished training that
+Retrain with the same recipe leaves unfinished too. The anchored removal solves
+    grad_P L_{D\\U}(w') = r0        (a stationary point of L_{D\\U}(w) - <r0, w_P>)
+by the same converged Newton iteration (Newton step on the residual grad_P L_{D\\U} - r0,
+Armijo on L_{D\\U} - <r0, w_P>). At an exact optimum of L_D, r0 = 0 and it is the retrained
+optimum; its first step from w is the forget-gradient form of REFERENCE section 1,
+w + H'^{-1} (1/(n-m)) sum_U (grad f(w, z) - r0). The retained gradient it leaves is reported.
+
 Robust solve: mu >= ``damping``; an indefinite H' + damping I gets Levenberg-Marquardt damping
 (recorded), and a system not solved to the stated tolerance is never published: it raises
 ``RemovalNotServed`` (``UnsolvedSystemError``), as does a step that removes less than
@@ -33,6 +42,7 @@ m = 1), and nothing is skipped silently.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -40,11 +50,14 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from pipeline.curvature import (
-    BlockHessian, Combination, RemovalNotServed, UnsolvedSystemError, block_gradient, solve_newton_system,
+    BlockHessian, Combination, DenseOperator, RemovalNotServed, SolveInfo, UnsolvedSystemError, block_gradient,
+    solve_newton_system,
 )
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
+from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
+from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, closed_form_layer
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
@@ -85,6 +98,20 @@ class LFociNewtonSettings(MethodSettings):
     max_backtracks: int = Field(
         20, ge=0, description="halvings of a Newton step that does not decrease L_{D\\U} (Armijo); the full "
                               "step is taken whenever it decreases the objective enough")
+    anchor: Literal["none", "training_residual"] = Field(
+        "none", description="none: converge to the retrained optimum (grad L_{D\\U} = 0); training_residual: "
+                            "to grad L_{D\\U}(w') = r0 = grad_P L_D(w) at the start (equal on a model at its optimum; "
+                            "keeps an SGD-trained model's unfinished training out of the removal)")
+    cache_frozen_prefix: bool = Field(
+        True, description="a block in the trailing modules of a Sequential: compute the modules before it once "
+                          "and run every pass of the removal on the rest (pipeline.frozen_prefix)")
+    closed_form_curvature: bool = Field(
+        True, description="a block that is the whole last Linear layer under cross-entropy: build its Hessian in "
+                          "closed form (pipeline.linear_curvature), the same matrix as the Hessian-vector products")
+    curvature_refresh: Literal["every_step", "first_step"] = Field(
+        "every_step", description="every_step: fresh curvature for each Newton step (Newton's method); first_step: "
+                                  "the first step's system (factorised once) for every step, with fresh gradients "
+                                  "(a chord iteration: same fixed point, linear convergence, far cheaper steps)")
     newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
     newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
     newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
@@ -195,6 +222,21 @@ class LFociNewton(RemovalMethod):
     name = "lfoci-newton"
     Settings = LFociNewtonSettings
 
+    @staticmethod
+    def _system(problem: RemovalProblem, work: RemovalProblem, settings: LFociNewtonSettings, block, curv_data,
+                forget, factory, n: int, m: int, lam: float, warm: "WarmCurvature | None",
+                notes: dict[str, Any]) -> Combination:
+        """H' = (n H_P(D) - H_P(U)) / (n - m), from the warm H_P(D) when it holds at these weights."""
+        bs = problem.batch_size
+        if warm is not None:
+            h_train: Any = LinearCrossEntropyHessian(work.model, work.task, curv_data, block, lam, matrix=warm.matrix) \
+                if factory is LinearCrossEntropyHessian else DenseOperator(warm.matrix)
+        else:
+            h_train = factory(work.model, work.task, curv_data, block, lam, reduction="mean", batch_size=bs)
+        forget_factory = LinearCrossEntropyHessian if factory is LinearCrossEntropyHessian else BlockHessian
+        h_forget = forget_factory(work.model, work.task, forget, block, lam, reduction="sum", batch_size=bs)
+        return Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)])
+
     def run(self, problem: RemovalProblem, settings: LFociNewtonSettings) -> RemovalOutcome:  # type: ignore[override]
         n, m, lam = problem.n, problem.m, problem.weight_decay
         noise_cal = calibrate(
@@ -215,52 +257,78 @@ class LFociNewton(RemovalMethod):
         params = dict(model.named_parameters())
         saved = {part.name: params[part.name].detach().clone() for part in block.parts}
         w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
-        forget, retain = problem.forget, problem.retain
+
+        # every pass below runs on `work`: the model itself, or its suffix over cached prefix outputs
+        prefix = None
+        if settings.cache_frozen_prefix and suffix_start(model, block) is not None:
+            with problem.stage("prefix_cache", timings):
+                prefix = cache_frozen_prefix(model, task, problem.train, block, bs)
+        work = problem if prefix is None else replace(problem, model=prefix.suffix, train=prefix.train)
+        forget, retain = work.forget, work.retain
 
         with problem.stage("gradients", timings):
-            g_forget = block_gradient(model, task, forget, block, lam, reduction="sum", batch_size=bs)
-            g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+            g_forget = block_gradient(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
+            g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
             share = choice.get("forget_gradient_share")
             if share is None:
                 share = 1.0 if full_block else block_share(
                     forget_gradient_rows(problem),
                     {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
-        g0 = _norm(g)
-        start_norm = _norm(((n - m) * g + g_forget) / n)  # ||grad_P L_D(w)|| at the start
+        r0 = ((n - m) * g + g_forget) / n  # grad_P L_D(w) at the start
+        start_norm = _norm(r0)
+        anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
+        residual = g - anchor
+        g0 = _norm(residual)
+        raw0 = _norm(g)
         tol = max(settings.newton_atol, settings.newton_rtol * g0)
 
-        curv_data, curv_note = problem.train, "all training samples"
+        curv_data, curv_note = work.train, "all training samples"
         subsampled = settings.curvature_samples is not None and settings.curvature_samples < n
         if subsampled:
             gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
             pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
-            curv_data = problem.train.take(pick)
+            curv_data = work.train.take(pick)
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
         factory = problem.curvature_factory or BlockHessian
+        if settings.closed_form_curvature and closed_form_layer(work.model, task, block) is not None:
+            factory = LinearCrossEntropyHessian  # the same matrix, in closed form (pipeline.linear_curvature)
+        warm = problem.extras.get("warm_curvature")
+        if not (isinstance(warm, WarmCurvature) and warm.holds_for(block, w_start, problem.train, lam)):
+            warm = None
+        curvature_notes: dict[str, Any] = {"operator": getattr(factory, "__name__", type(factory).__name__),
+                                           "warm_first_step": warm is not None,
+                                           "refresh": settings.curvature_refresh}
+        chord: _Chord | None = None
         dense = block.numel <= settings.dense_max
         history: list[dict[str, Any]] = []
         solvers: list[dict[str, Any]] = []  # every step's solve, in order
         info = None
+        norm_g = g0
         try:
-            norm_g = g0
             for k in range(settings.newton_max_steps):
                 if norm_g <= tol and k > 0:
                     break
                 with problem.stage("curvature_and_solve", timings):
-                    h_train = factory(model, task, curv_data, block, lam, reduction="mean", batch_size=bs)
-                    h_forget = BlockHessian(model, task, forget, block, lam, reduction="sum", batch_size=bs)
-                    h_new = Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)])
-                    direction, info = solve_newton_system(
-                        h_new, g, dense=dense, damping=settings.damping,
-                        rtol=settings.dense_rtol if dense else settings.cg_rtol,
-                        max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                    if chord is not None:
+                        direction, info = chord.solve(residual)
+                    else:
+                        h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
+                                             warm if k == 0 else None, curvature_notes)
+                        direction, info = solve_newton_system(
+                            h_new, residual, dense=dense, damping=settings.damping,
+                            rtol=settings.dense_rtol if dense else settings.cg_rtol,
+                            max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                        if settings.curvature_refresh == "first_step" and dense:
+                            chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                     solvers.append(dict(info.__dict__))
-                    step_length = _backtrack(model, task, retain, lam, bs, block, direction, g, settings.max_backtracks)
+                    step_length = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
+                                             settings.max_backtracks, anchor, w_start)
                 with problem.stage("verify", timings):
-                    g = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-                norm_g = _norm(g)
-                history.append({"step": k + 1, "retain_gradient_norm_after": norm_g, "step_norm": step_length * _norm(direction),
-                                "step_length": step_length,
+                    g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                residual = g - anchor
+                norm_g = _norm(residual)
+                history.append({"step": k + 1, "residual_norm_after": norm_g, "retain_gradient_norm_after": _norm(g),
+                                "step_norm": step_length * _norm(direction), "step_length": step_length,
                                 "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
                                 "relative_residual": info.relative_residual})
                 if norm_g <= tol or step_length == 0.0:
@@ -279,10 +347,11 @@ class LFociNewton(RemovalMethod):
         params = dict(model.named_parameters())
         w_solved = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         damping_used = max(h["damping"] for h in history) if history else settings.damping
+        raw_after = _norm(g)
         release = privacy_release(
             problem, settings, noise_cal, full_block=full_block, steps=len(history), damping_used=damping_used,
             subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
-            start_gradient_norm=start_norm, final_gradient_norm=norm_g)
+            start_gradient_norm=start_norm, final_gradient_norm=raw_after)
         noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
         block.add_to_model(model, noise)
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
@@ -290,7 +359,11 @@ class LFociNewton(RemovalMethod):
             "block": {"numel": block.numel, "full_model": full_block,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
-            "curvature": {"data": curv_note, "solver": dict(info.__dict__) if info else None,
+            "frozen_prefix": prefix.describe() if prefix is not None else None,
+            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor),
+                       "equation": "grad_P L_D\\U(w') = 0" if settings.anchor == "none"
+                       else "grad_P L_D\\U(w') = grad_P L_D(w_start)"},
+            "curvature": {"data": curv_note, **curvature_notes, "solver": dict(info.__dict__) if info else None,
                           "solvers": solvers,
                           "damping": settings.damping, "damping_used": damping_used},
             "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
@@ -301,11 +374,13 @@ class LFociNewton(RemovalMethod):
             "gradient_norms": {
                 "forget_sum_block": _norm(g_forget),
                 "data_mean_block_start": start_norm,
-                "retain_mean_block_before": g0,
-                "retain_mean_block_after": norm_g,
+                "retain_mean_block_before": raw0,
+                "retain_mean_block_after": raw_after,
+                "residual_before": g0,   # ||grad_P L_D\\U - anchor|| (= retain gradient when anchor is none)
+                "residual_after": norm_g,
             },
             "gradient_share": {
-                "retained_removed": reduction,  # 1 - ||grad_P L_D\U after|| / before (pre-noise)
+                "retained_removed": reduction,  # 1 - ||residual after|| / before (pre-noise)
                 "forget_in_block": share,       # ||g_P(U)|| / ||g(U)||
             },
             "step_norm": _norm(w_solved - w_start),
@@ -314,6 +389,25 @@ class LFociNewton(RemovalMethod):
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+class _Chord:
+    """One factorised Newton system reused for later steps (``curvature_refresh: first_step``)."""
+
+    def __init__(self, matrix: torch.Tensor, damping: float, rtol: float):
+        self.matrix = matrix.to(torch.float64).clone()
+        self.matrix.diagonal().add_(damping)
+        self.chol = torch.linalg.cholesky(self.matrix)
+        self.damping, self.rtol = damping, rtol
+
+    def solve(self, rhs: torch.Tensor) -> tuple[torch.Tensor, SolveInfo]:
+        b = rhs.to(torch.float64)
+        x = torch.cholesky_solve(b.unsqueeze(1), self.chol).squeeze(1)
+        rel = float(torch.linalg.vector_norm(self.matrix @ x - b) / max(float(torch.linalg.vector_norm(b)), 1e-300))
+        if not rel <= self.rtol:
+            raise UnsolvedSystemError(f"the reused Newton system was not solved to {self.rtol:.1e} (relative residual "
+                                      f"{rel:.3e}); nothing was published", {"relative_residual": rel})
+        return x, SolveInfo("cholesky-reused", relative_residual=rel, damping=self.damping, tolerance=self.rtol)
 
 
 @torch.no_grad()
@@ -325,20 +419,30 @@ def _value(model: nn.Module, task: Task, data, lam: float, batch_size: int) -> f
 
 
 def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int, block, direction: torch.Tensor,
-               g: torch.Tensor, max_backtracks: int) -> float:
+               g: torch.Tensor, max_backtracks: int, anchor: torch.Tensor | None = None,
+               w_ref: torch.Tensor | None = None) -> float:
     """Apply w_P -= t d with the largest t in {1, 1/2, ...} satisfying Armijo's condition
-    L(w - t d) <= L(w) - 1e-4 t g'd (d from a positive definite, possibly damped, system, so g'd >
-    0); a change below the objective's rounding counts as satisfied. Returns t (0: no step)."""
-    f0 = _value(model, task, retain, lam, batch_size)
+    F(w - t d) <= F(w) - 1e-4 t g'd on F = L_{D\\U} - <anchor, w_P - w_ref> (g = grad F; d from a
+    positive definite, possibly damped, system, so g'd > 0); a change below the objective's
+    rounding counts as satisfied. Returns t (0: no step)."""
+    params = dict(model.named_parameters())
+
+    def value() -> float:
+        f = _value(model, task, retain, lam, batch_size)
+        if anchor is not None and w_ref is not None and bool(anchor.any()):
+            w = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+            f -= float(anchor @ (w - w_ref))
+        return f
+
+    f0 = value()
     slope = float(g @ direction)
     eps = torch.finfo(next(model.parameters()).dtype).eps
     noise = 64 * eps * max(abs(f0), 1e-30)
-    params = dict(model.named_parameters())
     saved = {part.name: params[part.name].detach().clone() for part in block.parts}
     t = 1.0
     for _ in range(max_backtracks + 1):
         block.add_to_model(model, -t * direction)
-        f1 = _value(model, task, retain, lam, batch_size)
+        f1 = value()
         if f1 <= f0 - 1e-4 * t * slope or abs(f1 - f0) <= noise:
             return t
         _restore(model, saved)

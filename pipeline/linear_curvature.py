@@ -1,0 +1,151 @@
+"""Closed-form curvature of a Linear layer under softmax cross-entropy, and a warm copy of it.
+
+For logits z = W x + b (K classes, inputs x in R^d) and cross-entropy (with or without label
+smoothing: the targets enter linearly), the Hessian of the loss in the logits is
+M(x) = diag(p) - p p^T with p = softmax(z). With x~ = (x, 1) and theta_a = (W_a, b_a):
+
+    d^2 loss / d theta_a d theta_b = M_ab(x) x~ x~^T,
+    H(S) = sum_{x in S} M(x) (kron) x~ x~^T             (+ lambda I, |S| lambda I for a sum)
+
+exactly the matrix the Hessian-vector products of ``pipeline.curvature.BlockHessian`` would
+assemble column by column, at 2 |S| K^2 (d+1)^2 flops in K matrix products instead of
+K (d+1) passes of forward-over-reverse differentiation. It applies when the block is the
+whole weight (and bias) of the last Linear of a Sequential whose earlier modules are frozen
+for the removal (``pipeline.frozen_prefix``), the usual decision layer of a classifier head.
+
+``WarmCurvature``: H_P(D) at the weights w it was computed at, kept between removals (the
+serving process, a benchmark's repeated requests on one model version). A removal that starts
+at exactly those weights uses it for its first Newton system (n H_P(D) - H_P(U)) / (n - m),
+which is then exact, not an approximation; at any other weights or data it is not used.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.curvature import LinearOperator
+from pipeline.data.sampleset import SampleSet
+from pipeline.param_block import ParamBlock
+from pipeline.tasks import Task
+
+__all__ = ["closed_form_layer", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
+
+
+def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Linear | None:
+    """The Linear layer when ``model`` (a suffix) is that one Linear under cross-entropy and the
+    block is its whole weight and (if it has one) its whole bias; else None."""
+    if getattr(task, "loss", None) != "cross_entropy":
+        return None
+    layers = [m for m in model.modules() if not isinstance(m, (nn.Sequential, nn.Identity))]
+    if len(layers) != 1 or not isinstance(layers[0], nn.Linear):
+        return None
+    layer = layers[0]
+    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
+    if {p.name for p in block.parts} != names or any(p.rows is not None for p in block.parts):
+        return None
+    return layer
+
+
+def _block_order(block: ParamBlock, layer_names: dict[str, str], k: int, d: int) -> Tensor:
+    """Flat block index -> index in the (class, input-with-bias) ordering a*(d+1) + i."""
+    order: list[Tensor] = []
+    for part in block.parts:
+        if layer_names[part.name] == "weight":
+            order.append((torch.arange(k)[:, None] * (d + 1) + torch.arange(d)[None, :]).reshape(-1))
+        else:
+            order.append(torch.arange(k) * (d + 1) + d)
+    return torch.cat(order)
+
+
+@torch.no_grad()
+def linear_cross_entropy_hessian(layer: nn.Linear, names: dict[str, str], block: ParamBlock, x: Tensor, *,
+                                 weight_decay: float, reduction: str, chunk: int = 4096) -> Tensor:
+    """sum (or mean) over the rows of ``x`` of M(x) (kron) x~ x~^T, plus the ridge, in the block's
+    flat order; float64. ``names`` maps the block's parameter names to "weight" / "bias"."""
+    k, d = layer.out_features, layer.in_features
+    dd = d + 1
+    weight = layer.weight.detach().to(torch.float64)
+    bias = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros(k, dtype=torch.float64)
+    full = torch.zeros(k * dd, k * dd, dtype=torch.float64)
+    for start in range(0, x.shape[0], chunk):
+        xa = x[start:start + chunk].to(torch.float64)
+        xa = torch.cat([xa, torch.ones(xa.shape[0], 1, dtype=torch.float64)], dim=1)   # x~
+        p = torch.softmax(xa[:, :d] @ weight.T + bias, dim=1)
+        for a in range(k):
+            m_a = -p[:, a:a + 1] * p                       # M_ab = p_a (delta_ab - p_b)
+            m_a[:, a] += p[:, a]
+            right = (m_a[:, :, None] * xa[:, None, :]).reshape(xa.shape[0], k * dd)
+            full[a * dd:(a + 1) * dd] += xa.T @ right
+    order = _block_order(block, names, k, d)
+    h = full.index_select(0, order).index_select(1, order)
+    n = x.shape[0]
+    if reduction == "mean":
+        h /= n
+        h.diagonal().add_(weight_decay)
+    else:
+        h.diagonal().add_(weight_decay * n)
+    return h
+
+
+class LinearCrossEntropyHessian(LinearOperator):
+    """H_P(S) of the decision layer, materialised once in closed form (see the module doc)."""
+
+    def __init__(self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
+                 *, reduction: str = "mean", batch_size: int = 4096, matrix: Tensor | None = None):
+        layer = closed_form_layer(model, task, block)
+        if layer is None:
+            raise ValueError("the closed-form curvature needs a block that is one Linear layer under cross-entropy")
+        names = {n: ("weight" if p is layer.weight else "bias") for n, p in model.named_parameters()}
+        self.matrix = matrix if matrix is not None else linear_cross_entropy_hessian(
+            layer, names, block, data.columns["x"], weight_decay=weight_decay, reduction=reduction, chunk=batch_size)
+        self.dim = block.numel
+
+    def matvec(self, v: Tensor) -> Tensor:
+        return self.matrix @ v.to(torch.float64)
+
+    def matmat(self, columns: Tensor) -> Tensor:
+        return self.matrix @ columns.to(torch.float64)
+
+    def to_dense(self, chunk: int = 256) -> Tensor:
+        return self.matrix
+
+
+@dataclass
+class WarmCurvature:
+    """H_P(D) (mean, lambda I included) of a block at the weights it was computed at."""
+
+    block_names: tuple[str, ...]
+    weights: Tensor          # the block's flat weights (float64) at which it holds
+    sample_ids: Tensor       # D, in order
+    weight_decay: float
+    matrix: Tensor           # (numel, numel) float64
+    seconds: float
+
+    @classmethod
+    def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
+                batch_size: int = 4096) -> "WarmCurvature":
+        """Compute H_P(D) once: the frozen prefix cached, then the closed form on the decision layer."""
+        from pipeline.frozen_prefix import cache_frozen_prefix
+
+        started = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            prefix = cache_frozen_prefix(model, task, train, block, batch_size)
+            suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
+            op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean",
+                                           batch_size=batch_size)
+        finally:
+            model.train(was_training)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
+                   train.sample_ids.clone(), weight_decay, op.matrix, time.perf_counter() - started)
+
+    def holds_for(self, block: ParamBlock, weights: Tensor, train: SampleSet, weight_decay: float) -> bool:
+        """True only at exactly the weights, data and regulariser it was computed for."""
+        return (tuple(p.name for p in block.parts) == self.block_names and weight_decay == self.weight_decay
+                and weights.shape == self.weights.shape and bool(torch.equal(weights.to(torch.float64), self.weights))
+                and torch.equal(train.sample_ids, self.sample_ids))
