@@ -62,7 +62,7 @@ class RayProbeRunner:
             for k, (a, b) in enumerate(ranges)
         ]
         outputs = self.pool.map(calls, pinned=False, on_done=lambda i: tick(
-            ranges[i][1] - ranges[i][0], total=perturbations, phase="perturbation passes on Ray"))
+            ranges[i][1] - ranges[i][0], total=perturbations, phase="perturbation passes on Ray", unit="perturbation"))
         results = [
             ProbeResult(torch.from_numpy(np.array(acts, copy=True)), torch.from_numpy(np.array(losses, copy=True)), start)
             for start, acts, losses in outputs

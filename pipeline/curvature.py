@@ -64,7 +64,7 @@ class LinearOperator(ABC):
             basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
             basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
             out[:, start:stop] = self.matmat(basis)
-            tick(stop - start, total=self.dim, phase="Hessian columns")
+            tick(stop - start, total=self.dim, phase="Hessian columns", unit="col")
         return 0.5 * (out + out.T)
 
 
@@ -263,7 +263,7 @@ def conjugate_gradient(
         r -= alpha * ap
         rs_new = float(r @ r)
         info.iterations = it
-        tick(total=limit, phase="CG iterations", rel_residual=math.sqrt(rs_new) / bnorm)
+        tick(total=limit, phase="CG iterations", unit="it", rel_residual=math.sqrt(rs_new) / bnorm)
         if math.sqrt(rs_new) <= rtol * bnorm:
             info.converged = True
             rs = rs_new

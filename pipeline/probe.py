@@ -193,7 +193,7 @@ def run_probe(
             per = task.per_sample_loss(logits, stacked).reshape(b - a, m).mean(dim=1)
             acts[a - start : b - start] = rec.out
             losses[a - start : b - start] = per.double().cpu()
-            tick(b - a, total=rows, phase="perturbation passes")
+            tick(b - a, total=rows, phase="perturbation passes", unit="perturbation")
     not_run = tuple(name for name, count in rec.calls.items() if count == 0)
     return ProbeResult(acts, losses, start, not_run)
 

@@ -135,15 +135,19 @@ class Steps:
 _ACTIVE: contextvars.ContextVar["StageProgress | None"] = contextvars.ContextVar("unlearn_stage", default=None)
 
 
-def tick(n: int = 1, *, total: int | None = None, phase: str | None = None, **postfix: Any) -> None:
+def tick(n: int = 1, *, total: int | None = None, phase: str | None = None, unit: str = "it",
+         **postfix: Any) -> None:
     """Advance the bar of the removal stage running in this thread by ``n`` (no-op without one).
 
     ``phase`` names the inner loop (e.g. "CG iterations"); a new phase restarts the bar with its
-    own ``total`` so that the time left is the loop's. ``postfix``: values shown beside it
+    own ``total`` and ``unit`` so that the time left is the loop's. ``postfix``: values shown beside it
     (floats as ``.2e``), formatted only when a bar is shown."""
     active = _ACTIVE.get()
     if active is not None:
-        active.advance(n, total=total, phase=phase, postfix=postfix)
+        active.advance(n, total=total, phase=phase, unit=unit, postfix=postfix)
+
+
+STAGE_FORMAT = "{desc}: {elapsed}{postfix}"
 
 
 class StageProgress:
@@ -161,16 +165,18 @@ class StageProgress:
         if not enabled():
             return
         self._stage, self._phase = stage, None
-        self._bar = bar(None, f"{self.label}: {stage}", unit="step")
+        # Until an inner loop ticks: the stage and its elapsed time (no count to show).
+        self._bar = bar(None, f"{self.label}: {stage}", bar_format=STAGE_FORMAT)
         self._bar.refresh()
         self._token = _ACTIVE.set(self)
 
-    def advance(self, n: int, *, total: int | None, phase: str | None, postfix: dict[str, Any]) -> None:
+    def advance(self, n: int, *, total: int | None, phase: str | None, unit: str, postfix: dict[str, Any]) -> None:
         b = self._bar
         if b is None:
             return
-        if phase != self._phase:
+        if phase != self._phase or b.bar_format is not None:
             self._phase = phase
+            b.bar_format, b.unit = None, unit
             b.reset(total=total)
             b.set_description_str(f"{self.label}: {self._stage}" + (f" [{phase}]" if phase else ""), refresh=False)
         elif total is not None and b.total != total:
