@@ -99,6 +99,14 @@ def note(message: str) -> None:
         tqdm.write(message, file=sys.stderr)
 
 
+def meter_line(n: int, total: int | None, elapsed: float, desc: str = "", unit: str = "it") -> str:
+    """tqdm's bar as one line of text (count, elapsed<time left, rate), for a loop whose body
+    writes to the terminal itself (e.g. subprocesses with their own bars): print it with ``note``."""
+    from tqdm import tqdm
+
+    return tqdm.format_meter(n, total, elapsed, ncols=100, prefix=desc, unit=unit)
+
+
 class Steps:
     """A bar over the named steps of one job, with the time left; each finished step is noted
     with its seconds. ``with Steps(["retrain", "lfoci-newton"], "eval") as s:
