@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scenarios_spec = {"random_1pct": {"scenario": "random", "fraction": 0.01, "seed": 0},
                       f"class_{args.forget_class}": {"scenario": "class", "classes": [args.forget_class]}}
     scenarios: dict[str, Any] = {}
-    for name, forget in scenarios_spec.items():
+    from pipeline.progress import track
+
+    for name, forget in track(list(scenarios_spec.items()), desc="fmnist scenarios", unit="scenario", leave=True):
         t0 = time.perf_counter()
         res = run_scenario(work / "model", forget, methods, settings, cache, finetune_epochs=2 if mode_name != "smoke" else 1)
         res["seconds"] = time.perf_counter() - t0

@@ -115,7 +115,9 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9,
                               weight_decay=WEIGHT_DECAY)
         g = torch.Generator().manual_seed(seed + 1)
-        for _ in range(profile["train_steps"]):
+        from pipeline.progress import track
+
+        for _ in track(range(profile["train_steps"]), desc="light training", unit="step"):
             idx = torch.randperm(len(train), generator=g)[: profile["train_batch"]]
             batch = train.take(idx).columns
             loss = task.per_sample_loss(model(batch["x"]), batch).mean()

@@ -291,10 +291,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine_before = machine_info()
     args.workdir.mkdir(parents=True, exist_ok=True)
 
+    from pipeline.progress import bar
+
     results: dict[str, list[dict[str, Any]]] = {}
+    points_bar = bar(sum(len(v) for v in axes.values()), "growth points", unit="point", leave=True)
     for axis, values in axes.items():
         results[axis] = []
         for value in values:
+            points_bar.set_postfix_str(f"{axis}={value}", refresh=True)
             point = {**base, axis: value}
             path = ensure_model(args.workdir, point["width"], recipe)
             payload = {"point": point, "axis": axis, "model": str(path), "threads": args.threads}
@@ -309,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res.setdefault("point", point)
             res["loadavg"] = machine_info()["loadavg"]
             results[axis].append(res)
+            points_bar.update(1)
             if "error" in res:
                 print(f"  {axis}={value}: FAILED {res['error'][-300:]}", file=sys.stderr, flush=True)
         print_table([{axis: r["point"][axis], **{k: r.get(k) for k in ("seconds", "slices_selected", "block_numel",
@@ -317,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     [axis, "seconds", *stages_of(results[axis]), "slices_selected", "block_numel", "solver", "solver_iterations",
                      "peak_rss_gib", "removal_extra_gib"], title=f"\n== growth vs {axis}")
 
+    points_bar.close()
     png = out_path.with_suffix(".png")
     plot(results, png)
     result = {

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from bench.common import write_json
+from pipeline.progress import Steps
 from pipeline.tasks import PerturbOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.json"
@@ -191,13 +192,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ubs-", dir="/tmp") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model")
-        baseline = in_process(model_dir, args.perturbations, args.repeats)
-        runtime = connect(num_cpus=machine_cpus(), object_store_memory=512 * 2**20,
-                          temp_dir=Path(tmp) / "ray", log_to_driver=False)
-        try:
-            runs = [on_ray(model_dir, w, args.perturbations, args.repeats, runtime, resources) for w in args.workers]
-        finally:
-            runtime.close()
+        with Steps(1 + len(args.workers), "scaling", unit="setup") as steps:
+            with steps.step("in process, 1 thread"):
+                baseline = in_process(model_dir, args.perturbations, args.repeats)
+            runtime = connect(num_cpus=machine_cpus(), object_store_memory=512 * 2**20,
+                              temp_dir=Path(tmp) / "ray", log_to_driver=False)
+            try:
+                runs = []
+                for w in args.workers:
+                    with steps.step(f"Ray, {w} worker(s)"):
+                        runs.append(on_ray(model_dir, w, args.perturbations, args.repeats, runtime, resources))
+            finally:
+                runtime.close()
     by_workers = {r["workers"]: r for r in runs}
     result: dict[str, Any] = {
         "benchmark": "bench_scaling",

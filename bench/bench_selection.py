@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> dict:
     extrapolated = False
     all_match = True
     n_steps = len(res.picks) + (0 if len(res.picks) == (args.max_picks or args.s) else 1)
-    for k in range(n_steps):
+    from pipeline.progress import track
+
+    for k in track(range(n_steps), desc="per-candidate loop, step by step", unit="step"):
         picks = res.picks[:k]
         rem = [j for j in range(args.s) if j not in set(picks)]
         if not rem:

@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.machine()},
     }
-    for name, forget in scenarios.items():
+    from pipeline.progress import track
+
+    for name, forget in track(list(scenarios.items()), desc="text R8 scenarios", unit="scenario", leave=True):
         t0 = time.perf_counter()
         res = run_scenario(work / "model", forget, methods, work / "cache", work / "plots" / name)
         res["seconds"] = time.perf_counter() - t0

@@ -166,6 +166,7 @@ def run_point(module: str, payload: dict[str, Any], *, timeout: float | None = N
     line prefixed ``POINT `` (its result, including its own getrusage peak). Errors come back as
     ``{"error": ...}``, never raised, so one failing point does not lose the others."""
     env = dict(os.environ)
+    env["UNLEARN_PROGRESS"] = "0"  # its stderr is captured (the error tail): no bars in it
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", module, "--point", json.dumps(payload)]
@@ -206,9 +207,10 @@ class StageRecorder:
     stage the method reports, under the method's own stage names. ``sync`` (e.g.
     ``torch.cuda.synchronize``) runs before each stage ends so GPU work is attributed."""
 
-    def __init__(self, sampler: "RssSampler", sync: Any = None) -> None:
+    def __init__(self, sampler: "RssSampler", sync: Any = None, display: Any = None) -> None:
         self.sampler = sampler
         self.sync = sync or (lambda: None)
+        self.display = display  # another StageHook told too (pipeline.progress.StageProgress: bars)
         self.seconds: dict[str, float] = {}
         self._open: dict[str, Any] = {}
 
@@ -216,6 +218,8 @@ class StageRecorder:
         cm = self.sampler.stage(stage)
         cm.__enter__()
         self._open[stage] = cm
+        if self.display is not None:
+            self.display.started(stage)
 
     def finished(self, stage: str, seconds: float) -> None:
         self.sync()
@@ -223,6 +227,8 @@ class StageRecorder:
         if cm is not None:
             cm.__exit__(None, None, None)
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+        if self.display is not None:
+            self.display.finished(stage, seconds)
 
 
 def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSampler | None" = None,
@@ -232,6 +238,7 @@ def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSa
     are those the method reports through the hook; a method that reports none there is timed
     by its record's ``timings`` (seconds only)."""
     from pipeline.methods.base import get_method, parse_settings
+    from pipeline.progress import StageProgress
 
     impl = get_method(method)
     parsed = parse_settings(method, settings)
@@ -239,7 +246,7 @@ def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSa
     sampler = sampler or RssSampler(interval=0.02)
     if own:
         sampler.__enter__()
-    recorder = StageRecorder(sampler, sync)
+    recorder = StageRecorder(sampler, sync, display=StageProgress(method))
     problem.stage_hook = recorder
     try:
         t = time.perf_counter()

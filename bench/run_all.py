@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import RESULTS_DIR, ROOT, loadavg, write_json
+from pipeline.progress import meter_line, note
 
 # name -> (arguments per mode). None: the script has no such mode (skipped in that mode).
 BENCHMARKS: dict[str, dict[str, list[str] | None]] = {
@@ -345,12 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"threads per script: {threads or 'torch default'} (load average {loadavg()}, {os.cpu_count()} CPUs)", flush=True)
         runs = []
         started = time.perf_counter()
-        for name in names:
+        for done, name in enumerate(names):
+            # The scripts draw their own bars on this terminal: ours is one line between them.
+            note(meter_line(done, len(names), time.perf_counter() - started, f"benchmarks (next: {name})"))
             extra = BENCHMARKS[name][mode_name]
             if extra is None:
                 runs.append({"name": name, "status": f"skipped (no {mode_name} mode)"})
                 continue
             runs.append(run_one(name, extra, args.timeout or TIMEOUTS[mode_name], env))
+        note(meter_line(len(names), len(names), time.perf_counter() - started, "benchmarks"))
         write_json(RESULTS_DIR / "run_all.json", {"mode": mode_name, "threads": threads, "runs": runs,
                                                  "wall_seconds": time.perf_counter() - started, "loadavg_end": loadavg()})
         print("\n" + "\n".join(f"{r['name']:<12} {r['status']:<22} {r.get('seconds', '-')}" for r in runs), flush=True)

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
@@ -160,8 +160,10 @@ class WorkerPool:
         self.actors[worker] = self._spawn()
         self.replacements += 1
 
-    def map(self, calls: Sequence[Call], *, pinned: bool = False, timeout_s: float | None = None) -> list[Any]:
-        """Run ``calls``; results in call order. See the module docstring for pinned/dynamic."""
+    def map(self, calls: Sequence[Call], *, pinned: bool = False, timeout_s: float | None = None,
+            on_done: Callable[[int], None] | None = None) -> list[Any]:
+        """Run ``calls``; results in call order. See the module docstring for pinned/dynamic.
+        ``on_done(i)`` is called as call ``i``'s result arrives (progress display)."""
         results: list[Any] = [None] * len(calls)
         attempts = [0] * len(calls)
         queue = list(range(len(calls)))
@@ -193,6 +195,8 @@ class WorkerPool:
                 busy.discard(worker)
             try:
                 results[i] = ray.get(ref)
+                if on_done is not None:
+                    on_done(i)
             except ACTOR_LOST as err:
                 if attempts[i] >= self.max_call_attempts:
                     raise PoolError(

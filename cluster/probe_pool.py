@@ -22,6 +22,7 @@ from torch import nn
 from cluster.pool import Call, WorkerPool
 from cluster.shards import aligned_ranges
 from pipeline.probe import ProbeResult, gather
+from pipeline.progress import tick
 from pipeline.tasks import PerturbOptions
 
 
@@ -60,7 +61,8 @@ class RayProbeRunner:
                   "perturb_options": dict(perturb_options or PerturbOptions())})
             for k, (a, b) in enumerate(ranges)
         ]
-        outputs = self.pool.map(calls, pinned=False)
+        outputs = self.pool.map(calls, pinned=False, on_done=lambda i: tick(
+            ranges[i][1] - ranges[i][0], total=perturbations, phase="perturbation passes on Ray", unit="perturbation"))
         results = [
             ProbeResult(torch.from_numpy(np.array(acts, copy=True)), torch.from_numpy(np.array(losses, copy=True)), start)
             for start, acts, losses in outputs

@@ -9,7 +9,6 @@ re-enters the same loop; ``cancel_batch`` closes a stuck batch so the campaign c
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,6 +19,7 @@ from jobs.report import write_report
 from jobs.specs import CampaignSpec
 from pipeline.data.requests import DeletionRequest, read_requests
 from pipeline.models.card import read_card
+from pipeline.progress import bar as progress_bar, forced
 from pipeline.store.crashpoint import crash_point
 from pipeline.store.ledger import Ledger
 from pipeline.store.versions import VersionStore
@@ -79,9 +79,14 @@ def validate_campaign(spec: CampaignSpec, store: VersionStore, requests: Sequenc
 
 def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | None = None,
                  echo: Callable[[str], None] = print) -> CampaignResult:
-    """Run (or with ``resume``, continue) a campaign to its end and write its report."""
-    from tqdm import tqdm
+    """Run (or with ``resume``, continue) a campaign to its end and write its report.
+    ``progress``: bars on stderr (None: when stderr is a terminal or UNLEARN_PROGRESS=1); a bar
+    over the batches and, inside each removal, one per stage (``pipeline.progress``)."""
+    with forced(progress):
+        return _run_campaign(spec, resume=resume, echo=echo)
 
+
+def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], None]) -> CampaignResult:
     model = spec.model.name
     store = VersionStore(spec.model.store)
     store.require_model(model)
@@ -120,17 +125,17 @@ def run_campaign(spec: CampaignSpec, *, resume: bool = False, progress: bool | N
             origin = f"campaign:{spec.name}"
             results: list[BatchResult] = []
             removed: list[int] = []
-            bar = tqdm(chunks, desc=f"campaign {spec.name}", unit="batch", file=sys.stderr,
-                       disable=(not progress) if progress is not None else None)
-            for k, chunk in enumerate(bar):
-                batch = ledger.get_batch(f"{origin}:{k}")
-                if batch is None:
-                    batch = machine.schedule(origin, k, chunk, spec.seed + k)
-                result = machine.apply(batch, cumulative_ids=[*removed, *batch.sample_ids])
-                if result.state == "applied":
-                    removed += batch.sample_ids
-                results.append(result)
-                bar.set_postfix(state=result.state, version=result.version)
+            with progress_bar(len(chunks), f"campaign {spec.name}", unit="batch", leave=True) as bar:
+                for k, chunk in enumerate(chunks):
+                    batch = ledger.get_batch(f"{origin}:{k}")
+                    if batch is None:
+                        batch = machine.schedule(origin, k, chunk, spec.seed + k)
+                    result = machine.apply(batch, cumulative_ids=[*removed, *batch.sample_ids])
+                    if result.state == "applied":
+                        removed += batch.sample_ids
+                    results.append(result)
+                    bar.set_postfix(state=result.state, version=result.version, refresh=False)
+                    bar.update(1)
             crash_point("before_report")
             report_dir = write_report(store, ledger, spec.name, spec.report_path())
             crash_point("after_report")

@@ -283,18 +283,21 @@ class ExactlyOnce:
 
     def _remove(self, model_dir: Path, batch: BatchRow):
         """The removal itself, in process or with its probe and curvature on Ray workers."""
+        from pipeline.progress import StageProgress
         from pipeline.removal import remove
 
         if self._remover is not None:
             return self._remover(model_dir, batch)
+        hook = StageProgress(f"batch {batch.index} ({self.method})")
         if self.cluster is None:
-            return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed)
+            return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed,
+                          stage_hook=hook)
         from cluster.hooks import ray_removal_hooks
 
         with ray_removal_hooks(model_dir, self.cluster) as hooks:
             describe = hooks.pop("describe")
             run = remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings,
-                         seed=batch.seed, **hooks)
+                         seed=batch.seed, stage_hook=hook, **hooks)
             run.record["distributed"] = describe()
         return run
 

@@ -116,6 +116,7 @@ USER_ERRORS = (ConfigError, SampleIdError, CheckpointMismatchError, NonFiniteGra
 def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None" = None) -> dict:
     """Run the removal and write the output directory atomically; returns the record.
     ``cluster``: run the probe and the curvature on Ray workers (``cluster.hooks``)."""
+    from pipeline.progress import StageProgress
     from pipeline.removal import remove
 
     model_dir = config.model if config.model.is_absolute() else base / config.model
@@ -132,7 +133,7 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
         describe = hooks.pop("describe", None)
         run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
                      seed=config.seed, device=config.device, batch_size=config.batch_size,
-                     field=config.forget.field, **hooks)
+                     field=config.forget.field, stage_hook=StageProgress(f"forget {config.method.name}"), **hooks)
         if describe is not None:
             run.record["distributed"] = describe()
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, jvp, vmap
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
+from pipeline.progress import tick
 from pipeline.tasks import Batch, Task, output_logits
 
 
@@ -63,6 +64,7 @@ class LinearOperator(ABC):
             basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
             basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
             out[:, start:stop] = self.matmat(basis)
+            tick(stop - start, total=self.dim, phase="Hessian columns", unit="col")
         return 0.5 * (out + out.T)
 
 
@@ -273,6 +275,7 @@ def conjugate_gradient(
         r -= alpha * ap
         rs_new = float(r @ r)
         info.iterations = it
+        tick(total=limit, phase="CG iterations", unit="it", rel_residual=math.sqrt(rs_new) / bnorm)
         if math.sqrt(rs_new) <= rtol * bnorm:
             info.converged = True
             rs = rs_new

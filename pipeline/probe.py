@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.param_block import ParamBlock
+from pipeline.progress import tick
 from pipeline.tasks import Batch, Task
 
 PROBED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
@@ -192,6 +193,7 @@ def run_probe(
             per = task.per_sample_loss(logits, stacked).reshape(b - a, m).mean(dim=1)
             acts[a - start : b - start] = rec.out
             losses[a - start : b - start] = per.double().cpu()
+            tick(b - a, total=rows, phase="perturbation passes", unit="perturbation")
     not_run = tuple(name for name, count in rec.calls.items() if count == 0)
     return ProbeResult(acts, losses, start, not_run)
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.config import referenced
 from pipeline.evaluate.classification import task_accuracy
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
+from pipeline.progress import Steps
 from pipeline.recipe import InitSpec, Recipe, train
 
 
@@ -83,29 +84,37 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
     if output is None and not config.output:
         raise TrainingError("output: give an output directory: 'output' in the config or --output")
     out_dir = Path(output or config.output or "")
-    try:
-        splits = load_source(config.data.source, config.data.options)
-    except (ValueError, TypeError) as err:
-        raise TrainingError(f"data.source / data.options: {err}") from None
-    if config.data.split not in splits:
-        raise TrainingError(f"data.split: '{config.data.split}' is not a split of '{config.data.source}' "
-                            f"(has {sorted(splits)})")
-    dtype = getattr(torch, config.model.dtype)
-    data = splits[config.data.split].astype(dtype)
-    result = train(config.model.preset, config.model.options, data, config.recipe, config.model.init,
-                   dtype=dtype)
+    with Steps(["data", "fit", "accuracy", "write"], "train") as steps:
+        return _run_training(config, out_dir, load_source, steps)
+
+
+def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: Steps) -> dict[str, Any]:
+    with steps.step(f"data ({config.data.source})"):
+        try:
+            splits = load_source(config.data.source, config.data.options)
+        except (ValueError, TypeError) as err:
+            raise TrainingError(f"data.source / data.options: {err}") from None
+        if config.data.split not in splits:
+            raise TrainingError(f"data.split: '{config.data.split}' is not a split of '{config.data.source}' "
+                                f"(has {sorted(splits)})")
+        dtype = getattr(torch, config.model.dtype)
+        data = splits[config.data.split].astype(dtype)
+    with steps.step(f"fit ({config.recipe.optimizer}, n={len(data)})"):
+        result = train(config.model.preset, config.model.options, data, config.recipe, config.model.init,
+                       dtype=dtype)
     state = {k: v.detach().cpu() for k, v in result.model.state_dict().items()}
     trainable = sum(p.numel() for p in result.model.parameters() if p.requires_grad)
-    summary: dict[str, Any] = {
-        "output": str(out_dir), "n": len(data), "train_seconds": round(result.seconds, 3),
-        "final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
-        "steps": result.fit.steps, "trainable_parameters": int(trainable),
-        "parameters": int(sum(p.numel() for p in result.model.parameters())),
-        "train_accuracy": task_accuracy(result.model, result.task, data),
-    }
-    if config.data.eval_split and config.data.eval_split in splits:
-        summary[f"{config.data.eval_split}_accuracy"] = task_accuracy(result.model, result.task,
-                                                                     splits[config.data.eval_split].astype(dtype))
+    with steps.step("accuracy"):
+        summary: dict[str, Any] = {
+            "output": str(out_dir), "n": len(data), "train_seconds": round(result.seconds, 3),
+            "final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
+            "steps": result.fit.steps, "trainable_parameters": int(trainable),
+            "parameters": int(sum(p.numel() for p in result.model.parameters())),
+            "train_accuracy": task_accuracy(result.model, result.task, data),
+        }
+        if config.data.eval_split and config.data.eval_split in splits:
+            summary[f"{config.data.eval_split}_accuracy"] = task_accuracy(
+                result.model, result.task, splits[config.data.eval_split].astype(dtype))
     recipe = config.recipe
     card = ModelCard(
         preset=config.model.preset, options=config.model.options,
@@ -123,7 +132,8 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
             },
         ),
     )
-    summary["sha256"] = write_model_dir(out_dir, state, card)
+    with steps.step("write"):
+        summary["sha256"] = write_model_dir(out_dir, state, card)
     return summary
 
 

@@ -144,7 +144,7 @@ def fit_sgd(
     with bar(epochs * per_epoch, "training (SGD)", unit="batch") as progress:
         for epoch in range(epochs):
             order = torch.randperm(len(data), generator=gen)
-            running = 0.0
+            running, seen = 0.0, 0
             for start in range(0, len(data), batch_size):
                 batch_set = data.take(order[start : start + batch_size])
                 batch = batch_set.columns
@@ -153,9 +153,10 @@ def fit_sgd(
                 loss.backward()
                 opt.step()
                 running += float(loss.detach()) * len(batch_set)
+                seen += len(batch_set)
+                progress.set_postfix(epoch=f"{epoch + 1}/{epochs}", loss=f"{running / seen:.4g}", refresh=False)
                 progress.update(1)
             sched.step()
-            progress.set_postfix(epoch=f"{epoch + 1}/{epochs}", loss=f"{running / len(data):.4g}", refresh=False)
             if callback is not None:
                 callback(epoch, running / len(data))
     model.eval()

@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.evaluate.classification import task_accuracy
+from pipeline.progress import track
 from pipeline.tasks import Task
 
 StepFn = Callable[[Sequence[int]], nn.Module]
@@ -59,7 +60,7 @@ def removal_curve(
         curve.seconds.append(seconds)
 
     measure(model, 0.0)
-    for start in range(0, len(order), step):
+    for start in track(range(0, len(order), step), desc=f"removal curve ({label})", unit="removal"):
         chunk = [int(i) for i in order[start:start + step]]
         started = time.perf_counter()
         model = step_fn(chunk)

@@ -15,6 +15,7 @@ Bad input raises ``EvaluationError`` (a ``ValueError``) naming the field.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import time
@@ -39,6 +40,7 @@ from pipeline.evaluate.retrieval import query_gallery_split, retrieval_metrics
 from pipeline.evaluate.scorecard import EvalSets, avg_gap, format_table, predict_sets, score, split_for_scenario
 from pipeline.evaluate.weights import relative_distance, residual_gradient_norm, trainable_state, weight_distance
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
+from pipeline.progress import StageProgress, Steps
 from pipeline.recipe import fit, initial_model
 from pipeline.removal import remove, training_set
 
@@ -166,6 +168,11 @@ class Evaluation:
         self.errors: dict[str, str] = {}
         self._w0_path: Path | None = None
         self.forget_logits: dict[str, torch.Tensor] = {}
+        self.steps: Steps | None = None  # the progress bar over the protocol's steps (evaluate)
+
+    def step(self, name: str):
+        """One step of the protocol on the progress bar (a no-op context without one)."""
+        return self.steps.step(name) if self.steps is not None else contextlib.nullcontext()
 
     # -- rows ------------------------------------------------------------------------------
     def score_row(self, name: str, model: nn.Module, seconds: float, extra: dict[str, Any] | None = None) -> None:
@@ -182,37 +189,41 @@ class Evaluation:
         cfg = self.config
         if "retrain" in cfg.baselines:
             seeds = cfg.retrain_seeds or [recipe_of(self.card).seed]
-            runs: list[Baseline] = [retrain(self.card, self.sets.retain, self.sample_ids, cache_dir=cfg.cache_dir, seed=s)
-                                    for s in seeds]
-            for i, run in enumerate(runs):
-                name = "retrain" if i == 0 else f"retrain-seed{seeds[i]}"
-                self.score_row(name, run.model, run.seconds, {"cached": run.cached})
+            runs: list[Baseline] = []
+            for i, s in enumerate(seeds):
+                name = "retrain" if i == 0 else f"retrain-seed{s}"
+                with self.step(name):
+                    runs.append(retrain(self.card, self.sets.retain, self.sample_ids, cache_dir=cfg.cache_dir, seed=s))
+                    self.score_row(name, runs[-1].model, runs[-1].seconds, {"cached": runs[-1].cached})
             if len(runs) > 1:
                 self.rows["retrain-mean"] = _reference_row([self.rows["retrain"]] +
                                                            [self.rows[f"retrain-seed{s}"] for s in seeds[1:]])
         if "finetune" in cfg.baselines:
-            run = finetune(self.card, self.model, self.task, self.sets.retain, self.sample_ids,
-                           settings=cfg.finetune, cache_dir=cfg.cache_dir)
-            self.score_row("finetune", run.model, run.seconds, {"cached": run.cached})
+            with self.step("finetune"):
+                run = finetune(self.card, self.model, self.task, self.sets.retain, self.sample_ids,
+                               settings=cfg.finetune, cache_dir=cfg.cache_dir)
+                self.score_row("finetune", run.model, run.seconds, {"cached": run.cached})
 
     def run_methods(self) -> dict[str, Any]:
         records = {}
         for name, settings in self.config.methods.items():
             if name in BASELINE_NAMES:
                 continue
-            try:
-                settings = self.with_start_weights(name, settings)  # not part of the method's time
-                started = time.perf_counter()
-                run = remove(self.config.model_dir, self.sample_ids, method=name, settings=settings,
-                             seed=self.config.seed, batch_size=self.config.batch_size)
-            except Exception as err:
-                if not self.config.continue_on_error:
-                    raise
-                self.errors[name] = f"{type(err).__name__}: {err}"
-                continue
-            seconds = time.perf_counter() - started
-            self.score_row(name, _with_state(self.model, run.new_state), seconds)
-            records[name] = {k: v for k, v in run.record.items() if k != "sample_ids"}
+            with self.step(name):
+                try:
+                    settings = self.with_start_weights(name, settings)  # not part of the method's time
+                    started = time.perf_counter()
+                    run = remove(self.config.model_dir, self.sample_ids, method=name, settings=settings,
+                                 seed=self.config.seed, batch_size=self.config.batch_size,
+                                 stage_hook=StageProgress(name))
+                except Exception as err:
+                    if not self.config.continue_on_error:
+                        raise
+                    self.errors[name] = f"{type(err).__name__}: {err}"
+                    continue
+                seconds = time.perf_counter() - started
+                self.score_row(name, _with_state(self.model, run.new_state), seconds)
+                records[name] = {k: v for k, v in run.record.items() if k != "sample_ids"}
         return records
 
     def with_start_weights(self, method: str, settings: MethodSettings | None) -> MethodSettings:
@@ -303,7 +314,7 @@ class Evaluation:
 
             def step_fn(ids: list[int]) -> nn.Module:
                 run = remove(current["dir"], ids, method=spec.method, settings=settings, seed=self.config.seed,
-                             batch_size=self.config.batch_size)
+                             batch_size=self.config.batch_size, stage_hook=StageProgress(f"curve {spec.method}"))
                 nxt = Path(tmp) / f"step{len(list(Path(tmp).iterdir()))}"
                 write_model_dir(nxt, run.new_state, run.card)
                 current["dir"] = nxt
@@ -315,17 +326,43 @@ class Evaluation:
         return curve.as_dict()
 
 
+def protocol_steps(config: EvalConfig) -> list[str]:
+    """The steps ``evaluate`` runs, in order (its progress bar counts them)."""
+    names = ["load", "original"]
+    if "retrain" in config.baselines:
+        names += ["retrain"] + [f"retrain-seed{s}" for s in (config.retrain_seeds or [])[1:]]
+    if "finetune" in config.baselines:
+        names.append("finetune")
+    names += [name for name in config.methods if name not in BASELINE_NAMES]
+    names.append("compare")
+    if config.lira_shadows:
+        names.append("lira")
+    if config.curve is not None:
+        names.append("curve")
+    return names
+
+
 def evaluate(config: EvalConfig) -> dict[str, Any]:
     """Run the whole evaluation; returns the JSON-ready result (also written to ``config.out``)."""
     started = time.perf_counter()
-    ev = Evaluation(config)
-    ev.score_row("original", ev.model, 0.0)
-    ev.run_baselines()
-    records = ev.run_methods()
-    ev.compare()
-    ev.retrieval()
-    lira = ev.lira()
-    curve = ev.curve()
+    with Steps(protocol_steps(config), "eval") as steps:
+        with steps.step("load"):
+            ev = Evaluation(config)
+        ev.steps = steps
+        with steps.step("original"):
+            ev.score_row("original", ev.model, 0.0)
+        ev.run_baselines()
+        records = ev.run_methods()
+        with steps.step("compare"):
+            ev.compare()
+            ev.retrieval()
+        lira = curve = None
+        if config.lira_shadows:
+            with steps.step(f"LiRA ({config.lira_shadows} shadows)"):
+                lira = ev.lira()
+        if config.curve is not None:
+            with steps.step(f"removal curve ({config.curve.method})"):
+                curve = ev.curve()
     result: dict[str, Any] = {
         "model_dir": config.model_dir, "preset": ev.card.preset, "data": ev.card.data.model_dump(),
         "n": len(ev.train), "scenario": config.forget.model_dump(exclude_none=True),

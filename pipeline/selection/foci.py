@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipeline.progress import tick
 from pipeline.selection._nn import BaseSpace, default_k0, default_zwindow, squared_distances
 from pipeline.selection.codec import (
     Scorer,
@@ -117,5 +118,6 @@ def lfoci(
         picks.append(col)
         scores.append(float(t_best))
         remaining[col] = False
+        tick(total=limit, phase="L-FOCI picks", unit="pick")
         d_x = squared_distances(zt[:, col:col + 1], d_x)
     return FociResult(picks, scores)
