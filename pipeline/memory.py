@@ -354,3 +354,27 @@ def cost_of(model: nn.Module, task: Any, data: Any) -> ModelCost:
     if key not in per_model:
         per_model[key] = ModelCost.of(model, task, data)
     return per_model[key]
+
+
+def forward_batch_size(model: nn.Module, task: Any, data: Any, batch_size: int,
+                       budget: "MemoryBudget | str | int | None" = None) -> int:
+    """Samples per no-grad forward pass (evaluation, line search): ``batch_size`` or fewer."""
+    if len(data) == 0:
+        return batch_size
+    device = next(iter(model.parameters())).device
+    cost = cost_of(model, task, data)
+    return sample_chunk(available_in(resolve(budget, device)), cost, cost.forward_plan(),
+                        limit=min(batch_size, len(data)), what="sample's forward pass", fix="use a smaller model")
+
+
+def check_one_sample(model: nn.Module, task: Any, data: Any, budget: MemoryBudget) -> None:
+    """Fail up front when ``budget`` cannot hold a forward and a gradient pass of one sample
+    through the whole model (every method needs both)."""
+    if len(data) == 0:
+        return
+    cost = cost_of(model, task, data)
+    needs = 3.0 * cost.param_bytes + ModelCost.GRADIENT * cost.activation_bytes
+    if needs > budget.bytes:
+        raise MemoryBudgetError(
+            f"{SETTING} {format_bytes(budget.bytes)} cannot hold one sample's gradient pass through this model "
+            f"(needs ~{format_bytes(needs)}): raise {SETTING} or use a smaller model")
