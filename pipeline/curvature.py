@@ -81,7 +81,9 @@ class LinearOperator(ABC):
                 basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
                 basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
                 out[:, start:stop] = self.matmat(basis)
-        return 0.5 * (out + out.T)
+        sym = out + out.T
+        del out
+        return sym.mul_(0.5)
 
 
 @dataclass
@@ -354,6 +356,7 @@ def solve_newton_system(
         info = SolveInfo("zero-rhs", damping=damping, tolerance=rtol, attempts=0)
         return torch.zeros_like(b), info
     if dense:
+        _check_dense_solve(op)
         x, info = _solve_dense_damped(op.to_dense(), b, damping, rtol, max_attempts)
     else:
         x, info = _solve_cg_damped(op, b, damping, rtol, max_iter, max_attempts)
@@ -369,19 +372,37 @@ def solve_newton_system(
     return _check_finite(x, "Newton direction"), info
 
 
+def _check_dense_solve(op: LinearOperator) -> None:
+    """The dense solve holds the matrix, a damped copy and its Cholesky factor (3 dim^2 float64)."""
+    budget = memory.available_in(getattr(op, "budget", None) or memory.current_budget())
+    needs = 3 * 8 * op.dim * op.dim
+    if needs > budget.bytes:
+        raise memory.MemoryBudgetError(
+            f"{memory.SETTING} {memory.format_bytes(budget.bytes)} cannot hold the dense {op.dim} x {op.dim} Newton "
+            f"system (needs ~{memory.format_bytes(needs)} for the matrix, a damped copy and its Cholesky factor): "
+            f"raise {memory.SETTING} or lower dense_max (larger blocks are solved matrix-free by CG)")
+
+
+def _damped(a: Tensor, mu: float) -> Tensor:
+    """a + mu I as a new matrix (no identity matrix materialised)."""
+    out = a.clone()
+    out.diagonal().add_(mu)
+    return out
+
+
 def _solve_dense_damped(a: Tensor, b: Tensor, damping: float, rtol: float, max_attempts: int) -> tuple[Tensor, SolveInfo]:
     a = a.to("cpu", torch.float64)
-    eye = _eye_like(a)
     mu = damping
     info = SolveInfo("cholesky", damping=mu, attempts=0)
     for attempt in range(1, max_attempts + 1):
-        chol, status = torch.linalg.cholesky_ex(a + mu * eye)
+        chol, status = torch.linalg.cholesky_ex(_damped(a, mu))
         info.attempts = attempt
         if int(status) == 0:
             break
+        chol = None  # the failed factor goes before the next matrix is made
         if info.positive_definite:  # first failure: measure how indefinite the system is
             info.positive_definite = False
-            lam_min = float(torch.linalg.eigvalsh(a + damping * eye)[0])
+            lam_min = float(torch.linalg.eigvalsh(_damped(a, damping))[0])
             info.min_eigenvalue = lam_min
             scale = float(a.diagonal().abs().mean()) or 1.0
             mu = damping + max(2.0 * abs(lam_min), 1e-10 * scale)
@@ -394,7 +415,8 @@ def _solve_dense_damped(a: Tensor, b: Tensor, damping: float, rtol: float, max_a
         info.damping, info.damping_added = mu, mu - damping
         return torch.zeros_like(b), info
     x = torch.cholesky_solve(b.unsqueeze(1), chol).squeeze(1)
-    res = torch.linalg.vector_norm((a + mu * eye) @ x - b) / torch.linalg.vector_norm(b)
+    del chol
+    res = torch.linalg.vector_norm(a @ x + mu * x - b) / torch.linalg.vector_norm(b)
     info.relative_residual = float(res)
     info.converged = bool(info.relative_residual <= rtol)
     info.damping, info.damping_added = mu, mu - damping
