@@ -31,6 +31,7 @@ from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.config import ConfigError, format_errors, load_config
 from pipeline.curvature import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
+from pipeline import memory
 from pipeline.jsonio import dumps
 from pipeline.methods.base import MethodRef, MethodSettings, get_method, parse_settings
 from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
@@ -106,7 +107,15 @@ class ForgetConfig(BaseModel):
     seed: int = 0
     device: str = "cpu"
     batch_size: int = Field(1024, gt=0)
+    memory_budget: str | int = Field(
+        "auto", description="working memory each pass may use on top of the loaded model and data: 'auto' "
+                            f"({memory.AUTO_FRACTION:g} x available RAM, or CUDA free memory), or a size like '8GiB'")
     output: Path
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget(cls, v: str | int) -> str | int:
+        return memory.check_setting(v)
 
 
 USER_ERRORS = (ConfigError, SampleIdError, CheckpointMismatchError, NonFiniteGradientError,
@@ -133,7 +142,8 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
         describe = hooks.pop("describe", None)
         run = remove(model_dir, ids, method=config.method.name, settings=config.method.settings,
                      seed=config.seed, device=config.device, batch_size=config.batch_size,
-                     field=config.forget.field, stage_hook=StageProgress(f"forget {config.method.name}"), **hooks)
+                     field=config.forget.field, memory_budget=config.memory_budget,
+                     stage_hook=StageProgress(f"forget {config.method.name}"), **hooks)
         if describe is not None:
             run.record["distributed"] = describe()
     output.parent.mkdir(parents=True, exist_ok=True)

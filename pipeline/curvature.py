@@ -8,6 +8,12 @@ objective f(w, z) = loss(w, z) + (lambda/2)||w||^2:
 reverse autodiff (``torch.func.jvp`` of ``torch.func.grad``) on the model's functional form,
 never finite differences. Products run where the model lives (CPU or GPU); vectors, dense
 blocks and solves stay on the CPU in float64, so big blocks never sit on the GPU.
+
+Memory: every pass sizes its chunks (samples per batch, tangent columns per vmapped pass) from
+a memory budget (``pipeline.memory``; the one given, else the scoped / ``auto`` one):
+``batch_size`` and ``columns_per_pass`` are upper bounds that the budget may lower, and a
+budget that cannot hold one sample or one column raises ``MemoryBudgetError`` before the pass
+allocates anything. Chunking only splits sums: results agree up to float rounding.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vmap
 
+from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
@@ -57,15 +64,28 @@ class LinearOperator(ABC):
         return torch.stack([self.matvec(c) for c in columns.T], dim=1)
 
     def to_dense(self, chunk: int = 256) -> Tensor:
-        """Materialise on the CPU in float64, ``chunk`` basis vectors at a time; symmetrised."""
+        """Materialise on the CPU in float64, ``chunk`` basis vectors at a time; symmetrised.
+        The dense block (and its symmetrised copy) must fit the memory budget; the products
+        that fill it get what is left."""
+        dense = 8 * self.dim * self.dim
+        budget = memory.available_in(getattr(self, "budget", None) or memory.current_budget())
+        if 2 * dense + 2 * 8 * self.dim >= budget.bytes:
+            raise memory.MemoryBudgetError(
+                f"{memory.SETTING} {memory.format_bytes(budget.bytes)} cannot hold the dense {self.dim} x {self.dim} "
+                f"Hessian block (needs ~{memory.format_bytes(2 * dense)} with its symmetrised copy): raise "
+                f"{memory.SETTING} or lower dense_max (larger blocks are solved matrix-free by CG)")
+        chunk = max(1, min(chunk, int((budget.bytes - 2 * dense) // (16 * self.dim))))
         out = torch.empty(self.dim, self.dim, dtype=torch.float64)
-        for start in range(0, self.dim, chunk):
-            stop = min(self.dim, start + chunk)
-            basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
-            basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
-            out[:, start:stop] = self.matmat(basis)
-            tick(stop - start, total=self.dim, phase="Hessian columns", unit="col")
-        return 0.5 * (out + out.T)
+        with memory.reserved(dense + 16 * self.dim * chunk):
+            for start in range(0, self.dim, chunk):
+                stop = min(self.dim, start + chunk)
+                basis = torch.zeros(self.dim, stop - start, dtype=torch.float64)
+                basis[torch.arange(start, stop), torch.arange(stop - start)] = 1.0
+                out[:, start:stop] = self.matmat(basis)
+                tick(stop - start, total=self.dim, phase="Hessian columns", unit="col")
+        sym = out + out.T
+        del out
+        return sym.mul_(0.5)
 
 
 @dataclass
@@ -154,12 +174,29 @@ def _check_finite(t: Tensor, what: str) -> Tensor:
     return t
 
 
+def gradient_batch_size(
+    model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, batch_size: int,
+    budget: "memory.MemoryBudget | str | int | None" = None,
+) -> int:
+    """Samples per gradient pass: ``batch_size`` or fewer, so that one pass fits the budget."""
+    if len(data) == 0:
+        return batch_size
+    device = next(iter(model.parameters())).device
+    cost = memory.cost_of(model, task, data)
+    return memory.sample_chunk(
+        memory.available_in(memory.resolve(budget, device)), cost, cost.gradient_plan(block),
+        limit=min(batch_size, len(data)), what="sample's gradient",
+        fix="choose fewer parameters (a smaller block) or a smaller model")
+
+
 def block_gradient(
     model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
-    *, reduction: str = "sum", batch_size: int = 1024,
+    *, reduction: str = "sum", batch_size: int = 1024, memory_budget: "memory.MemoryBudget | str | int | None" = None,
 ) -> Tensor:
-    """g_P(S) = sum_{z in S} [grad_P loss(w, z) + lambda w_P]  (or its mean); CPU float64."""
+    """g_P(S) = sum_{z in S} [grad_P loss(w, z) + lambda w_P]  (or its mean); CPU float64.
+    ``batch_size`` is lowered to fit ``memory_budget`` (default: the scoped / auto budget)."""
     obj = BlockObjective(model, task, block)
+    batch_size = gradient_batch_size(model, task, data, block, batch_size, memory_budget)
     total = torch.zeros(block.numel, dtype=torch.float64)
     for batch in data.batches(batch_size):
         g = grad(obj.loss_sum(batch))(obj.zeros())
@@ -171,11 +208,17 @@ def block_gradient(
 
 
 class BlockHessian(LinearOperator):
-    """H_P(S) v, exact, for samples S (``reduction`` "sum" or "mean"), lambda I included."""
+    """H_P(S) v, exact, for samples S (``reduction`` "sum" or "mean"), lambda I included.
+
+    ``batch_size`` (samples per pass) and ``columns_per_pass`` (tangent columns vmapped at
+    once) are upper bounds: both are lowered so that one pass fits ``memory_budget`` (default:
+    the scoped / auto budget, read when the operator is built). A budget that cannot hold one
+    Hessian column of one sample raises ``MemoryBudgetError`` here, before any product."""
 
     def __init__(
         self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
         *, reduction: str = "mean", batch_size: int = 1024, columns_per_pass: int = 128,
+        memory_budget: "memory.MemoryBudget | str | int | None" = None,
     ):
         if reduction not in ("sum", "mean"):
             raise ValueError("reduction must be 'sum' or 'mean'")
@@ -185,7 +228,23 @@ class BlockHessian(LinearOperator):
         self.ridge = weight_decay if reduction == "mean" else weight_decay * len(data)
         self.batch_size, self.columns_per_pass = batch_size, columns_per_pass
         self.dim = block.numel
+        self.block = block
         self.products = 0  # number of (sample-set) Hessian-vector products evaluated
+        self.budget = memory.resolve(memory_budget, self.obj.device)
+        self.cost = memory.cost_of(model, task, data)
+        self._chunks(min(columns_per_pass, self.dim))  # fails now when one column cannot fit
+
+    def _chunks(self, columns: int) -> tuple[int, int]:
+        """(columns per pass, samples per batch) for a product with ``columns`` columns."""
+        return memory.hessian_chunks(memory.available_in(self.budget), self.cost, self.block,
+                                     columns=min(columns, self.columns_per_pass),
+                                     batch_size=min(self.batch_size, max(1, len(self.data))))
+
+    def _hvp_batch_size(self) -> int:
+        return memory.sample_chunk(
+            memory.available_in(self.budget), self.cost, self.cost.hvp_plan(self.block),
+            limit=min(self.batch_size, max(1, len(self.data))), what="Hessian-vector product of one sample",
+            fix="choose fewer parameters (a smaller block) or a smaller model")
 
     def _hvp_batch(self, batch: Batch, v: Tensor) -> Tensor:
         g = grad(self.obj.loss_sum(batch))
@@ -194,17 +253,18 @@ class BlockHessian(LinearOperator):
     def matvec(self, v: Tensor) -> Tensor:
         vd = v.to(self.obj.device, self.obj.dtype)
         out = torch.zeros(self.dim, dtype=torch.float64)
-        for batch in self.data.batches(self.batch_size):
+        for batch in self.data.batches(self._hvp_batch_size()):
             out += self._hvp_batch(batch, vd).detach().to("cpu", torch.float64)
         self.products += 1
         return _check_finite(self.scale * out + self.ridge * v.to(torch.float64), "Hessian-vector product")
 
     def matmat(self, columns: Tensor) -> Tensor:
         out = torch.zeros(self.dim, columns.shape[1], dtype=torch.float64)
-        for start in range(0, columns.shape[1], self.columns_per_pass):
-            block = columns[:, start : start + self.columns_per_pass].to(self.obj.device, self.obj.dtype)
+        per_pass, batch_size = self._chunks(columns.shape[1])
+        for start in range(0, columns.shape[1], per_pass):
+            block = columns[:, start : start + per_pass].to(self.obj.device, self.obj.dtype)
             acc = torch.zeros(self.dim, block.shape[1], dtype=torch.float64)
-            for batch in self.data.batches(self.batch_size):
+            for batch in self.data.batches(batch_size):
                 hv = vmap(lambda u, b=batch: self._hvp_batch(b, u))(block.T)
                 acc += hv.T.detach().to("cpu", torch.float64)
             out[:, start : start + block.shape[1]] = acc
@@ -311,6 +371,7 @@ def solve_newton_system(
         info = SolveInfo("zero-rhs", damping=damping, tolerance=rtol, attempts=0)
         return torch.zeros_like(b), info
     if dense:
+        _check_dense_solve(op)
         x, info = _solve_dense_damped(op.to_dense(), b, damping, rtol, max_attempts)
     else:
         x, info = _solve_cg_damped(op, b, damping, rtol, max_iter, max_attempts)
@@ -326,19 +387,37 @@ def solve_newton_system(
     return _check_finite(x, "Newton direction"), info
 
 
+def _check_dense_solve(op: LinearOperator) -> None:
+    """The dense solve holds the matrix, a damped copy and its Cholesky factor (3 dim^2 float64)."""
+    budget = memory.available_in(getattr(op, "budget", None) or memory.current_budget())
+    needs = 3 * 8 * op.dim * op.dim
+    if needs > budget.bytes:
+        raise memory.MemoryBudgetError(
+            f"{memory.SETTING} {memory.format_bytes(budget.bytes)} cannot hold the dense {op.dim} x {op.dim} Newton "
+            f"system (needs ~{memory.format_bytes(needs)} for the matrix, a damped copy and its Cholesky factor): "
+            f"raise {memory.SETTING} or lower dense_max (larger blocks are solved matrix-free by CG)")
+
+
+def _damped(a: Tensor, mu: float) -> Tensor:
+    """a + mu I as a new matrix (no identity matrix materialised)."""
+    out = a.clone()
+    out.diagonal().add_(mu)
+    return out
+
+
 def _solve_dense_damped(a: Tensor, b: Tensor, damping: float, rtol: float, max_attempts: int) -> tuple[Tensor, SolveInfo]:
     a = a.to("cpu", torch.float64)
-    eye = _eye_like(a)
     mu = damping
     info = SolveInfo("cholesky", damping=mu, attempts=0)
     for attempt in range(1, max_attempts + 1):
-        chol, status = torch.linalg.cholesky_ex(a + mu * eye)
+        chol, status = torch.linalg.cholesky_ex(_damped(a, mu))
         info.attempts = attempt
         if int(status) == 0:
             break
+        chol = None  # the failed factor goes before the next matrix is made
         if info.positive_definite:  # first failure: measure how indefinite the system is
             info.positive_definite = False
-            lam_min = float(torch.linalg.eigvalsh(a + damping * eye)[0])
+            lam_min = float(torch.linalg.eigvalsh(_damped(a, damping))[0])
             info.min_eigenvalue = lam_min
             scale = float(a.diagonal().abs().mean()) or 1.0
             mu = damping + max(2.0 * abs(lam_min), 1e-10 * scale)
@@ -351,7 +430,8 @@ def _solve_dense_damped(a: Tensor, b: Tensor, damping: float, rtol: float, max_a
         info.damping, info.damping_added = mu, mu - damping
         return torch.zeros_like(b), info
     x = torch.cholesky_solve(b.unsqueeze(1), chol).squeeze(1)
-    res = torch.linalg.vector_norm((a + mu * eye) @ x - b) / torch.linalg.vector_norm(b)
+    del chol
+    res = torch.linalg.vector_norm(a @ x + mu * x - b) / torch.linalg.vector_norm(b)
     info.relative_residual = float(res)
     info.converged = bool(info.relative_residual <= rtol)
     info.damping, info.damping_added = mu, mu - damping

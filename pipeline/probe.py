@@ -16,6 +16,11 @@ of those outputs.
 Determinism: perturbation p draws from its own generator seeded by (seed, p), and passes are
 cut at absolute multiples of ``pass_size``; so any contiguous shard [start, stop) aligned to
 ``pass_size`` yields exactly the rows the whole run yields there, whatever the sharding.
+
+Memory: a pass of ``pass_size`` perturbations is run in sub-passes of as many perturbations as
+the memory budget holds (``pipeline.memory``; the one given, else the scoped / ``auto`` one);
+the cuts at multiples of ``pass_size`` stay where they are, and a budget that cannot hold one
+perturbed forward pass of the forget batch raises ``MemoryBudgetError`` before any pass.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from pipeline import memory
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Batch, Task
@@ -165,6 +171,7 @@ class _Recorder:
 def run_probe(
     model: nn.Module, task: Task, forget: Batch, *, seed: int, start: int, stop: int,
     pass_size: int = 32, perturb_options: dict | None = None, slice_map: SliceMap | None = None,
+    memory_budget: "memory.MemoryBudget | str | int | None" = None,
 ) -> ProbeResult:
     """Rows [start, stop) of the probe. ``start`` must be a multiple of ``pass_size``."""
     if start % pass_size:
@@ -177,9 +184,10 @@ def run_probe(
     acts = torch.empty(rows, slice_map.size, dtype=torch.float32)
     losses = torch.empty(rows, dtype=torch.float64)
     m = task.batch_size_of(forget)
+    per_pass = probe_pass_size(model, task, forget, pass_size, slice_map.size, memory_budget)
     with eval_mode_restored(model), _Recorder(slice_map, model) as rec:
-        for a in range(start, stop, pass_size):
-            b = min(stop, a + pass_size)
+        for a in _sub_passes(start, stop, pass_size, per_pass):
+            b = min(stop, (a // pass_size + 1) * pass_size, a + per_pass)
             batches = [task.perturb(forget, perturbation_generator(seed, p), **options) for p in range(a, b)]
             stacked = _stack(batches)
             rec.groups_per_pass = b - a
@@ -196,6 +204,29 @@ def run_probe(
             tick(b - a, total=rows, phase="perturbation passes", unit="perturbation")
     not_run = tuple(name for name, count in rec.calls.items() if count == 0)
     return ProbeResult(acts, losses, start, not_run)
+
+
+def probe_pass_size(model: nn.Module, task: Task, forget: Batch, pass_size: int, slices: int,
+                    budget: "memory.MemoryBudget | str | int | None" = None) -> int:
+    """Perturbations per forward pass: ``pass_size`` or fewer, so that a pass fits the budget."""
+    from pipeline.data.sampleset import SampleSet
+
+    m = task.batch_size_of(forget)
+    device = next(iter(model.parameters())).device
+    sample = SampleSet({k: v[:1] for k, v in forget.items()}, torch.zeros(1, dtype=torch.long))
+    cost = memory.cost_of(model, task, sample)
+    batch_bytes = sum(v[:1].numel() * v.element_size() for v in forget.values())
+    per_perturbation = m * (cost.forward_plan()[1] + 2 * batch_bytes) + 8 * slices
+    return memory.chunk_size(
+        memory.available_in(memory.resolve(budget, device)), per_perturbation, limit=pass_size,
+        what=f"perturbed forward pass of the {m} forget samples",
+        fix="forget fewer samples per request")
+
+
+def _sub_passes(start: int, stop: int, pass_size: int, per_pass: int) -> Iterator[int]:
+    """Starts of the sub-passes: each pass [a, a + pass_size) cut into ``per_pass`` pieces."""
+    for a in range(start, stop, pass_size):
+        yield from range(a, min(stop, a + pass_size), per_pass)
 
 
 def gather(results: list[ProbeResult]) -> ProbeResult:

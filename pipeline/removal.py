@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from pipeline import memory
 from pipeline.data import SampleSet, load_source
 from pipeline.methods.base import (
     CurvatureFactory, MethodSettings, ProbeRunner, RemovalProblem, StageHook, get_method, parse_settings,
@@ -63,16 +64,23 @@ def remove(
     curvature_factory: CurvatureFactory | None = None,
     stage_hook: StageHook | None = None,
     field: str = "sample_ids",
+    memory_budget: "memory.MemoryBudget | str | int | None" = "auto",
 ) -> RemovalRun:
     """Remove ``sample_ids`` from the model in ``model_dir``; nothing is written.
 
     ``probe_runner`` / ``curvature_factory``: how the probe and the training-set curvature run
     (default: in this process; ``cluster`` supplies Ray versions built on the same directory).
     ``stage_hook`` is told when each stage of the method starts and ends. ``field`` names the
-    ids in error messages the way the user wrote them (e.g. ``forget.sample_ids``)."""
+    ids in error messages the way the user wrote them (e.g. ``forget.sample_ids``).
+
+    ``memory_budget`` ("auto", "8GiB", bytes): the working memory each stage of the method may
+    use on top of the loaded model and data (``pipeline.memory``); chunks (samples per batch,
+    Hessian columns per pass, perturbations per pass) shrink to fit it, and a budget that cannot
+    hold one chunk raises ``MemoryBudgetError`` before that stage allocates anything."""
     started = time.perf_counter()
     impl = get_method(method)
     parsed = parse_settings(method, settings)
+    budget = memory.MemoryBudget.from_setting(memory_budget, device)
     model, task, card = load_model_dir(model_dir)
     train = training_set(card)
     ids = [int(i) for i in sample_ids]
@@ -86,8 +94,11 @@ def remove(
         model=model, task=task, train=train.to(device), forget_positions=positions,
         weight_decay=card.training.weight_decay, seed=seed, batch_size=batch_size,
         probe_runner=probe_runner, curvature_factory=curvature_factory, extras=extras, stage_hook=stage_hook,
+        memory_budget=budget,
     )
-    outcome = impl.run(problem, parsed)
+    with memory.use_budget(budget):
+        memory.check_one_sample(model, task, problem.train, budget)
+        outcome = impl.run(problem, parsed)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     user = {k[len(USER_WEIGHT_PREFIX):]: v.detach().cpu() for k, v in outcome.new_parameters.items()
             if k.startswith(USER_WEIGHT_PREFIX)}
@@ -109,6 +120,7 @@ def remove(
         "method": method,
         "settings": parsed.model_dump(mode="json"),
         "seed": seed,
+        "memory_budget": budget.describe(),
         "sample_ids": ids,
         "n_before": card.training.n,
         "n_after": new_card.training.n,

@@ -21,7 +21,12 @@ from pipeline.tasks import Task
 
 
 def mean_loss(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 4096) -> Tensor:
-    """(1/n) sum loss(w, z) over ``data`` (differentiable)."""
+    """(1/n) sum loss(w, z) over ``data`` (differentiable). Without gradients (a line search,
+    an evaluation) ``batch_size`` is lowered to fit the memory budget (``pipeline.memory``)."""
+    if not torch.is_grad_enabled():
+        from pipeline import memory
+
+        batch_size = memory.forward_batch_size(model, task, data, batch_size)
     total = None
     for batch in data.batches(batch_size):
         part = task.per_sample_loss(task.forward(model, batch), batch).sum()
@@ -39,10 +44,19 @@ def objective(model: nn.Module, task: Task, data: SampleSet, weight_decay: float
 
 
 def gradient_norm(model: nn.Module, task: Task, data: SampleSet, weight_decay: float, batch_size: int = 4096) -> float:
-    """||grad L_D(w)||_2 over all trainable parameters."""
+    """||grad L_D(w)||_2 over all trainable parameters; the gradient is accumulated batch by
+    batch (no graph over the whole set), each batch sized to fit the memory budget."""
+    from pipeline.curvature import gradient_batch_size
+    from pipeline.param_block import ParamBlock
+
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(objective(model, task, data, weight_decay, batch_size), params)
-    return float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+    batch_size = gradient_batch_size(model, task, data, ParamBlock.all_parameters(model), batch_size)
+    total = [weight_decay * p.detach().clone() for p in params]
+    for batch in data.batches(batch_size):
+        part = task.per_sample_loss(task.forward(model, batch), batch).sum() / len(data)
+        for acc, g in zip(total, torch.autograd.grad(part, params)):
+            acc += g
+    return float(torch.sqrt(sum(g.pow(2).sum() for g in total)))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task
@@ -30,7 +31,8 @@ def output_kind(task: Task) -> str:
 
 @torch.no_grad()
 def logits_of(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 256) -> Tensor:
-    """(N, K) float32 logits on CPU."""
+    """(N, K) float32 logits on CPU. ``batch_size`` is lowered to fit the memory budget."""
+    batch_size = memory.forward_batch_size(model, task, data, batch_size)
     with eval_mode_restored(model):
         parts = [task.forward(model, batch).float().cpu() for batch in data.batches(batch_size)]
     return torch.cat(parts) if parts else torch.empty(0)
@@ -42,6 +44,7 @@ def probabilities(logits: Tensor, task: Task) -> Tensor:
 
 @torch.no_grad()
 def per_sample_losses(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 256) -> Tensor:
+    batch_size = memory.forward_batch_size(model, task, data, batch_size)
     with eval_mode_restored(model):
         parts = [task.per_sample_loss(task.forward(model, b), b).float().cpu() for b in data.batches(batch_size)]
     return torch.cat(parts)

@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 from torch import nn
 
+from pipeline import memory
 from pipeline.jsonio import write_json
 from pipeline.methods.base import MethodSettings, get_method
 from pipeline.data import SampleSet, load_source
@@ -94,6 +95,10 @@ class EvalConfig(BaseModel):
     curve: CurveSpec | None = None
     seed: int = 0
     batch_size: int = Field(256, gt=0)
+    memory_budget: str | int = Field(
+        "auto", description="working memory each pass may use on top of the loaded model and data: 'auto' "
+                            f"({memory.AUTO_FRACTION:g} x available RAM, or CUDA free memory), or a size like '8GiB'; "
+                            "batches, Hessian columns per pass and probe passes shrink to fit it")
     continue_on_error: bool = Field(False, description="record a failing method's error and go on")
     cache_dir: str | None = "runs/cache/baselines"
     out: str | None = None
@@ -112,6 +117,11 @@ class EvalConfig(BaseModel):
             impl = get_method(name)
             out[name] = settings if isinstance(settings, impl.Settings) else impl.Settings.model_validate(settings or {})
         return out
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget(cls, v: str | int) -> str | int:
+        return memory.check_setting(v)
 
     @model_validator(mode="after")
     def _lira_even(self) -> "EvalConfig":
@@ -215,7 +225,7 @@ class Evaluation:
                     started = time.perf_counter()
                     run = remove(self.config.model_dir, self.sample_ids, method=name, settings=settings,
                                  seed=self.config.seed, batch_size=self.config.batch_size,
-                                 stage_hook=StageProgress(name))
+                                 memory_budget=memory.current_budget(), stage_hook=StageProgress(name))
                 except Exception as err:
                     if not self.config.continue_on_error:
                         raise
@@ -314,7 +324,8 @@ class Evaluation:
 
             def step_fn(ids: list[int]) -> nn.Module:
                 run = remove(current["dir"], ids, method=spec.method, settings=settings, seed=self.config.seed,
-                             batch_size=self.config.batch_size, stage_hook=StageProgress(f"curve {spec.method}"))
+                             batch_size=self.config.batch_size, memory_budget=memory.current_budget(),
+                             stage_hook=StageProgress(f"curve {spec.method}"))
                 nxt = Path(tmp) / f"step{len(list(Path(tmp).iterdir()))}"
                 write_model_dir(nxt, run.new_state, run.card)
                 current["dir"] = nxt
@@ -343,11 +354,19 @@ def protocol_steps(config: EvalConfig) -> list[str]:
 
 
 def evaluate(config: EvalConfig) -> dict[str, Any]:
-    """Run the whole evaluation; returns the JSON-ready result (also written to ``config.out``)."""
+    """Run the whole evaluation; returns the JSON-ready result (also written to ``config.out``).
+    Every pass (baselines' evaluation, removals, metrics) sizes its chunks from
+    ``config.memory_budget``; a budget too small for one sample fails before any work."""
+    with memory.use_budget(config.memory_budget) as budget:
+        return _evaluate(config, budget)
+
+
+def _evaluate(config: EvalConfig, budget: memory.MemoryBudget) -> dict[str, Any]:
     started = time.perf_counter()
     with Steps(protocol_steps(config), "eval") as steps:
         with steps.step("load"):
             ev = Evaluation(config)
+            memory.check_one_sample(ev.model, ev.task, ev.train, budget)
         ev.steps = steps
         with steps.step("original"):
             ev.score_row("original", ev.model, 0.0)

@@ -116,6 +116,11 @@ class RemovalProblem:
     curvature_factory: "CurvatureFactory | None" = None
     # Told of every stage's start and end (bench/ times the real methods through it).
     stage_hook: "StageHook | None" = None
+    # Working memory a stage may use (pipeline.memory.MemoryBudget); None = the scoped / auto
+    # budget. ``pipeline.removal.remove`` scopes it (``memory.use_budget``) around the method, so
+    # every pass of the method (gradients, Hessian columns, probe, line search) sizes its
+    # chunks from it without being handed it.
+    memory_budget: Any = None
 
     def __post_init__(self) -> None:
         self.forget_positions = torch.as_tensor(self.forget_positions, dtype=torch.long)

@@ -1,0 +1,261 @@
+"""Memory budgets (pipeline.memory): chunk sizing, the setting, chunked passes that give the
+same sums, and real removals in a child process whose peak RSS growth stays inside the budget
+(or that fail up front, naming memory_budget, and write nothing)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import memory
+from pipeline.memory import MemoryBudget, MemoryBudgetError, ModelCost, chunk_size, parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the setting and the sizing arithmetic ----------------------------------------------------------
+def test_parse_bytes_and_from_setting():
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    assert MemoryBudget.from_setting("64KiB").bytes == 65536
+    auto = MemoryBudget.from_setting("auto")
+    assert auto.bytes > 0 and auto.source.startswith("auto")
+    assert MemoryBudget.from_setting(None).source.startswith("auto")
+    for bad in ("lots", "8 parsecs", -1, 0, "0GiB", True):
+        with pytest.raises(MemoryBudgetError, match="memory_budget"):
+            MemoryBudget.from_setting(bad)
+
+
+def test_auto_is_a_fraction_of_available_memory():
+    avail = memory.available_bytes()
+    budget = MemoryBudget.auto()
+    assert 0 < budget.bytes <= avail  # read at slightly different times; a fraction < 1 of it
+    assert budget.bytes <= 0.75 * avail
+
+
+def test_chunk_size_fits_never_exceeds_and_refuses_clearly():
+    budget = MemoryBudget(1000)
+    assert chunk_size(budget, per_item=100, fixed=0) == 10
+    assert chunk_size(budget, per_item=100, fixed=350) == 6
+    assert chunk_size(budget, per_item=100, fixed=0, limit=4) == 4  # never larger than asked
+    assert chunk_size(budget, per_item=1000, fixed=0) == 1
+    with pytest.raises(MemoryBudgetError) as err:
+        chunk_size(MemoryBudget(512 * 2**20), per_item=1.3 * 2**30, what="Hessian column",
+                   fix="choose fewer parameters")
+    msg = str(err.value)
+    assert "memory_budget 512 MiB cannot hold one Hessian column" in msg
+    assert "needs ~1.3 GiB" in msg and "raise memory_budget" in msg and "fewer parameters" in msg
+    assert isinstance(err.value, ValueError)
+
+
+def test_hessian_chunks_shrink_within_budget():
+    from pipeline.models import build
+    from pipeline.param_block import ParamBlock
+
+    model, _ = build("mlp", {"hidden": [16]})
+    block = ParamBlock.all_parameters(model)
+    cost = ModelCost(activation_bytes=1000, param_bytes=4 * block.numel, element_size=4)
+    c, b = memory.hessian_chunks(MemoryBudget(1 << 40), cost, block, columns=128, batch_size=1024)
+    assert (c, b) == (128, 1024)  # a large budget leaves the requested sizes alone
+    for size in (2**22, 2**24, 2**26):
+        c, b = memory.hessian_chunks(MemoryBudget(size), cost, block, columns=128, batch_size=1024)
+        used = (4 * cost.touched_bytes(block) + b * ModelCost.HVP_PRIMAL * 1000
+                + c * (6 * cost.touched_bytes(block) + 24 * block.numel + b * ModelCost.HVP_TANGENT * 1000))
+        assert 1 <= c <= 128 and 1 <= b <= 1024 and used <= size
+    with pytest.raises(MemoryBudgetError, match="cannot hold one Hessian column"):
+        memory.hessian_chunks(MemoryBudget(2**14), cost, block, columns=128, batch_size=1024)
+
+
+def test_activation_cost_counts_outputs_not_views():
+    from pipeline.models import build
+
+    model, task = build("mlp", {"hidden": [64]})
+    one = {"x": torch.randn(1, 64), "y": torch.tensor([3])}
+    cost = ModelCost.measure(model, task, one)
+    # two addmm (64 + 10), tanh (64), log_softmax (10), the loss: ~600 bytes, not the 16 KiB
+    # of the transposed weight views
+    assert 4 * (64 + 64 + 10 + 10) <= cost.activation_bytes < 4096
+    assert cost.param_bytes == 4 * sum(p.numel() for p in model.parameters())
+
+
+# -- chunked passes give the same sums ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mlp_problem():
+    from pipeline.data import SampleSet
+    from pipeline.models import build
+    from pipeline.param_block import ParamBlock
+
+    torch.manual_seed(0)
+    model, task = build("mlp", {"hidden": [16]})
+    model = model.double()
+    n = 300
+    data = SampleSet({"x": torch.randn(n, 64, dtype=torch.float64), "y": torch.randint(0, 10, (n,))}, torch.arange(n))
+    return model, task, data, ParamBlock.all_parameters(model)
+
+
+def test_chunked_hessian_gradient_and_probe_match_unchunked(mlp_problem):
+    from pipeline.curvature import BlockHessian, block_gradient
+    from pipeline.probe import run_probe
+
+    model, task, data, block = mlp_problem
+    big, small = MemoryBudget(1 << 40), MemoryBudget(3 * 2**20)
+    cols = torch.randn(block.numel, 40, dtype=torch.float64)
+    h_big = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128, memory_budget=big)
+    h_small = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128, memory_budget=small)
+    c, b = h_small._chunks(40)
+    assert c < 40 and b < len(data)  # the small budget really splits both ways
+    torch.testing.assert_close(h_small.matmat(cols), h_big.matmat(cols), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h_small.matvec(cols[:, 0]), h_big.matvec(cols[:, 0]), rtol=1e-10, atol=1e-12)
+    assert memory.sample_chunk(MemoryBudget(2**17), memory.cost_of(model, task, data),
+                               memory.cost_of(model, task, data).gradient_plan(block), limit=1024, what="x", fix="y") < 300
+    torch.testing.assert_close(
+        block_gradient(model, task, data, block, 0.01, memory_budget=MemoryBudget(2**17)),
+        block_gradient(model, task, data, block, 0.01, memory_budget=big), rtol=1e-10, atol=1e-12)
+    forget = {k: v[:20] for k, v in data.columns.items()}
+    whole = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=big)
+    sub = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=MemoryBudget(2**17))
+    torch.testing.assert_close(sub.activations, whole.activations, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sub.losses, whole.losses, rtol=1e-10, atol=1e-12)
+    with pytest.raises(MemoryBudgetError, match="memory_budget .* cannot hold one perturbed forward pass"):
+        run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=MemoryBudget(512))
+
+
+def test_one_column_that_does_not_fit_fails_when_the_operator_is_built(mlp_problem):
+    from pipeline.curvature import BlockHessian
+
+    model, task, data, block = mlp_problem
+    with pytest.raises(MemoryBudgetError, match=r"memory_budget .* cannot hold one Hessian column .* raise memory_budget"):
+        BlockHessian(model, task, data, block, 0.01, memory_budget=MemoryBudget(2**15))
+    op = BlockHessian(model, task, data, block, 0.01, memory_budget=MemoryBudget(2 * 2**20))
+    with pytest.raises(MemoryBudgetError, match="cannot hold the dense .* lower dense_max"):
+        op.to_dense()  # 1210 x 1210 float64, twice: ~22 MiB
+
+
+# -- the setting where users write it ------------------------------------------------------------------
+def test_configs_accept_memory_budget_and_examples_still_parse():
+    from jobs.forget import ForgetConfig
+    from pipeline.config import CONFIGS_DIR, ConfigError, load_yaml, parse
+    from pipeline.evaluate.protocol import EvalConfig
+
+    for path in sorted((CONFIGS_DIR / "evaluate").glob("*.yaml")):
+        config = parse(EvalConfig, load_yaml(path), str(path))
+        assert config.memory_budget == "auto"
+    raw = load_yaml(CONFIGS_DIR / "evaluate" / "minilm-r8-random.yaml")
+    assert parse(EvalConfig, {**raw, "memory_budget": "8GiB"}, "x").memory_budget == "8GiB"
+    with pytest.raises(ConfigError, match="memory_budget"):
+        parse(EvalConfig, {**raw, "memory_budget": "a lot"}, "x")
+    forget = {"model": "m", "forget": {"sample_ids": [1]}, "output": "o", "memory_budget": "512MiB"}
+    assert ForgetConfig.model_validate(forget).memory_budget == "512MiB"
+
+
+# -- a real removal in a child process -------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import gc, json, resource, sys, traceback
+    import torch
+    torch.set_num_threads(1)
+    from pipeline.models.card import load_model_dir
+    from pipeline.removal import remove, training_set
+
+    model_dir, budget, settings, batch_size = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    card = load_model_dir(model_dir)[2]
+    ids = training_set(card).sample_ids[:30].tolist()
+
+    def status(key):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+
+    # warm up the code paths (imports, lazy initialisation of torch.func) on a tiny removal
+    remove(model_dir, ids[:2], method="lfoci-newton", settings={**settings, "newton_max_steps": 1},
+           seed=0, batch_size=8, memory_budget="64MiB")
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the peak (VmHWM) to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    before = status("VmRSS")
+    peak_before = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"before": before, "reset": reset}
+    try:
+        run = remove(model_dir, ids, method="lfoci-newton", settings=settings, seed=0, batch_size=batch_size,
+                     memory_budget=budget)
+        out["record"] = {k: run.record[k] for k in ("memory_budget", "n_after", "block")}
+        out["ok"] = True
+    except Exception as err:
+        out["ok"] = False
+        out["error"] = f"{type(err).__name__}: {err}"
+    peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["growth"] = peak - before
+    print("RESULT " + json.dumps(out))
+""")
+
+SETTINGS = {"selection": "all", "dense_max": 4096, "damping": 0.01, "newton_max_steps": 2,
+            "min_gradient_reduction": 0.0}
+
+
+def _child(model_dir: Path, budget: str, batch_size: int = 1024) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), budget, json.dumps(SETTINGS), str(batch_size)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def mlp_dir(tmp_path_factory):
+    from tests import kit
+
+    return kit.trained_model_dir(tmp_path_factory.mktemp("mlp16"), "mlp", {"hidden": [16]}, steps=30)
+
+
+def test_removal_peak_memory_stays_inside_a_small_budget(mlp_dir):
+    """30 samples removed from an MLP (1,210 parameters, the whole model as the block: a dense
+    1210 x 1210 Newton system) with batch_size 1024 and 128 Hessian columns per vmapped pass.
+    Under a 48 MiB budget the process's peak RSS growth stays below 48 MiB."""
+    budget = 48 * 2**20
+    bounded = _child(mlp_dir, "48MiB")
+    assert bounded["ok"], bounded
+    assert "48 MiB" in bounded["record"]["memory_budget"] and bounded["record"]["block"]["numel"] == 1210
+    print(f"\npeak RSS growth: {bounded['growth'] / 2**20:.1f} MiB under a 48 MiB budget "
+          f"(reset peak: {bounded['reset']})")
+    assert bounded["growth"] < budget, bounded
+    unbounded = _child(mlp_dir, "1TiB")
+    assert unbounded["ok"], unbounded
+    print(f"peak RSS growth: {unbounded['growth'] / 2**20:.1f} MiB with a 1 TiB budget (no effective bound)")
+
+
+def test_a_budget_too_small_for_one_chunk_fails_up_front_and_writes_nothing(mlp_dir, tmp_path):
+    before = {p.name: p.read_bytes() for p in mlp_dir.iterdir() if p.is_file()}
+    tiny = _child(mlp_dir, "256KiB")
+    assert not tiny["ok"]
+    assert tiny["error"].startswith("MemoryBudgetError: memory_budget 256 KiB cannot hold"), tiny
+    assert "raise memory_budget" in tiny["error"]
+    assert {p.name: p.read_bytes() for p in mlp_dir.iterdir() if p.is_file()} == before
+    # the command line: exit status 2, the message, no output directory
+    config = tmp_path / "forget.yaml"
+    out = tmp_path / "out"
+    from pipeline.models.card import read_card
+    from pipeline.removal import training_set
+
+    ids = training_set(read_card(mlp_dir)).sample_ids[:2].tolist()
+    config.write_text(json.dumps({"model": str(mlp_dir), "forget": {"sample_ids": ids}, "output": str(out),
+                                  "method": {"name": "lfoci-newton", "settings": SETTINGS},
+                                  "memory_budget": "1KiB"}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", "from jobs.cli import cli; cli()", "forget", "--config", str(config)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert "memory_budget 1 KiB cannot hold one sample's gradient pass" in proc.stderr
+    assert not out.exists()
