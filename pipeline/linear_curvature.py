@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.curvature import LinearOperator
+from pipeline.frozen_prefix import PrefixCache
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task
@@ -74,11 +75,14 @@ def linear_cross_entropy_hessian(layer: nn.Linear, names: dict[str, str], block:
         xa = x[start:start + chunk].to(torch.float64)
         xa = torch.cat([xa, torch.ones(xa.shape[0], 1, dtype=torch.float64)], dim=1)   # x~
         p = torch.softmax(xa[:, :d] @ weight.T + bias, dim=1)
-        for a in range(k):
-            m_a = -p[:, a:a + 1] * p                       # M_ab = p_a (delta_ab - p_b)
-            m_a[:, a] += p[:, a]
-            right = (m_a[:, :, None] * xa[:, None, :]).reshape(xa.shape[0], k * dd)
-            full[a * dd:(a + 1) * dd] += xa.T @ right
+        for a in range(k):                                 # blocks b >= a; the rest by symmetry
+            m_a = -p[:, a:a + 1] * p[:, a:]                # M_ab = p_a (delta_ab - p_b)
+            m_a[:, 0] += p[:, a]
+            right = (m_a[:, :, None] * xa[:, None, :]).reshape(xa.shape[0], (k - a) * dd)
+            full[a * dd:(a + 1) * dd, a * dd:] += xa.T @ right
+    upper = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)
+    for a, b in upper.nonzero().tolist():
+        full[b * dd:(b + 1) * dd, a * dd:(a + 1) * dd] = full[a * dd:(a + 1) * dd, b * dd:(b + 1) * dd].T
     order = _block_order(block, names, k, d)
     h = full.index_select(0, order).index_select(1, order)
     n = x.shape[0]
@@ -119,6 +123,8 @@ class WarmCurvature:
 
     block_names: tuple[str, ...]
     weights: Tensor          # the block's flat weights (float64) at which it holds
+    parameters: dict[str, Tensor]  # every parameter of the model then (the prefix must match too)
+    prefix: "PrefixCache | None"   # the frozen prefix's outputs on D, reused by the removals
     sample_ids: Tensor       # D, in order
     weight_decay: float
     matrix: Tensor           # (numel, numel) float64
@@ -142,10 +148,13 @@ class WarmCurvature:
             model.train(was_training)
         params = {k: v.detach() for k, v in model.named_parameters()}
         return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
+                   {k: v.clone() for k, v in params.items()}, prefix,
                    train.sample_ids.clone(), weight_decay, op.matrix, time.perf_counter() - started)
 
-    def holds_for(self, block: ParamBlock, weights: Tensor, train: SampleSet, weight_decay: float) -> bool:
-        """True only at exactly the weights, data and regulariser it was computed for."""
+    def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
+        """True only at exactly the weights (all of them), data and regulariser it was computed for."""
+        params = dict(model.named_parameters())
         return (tuple(p.name for p in block.parts) == self.block_names and weight_decay == self.weight_decay
-                and weights.shape == self.weights.shape and bool(torch.equal(weights.to(torch.float64), self.weights))
+                and params.keys() == self.parameters.keys()
+                and all(torch.equal(params[k].detach(), v) for k, v in self.parameters.items())
                 and torch.equal(train.sample_ids, self.sample_ids))

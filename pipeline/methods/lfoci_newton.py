@@ -259,8 +259,14 @@ class LFociNewton(RemovalMethod):
         w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
 
         # every pass below runs on `work`: the model itself, or its suffix over cached prefix outputs
+        warm = problem.extras.get("warm_curvature")
+        if not (isinstance(warm, WarmCurvature) and warm.holds_for(model, block, problem.train, lam)):
+            warm = None
         prefix = None
-        if settings.cache_frozen_prefix and suffix_start(model, block) is not None:
+        if settings.cache_frozen_prefix and warm is not None and warm.prefix is not None:
+            # the same frozen prefix on the same data: its outputs are kept; the suffix is this model's
+            prefix = replace(warm.prefix, suffix=model[warm.prefix.start:])
+        elif settings.cache_frozen_prefix and suffix_start(model, block) is not None:
             with problem.stage("prefix_cache", timings):
                 prefix = cache_frozen_prefix(model, task, problem.train, block, bs)
         work = problem if prefix is None else replace(problem, model=prefix.suffix, train=prefix.train)
@@ -292,9 +298,6 @@ class LFociNewton(RemovalMethod):
         factory = problem.curvature_factory or BlockHessian
         if settings.closed_form_curvature and closed_form_layer(work.model, task, block) is not None:
             factory = LinearCrossEntropyHessian  # the same matrix, in closed form (pipeline.linear_curvature)
-        warm = problem.extras.get("warm_curvature")
-        if not (isinstance(warm, WarmCurvature) and warm.holds_for(block, w_start, problem.train, lam)):
-            warm = None
         curvature_notes: dict[str, Any] = {"operator": getattr(factory, "__name__", type(factory).__name__),
                                            "warm_first_step": warm is not None,
                                            "refresh": settings.curvature_refresh}
@@ -304,6 +307,7 @@ class LFociNewton(RemovalMethod):
         solvers: list[dict[str, Any]] = []  # every step's solve, in order
         info = None
         norm_g = g0
+        f_now: float | None = None  # the line search's objective at the current weights, once known
         try:
             for k in range(settings.newton_max_steps):
                 if norm_g <= tol and k > 0:
@@ -321,8 +325,8 @@ class LFociNewton(RemovalMethod):
                         if settings.curvature_refresh == "first_step" and dense:
                             chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                     solvers.append(dict(info.__dict__))
-                    step_length = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
-                                             settings.max_backtracks, anchor, w_start)
+                    step_length, f_now = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
+                                                    settings.max_backtracks, anchor, w_start, f_now)
                 with problem.stage("verify", timings):
                     g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
                 residual = g - anchor
@@ -420,11 +424,12 @@ def _value(model: nn.Module, task: Task, data, lam: float, batch_size: int) -> f
 
 def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int, block, direction: torch.Tensor,
                g: torch.Tensor, max_backtracks: int, anchor: torch.Tensor | None = None,
-               w_ref: torch.Tensor | None = None) -> float:
+               w_ref: torch.Tensor | None = None, f_start: float | None = None) -> tuple[float, float]:
     """Apply w_P -= t d with the largest t in {1, 1/2, ...} satisfying Armijo's condition
     F(w - t d) <= F(w) - 1e-4 t g'd on F = L_{D\\U} - <anchor, w_P - w_ref> (g = grad F; d from a
     positive definite, possibly damped, system, so g'd > 0); a change below the objective's
-    rounding counts as satisfied. Returns t (0: no step)."""
+    rounding counts as satisfied. Returns t (0: no step) and F at the weights left (``f_start``:
+    F at the current weights when the caller knows it, saving a pass)."""
     params = dict(model.named_parameters())
 
     def value() -> float:
@@ -434,7 +439,7 @@ def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int
             f -= float(anchor @ (w - w_ref))
         return f
 
-    f0 = value()
+    f0 = value() if f_start is None else f_start
     slope = float(g @ direction)
     eps = torch.finfo(next(model.parameters()).dtype).eps
     noise = 64 * eps * max(abs(f0), 1e-30)
@@ -444,10 +449,10 @@ def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int
         block.add_to_model(model, -t * direction)
         f1 = value()
         if f1 <= f0 - 1e-4 * t * slope or abs(f1 - f0) <= noise:
-            return t
+            return t, f1
         _restore(model, saved)
         t *= 0.5
-    return 0.0
+    return 0.0, f0
 
 
 @torch.no_grad()

@@ -1,0 +1,190 @@
+"""The decision-layer fast path of lfoci-newton (issue 12 section 2): the closed-form Hessian of
+a Linear layer under cross-entropy, the frozen-prefix cache, the warm curvature, the chord
+refresh and the anchored target, each against an exact reference."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.curvature import BlockHessian, block_gradient
+from pipeline.data import SampleSet
+from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, closed_form_layer
+from pipeline.methods import get_method
+from pipeline.methods.base import RemovalProblem
+from pipeline.param_block import ParamBlock
+from pipeline.tasks import DenseInputTask
+from pipeline.training import fit_lbfgs, fit_newton
+from tests.kit import digits64, flat, softmax_task
+
+LAMBDA = 0.01
+HEAD = ["3.weight", "3.bias"]
+FORGET = list(range(0, 120, 3))  # 40 samples
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return digits64()["train"]
+
+
+@pytest.fixture(scope="module")
+def sgd_mlp(digits):
+    """64-16-10 ReLU head after a few epochs of SGD: far from any stationary point."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=LAMBDA)
+    x, y = digits.columns["x"], digits.columns["y"]
+    for _ in range(3):
+        for i in range(0, len(y), 64):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
+            opt.step()
+    return net.eval()
+
+
+def run(model, data, positions, warm=None, **settings):
+    work = copy.deepcopy(model)
+    method = get_method("lfoci-newton")
+    extras = {"warm_curvature": warm} if warm is not None else {}
+    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1, extras=extras)
+    outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, **settings))
+    return work, outcome.record
+
+
+def head_gradient(model, data, positions=None):
+    keep = data if positions is None else data.without(torch.as_tensor(positions))
+    block = ParamBlock.from_rows(model, {name: None for name in HEAD})
+    return block_gradient(model, softmax_task(), keep, block, LAMBDA, reduction="mean")
+
+
+@pytest.mark.parametrize("smoothing,bias,reduction", [(0.0, True, "mean"), (0.1, True, "sum"), (0.0, False, "sum")])
+def test_closed_form_hessian_is_the_hessian_vector_product_matrix(smoothing, bias, reduction):
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(7, 4, bias=bias)).double()
+    data = SampleSet({"x": torch.randn(50, 7, dtype=torch.float64), "y": torch.randint(0, 4, (50,))}, torch.arange(50))
+    task = DenseInputTask(loss="cross_entropy", loss_options={"label_smoothing": smoothing})
+    block = ParamBlock.all_parameters(layer)
+    exact = BlockHessian(layer, task, data, block, 0.03, reduction=reduction).to_dense()
+    closed = LinearCrossEntropyHessian(layer, task, data, block, 0.03, reduction=reduction).to_dense()
+    assert float((exact - closed).abs().max()) <= 1e-10 * float(exact.abs().max())
+
+
+def test_closed_form_applies_only_to_a_whole_linear_layer_under_cross_entropy():
+    head = nn.Sequential(nn.Linear(5, 3))
+    whole = ParamBlock.all_parameters(head)
+    assert closed_form_layer(head, softmax_task(), whole) is head[0]
+    assert closed_form_layer(head, DenseInputTask(loss="mse"), whole) is None
+    assert closed_form_layer(head, softmax_task(), ParamBlock.from_rows(head, {"0.weight": [0, 1]})) is None
+    assert closed_form_layer(nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)), softmax_task(),
+                             ParamBlock.all_parameters(nn.Sequential(nn.Linear(5, 3)))) is None
+
+
+def test_cached_prefix_and_closed_form_give_the_same_removal_as_the_full_model(sgd_mlp, digits):
+    fast, rec_fast = run(sgd_mlp, digits, FORGET, newton_max_steps=4)
+    slow, rec_slow = run(sgd_mlp, digits, FORGET, newton_max_steps=4, cache_frozen_prefix=False,
+                         closed_form_curvature=False)
+    assert rec_fast["frozen_prefix"]["suffix_start_module"] == 3
+    assert rec_fast["curvature"]["operator"] == "LinearCrossEntropyHessian"
+    assert rec_slow["frozen_prefix"] is None and rec_slow["curvature"]["operator"] == "BlockHessian"
+    moved = float(torch.linalg.vector_norm(flat(fast) - flat(sgd_mlp)))
+    assert moved > 1e-2
+    assert float(torch.linalg.vector_norm(flat(fast) - flat(slow))) <= 1e-8 * max(1.0, moved)
+    # the hidden layer never moves
+    assert torch.equal(fast[1].weight, sgd_mlp[1].weight) and torch.equal(fast[1].bias, sgd_mlp[1].bias)
+
+
+def test_anchored_target_is_the_stationary_point_of_the_anchored_objective(sgd_mlp, digits):
+    """grad_P L_{D\\U}(w') = grad_P L_D(w) at the start: checked directly, and against a tight
+    L-BFGS minimisation of L_{D\\U}(w) - <r0, w_P> over the output layer (convex in it)."""
+    r0 = head_gradient(sgd_mlp, digits)
+    assert float(torch.linalg.vector_norm(r0)) > 1e-3  # the SGD model is not at a stationary point
+    anchored, record = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
+                           newton_rtol=1e-10, newton_atol=1e-12)
+    assert record["target"]["anchor"] == "training_residual"
+    assert record["newton"]["converged"]
+    left = head_gradient(anchored, digits, FORGET) - r0
+    assert float(torch.linalg.vector_norm(left)) <= 1e-9
+
+    oracle = copy.deepcopy(sgd_mlp)
+    h = oracle[:3](digits.without(torch.as_tensor(FORGET)).columns["x"]).detach()
+    y = digits.without(torch.as_tensor(FORGET)).columns["y"]
+    w = torch.cat([oracle[3].weight.detach().reshape(-1), oracle[3].bias.detach()]).clone().requires_grad_(True)
+    k, d = oracle[3].weight.shape
+
+    def objective():
+        wt, b = w[: k * d].reshape(k, d), w[k * d:]
+        loss = nn.functional.cross_entropy(h @ wt.T + b, y)
+        others = sum(float(p.detach().pow(2).sum()) for p in (oracle[1].weight, oracle[1].bias))
+        return loss + 0.5 * LAMBDA * (w.pow(2).sum() + others) - r0 @ w
+
+    opt = torch.optim.LBFGS([w], lr=1, max_iter=500, tolerance_grad=1e-13, tolerance_change=1e-16,
+                            history_size=50, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        value = objective()
+        value.backward()
+        return value
+
+    opt.step(closure)
+    ours = torch.cat([anchored[3].weight.detach().reshape(-1), anchored[3].bias.detach()])
+    assert float(torch.linalg.vector_norm(ours - w.detach())) <= 1e-6 * float(torch.linalg.vector_norm(w.detach()))
+
+    # without the anchor the target is the retrained optimum of the block instead: a different point
+    plain, _ = run(sgd_mlp, digits, FORGET, newton_max_steps=20, newton_rtol=1e-10, newton_atol=1e-12)
+    assert float(torch.linalg.vector_norm(head_gradient(plain, digits, FORGET))) <= 1e-9
+    assert float(torch.linalg.vector_norm(flat(plain) - flat(anchored))) > 1e-2
+
+
+def test_anchor_changes_nothing_at_an_exact_optimum(digits):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    torch.manual_seed(4)
+    fit_lbfgs(model, softmax_task(), digits, LAMBDA, tolerance=1e-7, max_steps=80)
+    report = fit_newton(model, softmax_task(), digits, LAMBDA, tolerance=1e-10, max_steps=40)
+    assert report.gradient_norm <= 1e-9, report
+    plain, _ = run(model, digits, FORGET, newton_max_steps=10, newton_rtol=1e-10, newton_atol=1e-12)
+    anchored, rec = run(model, digits, FORGET, anchor="training_residual", newton_max_steps=10,
+                        newton_rtol=1e-10, newton_atol=1e-12)
+    assert rec["target"]["anchor_norm"] <= 1e-8
+    moved = float(torch.linalg.vector_norm(flat(plain) - flat(model)))
+    assert moved > 1e-3
+    assert float(torch.linalg.vector_norm(flat(plain) - flat(anchored))) <= 1e-6 * moved
+
+
+def test_warm_curvature_is_used_only_where_it_holds_and_changes_no_result(sgd_mlp, digits):
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    exact = BlockHessian(sgd_mlp, softmax_task(), digits, block, LAMBDA, reduction="mean").to_dense()
+    assert float((warm.matrix - exact).abs().max()) <= 1e-10 * float(exact.abs().max())
+    cold, rec_cold = run(sgd_mlp, digits, FORGET, newton_max_steps=3)
+    hot, rec_hot = run(sgd_mlp, digits, FORGET, warm=warm, newton_max_steps=3)
+    assert rec_hot["curvature"]["warm_first_step"] and not rec_cold["curvature"]["warm_first_step"]
+    assert float(torch.linalg.vector_norm(flat(hot) - flat(cold))) <= 1e-9
+    # other weights (a model after an earlier removal) or other data: the warm matrix is not used
+    assert warm.holds_for(sgd_mlp, block, digits, LAMBDA) and not warm.holds_for(cold, block, digits, LAMBDA)
+    assert not warm.holds_for(sgd_mlp, block, digits.take(torch.arange(100)), LAMBDA)
+    assert not warm.holds_for(sgd_mlp, block, digits, LAMBDA * 2)
+    _, rec_other = run(cold, digits, [1, 2, 4], warm=warm, newton_max_steps=1)
+    assert not rec_other["curvature"]["warm_first_step"]
+
+
+def test_chord_refresh_reaches_the_same_point_as_newton(sgd_mlp, digits):
+    newton, rec_n = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
+                        newton_rtol=1e-9, newton_atol=1e-12)
+    chord, rec_c = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=60,
+                       newton_rtol=1e-9, newton_atol=1e-12, curvature_refresh="first_step")
+    assert rec_n["newton"]["converged"] and rec_c["newton"]["converged"]
+    assert {s["solver"] for s in rec_c["curvature"]["solvers"][1:]} == {"cholesky-reused"}
+    assert float(torch.linalg.vector_norm(flat(newton) - flat(chord))) <= 1e-7
+
+
+def test_a_warm_removal_moves_only_its_own_copy(sgd_mlp, digits):
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    before = flat(sgd_mlp).clone()
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    removed, record = run(sgd_mlp, digits, FORGET, warm=warm, newton_max_steps=2)
+    assert record["curvature"]["warm_first_step"] and "prefix_cache" not in record["timings"]
+    assert torch.equal(flat(sgd_mlp), before)  # the prepared model is untouched
+    assert float(torch.linalg.vector_norm(flat(removed) - before)) > 1e-3
