@@ -181,7 +181,7 @@ def gradient_batch_size(
     """Samples per gradient pass: ``batch_size`` or fewer, so that one pass fits the budget."""
     if len(data) == 0:
         return batch_size
-    device = next(iter(model.parameters())).device
+    device = memory.model_device(model)
     cost = memory.cost_of(model, task, data)
     return memory.sample_chunk(
         memory.available_in(memory.resolve(budget, device)), cost, cost.gradient_plan(block),

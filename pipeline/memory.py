@@ -356,12 +356,20 @@ def cost_of(model: nn.Module, task: Any, data: Any) -> ModelCost:
     return per_model[key]
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model computes: its first parameter's (or buffer's) device; CPU for a module
+    that holds neither (a wrapper whose tensors live in plain attributes)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 def forward_batch_size(model: nn.Module, task: Any, data: Any, batch_size: int,
                        budget: "MemoryBudget | str | int | None" = None) -> int:
     """Samples per no-grad forward pass (evaluation, line search): ``batch_size`` or fewer."""
     if len(data) == 0:
         return batch_size
-    device = next(iter(model.parameters())).device
+    device = model_device(model)
     cost = cost_of(model, task, data)
     return sample_chunk(available_in(resolve(budget, device)), cost, cost.forward_plan(),
                         limit=min(batch_size, len(data)), what="sample's forward pass", fix="use a smaller model")

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.forgetting import method_of
+
 # 20 epochs (a second or two): after 1 the head is far from a minimum and lfoci-newton refused every
 # request (needs_retrain); after 20 it serves random 10 % and class (measured), so its rows are scored
 SMOKE = {"train_limit": 200, "test_limit": 100, "hidden": 8, "recipe": {"epochs": 20}}
@@ -27,9 +29,10 @@ def smoke_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     from pipeline.methods import METHODS
-    from bench.forgetting import MIXED_LINEAR, SCENARIOS, SKIP_METHODS
+    from bench.forgetting import MIXED_LINEAR, SCENARIOS, SKIP_METHODS, VARIANT_ROWS
 
-    expected = {"original", "retrain"} | {m for m in METHODS if m not in SKIP_METHODS}
+    expected = {"original", "retrain"} | {m for m in METHODS if m not in SKIP_METHODS} | set(VARIANT_ROWS)
+    assert "newton-head" in expected
     ml_rows = {"ml-original", "ml-retrain", "mixed-linear"}
     assert {"finetune", "gradient-ascent", "random-labels", "salun", "lfoci-newton", "fisher", "ntk"} <= expected
     assert list(smoke_result["scenarios"]) == list(SCENARIOS)
@@ -42,7 +45,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
             for name, row in run["rows"].items():
                 assert "error" not in row and "not_applicable" not in row, (scenario, name, row)
                 if "needs_retrain" in row:  # the method refused (RemovalNotServed): recorded with its reason
-                    assert name == "lfoci-newton" and row["needs_retrain"].strip(), (scenario, name, row)
+                    assert method_of(name) == "lfoci-newton" and row["needs_retrain"].strip(), (scenario, name, row)
                     assert "UA" not in row and name not in run["records"]
                     continue
                 for col in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
@@ -50,7 +53,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
             assert run["rows"]["retrain"]["AvgGap"] == 0.0
         for name, agg in block["summary"].items():
             if "AvgGap" not in agg:  # refused on every forget set: only the reasons
-                assert name == "lfoci-newton" and agg["needs_retrain"], (scenario, name, agg)
+                assert method_of(name) == "lfoci-newton" and agg["needs_retrain"], (scenario, name, agg)
                 continue
             assert agg["AvgGap"]["count"] == 1
     run0 = smoke_result["scenarios"]["random_1pct"]["runs"][0]
@@ -61,7 +64,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     for name, res in ulira.items():
         assert "error" not in res, (name, res)
         if "needs_retrain" in res:  # a shadow request refused by the method: no game, the reason recorded
-            assert name == "lfoci-newton" and res["needs_retrain"].strip()
+            assert method_of(name) == "lfoci-newton" and res["needs_retrain"].strip()
             continue
         assert 0.0 <= res["accuracy"] <= 100.0 and res["shadow_pairs"] == 3, name
     assert smoke_result["scenarios"]["class"]["runs"][0]["classes"] is not None
