@@ -24,11 +24,14 @@ Scenarios (each with ``--seeds`` different forget sets): random 1 %, random 10 %
   share a label, count and label drawn per seed).
 Rows: original (no removal), Retrain (same recipe on D_r), every registered removal method
   (``METHOD_SETTINGS``: ours and the field's reference baselines finetune, gradient-ascent,
-  random-labels, salun). A method that raises is recorded with its error (never dropped); a
-  method that cannot apply at this size (NTK's (nK)^2 kernel) is recorded as not applicable; a
-  removal the method refuses (``RemovalNotServed``: system not solved to its tolerance, or too
-  little of the retained gradient removed; nothing published) is recorded as ``needs_retrain``
-  with the method's reason and numbers: the request goes to retraining.
+  random-labels, salun) and the variant rows (``VARIANT_ROWS``): newton-head = lfoci-newton on
+  the head's output layer with the anchored target, over cached hidden features, starting from
+  the original's prepared curvature (``WARM_ROWS``; its one-time seconds are reported apart and
+  in ``ratio_with_preparation``). A method that raises is recorded with its error (never
+  dropped); a method that cannot apply at this size (NTK's (nK)^2 kernel) is recorded as not
+  applicable; a removal the method refuses (``RemovalNotServed``: system not solved to its
+  tolerance, or too little of the retained gradient removed; nothing published) is recorded as
+  ``needs_retrain`` with the method's reason and numbers: the request goes to retraining.
 Metrics: UA, RA, TA, MIA-efficacy (SVC on confidence), Avg. Gap to Retrain of the same forget
   set, wall seconds of the removal and Retrain, their ratio; mean and std over seeds.
   U-LiRA (Hayes et al. 2024), per example: ``SHADOWS`` models trained on D with different
@@ -39,15 +42,10 @@ Metrics: UA, RA, TA, MIA-efficacy (SVC on confidence), Avg. Gap to Retrain of th
 Writes bench/results/forgetting_<dataset>[_quick].json, .md and .png (atomically); progress (tqdm,
 time left) on stderr when it is a terminal (``UNLEARN_PROGRESS=1`` forces it, ``0`` silences it).
 
-Cost (``--threads 1``, measured on the shared 2-core box at load average 8-10, i.e. ~1/3 of a core):
-  quick   FMNIST 439 s, R8 409 s (+ ~150 s the first time, for the MiniLM features): < 10 min.
-  full    FMNIST: features 47 s (once), one head training 52 s (x 22: 4 originals, 12 Retrains,
-          6 U-LiRA shadow Retrains), per removal: fisher 124 s (dense 1,290-entry output-layer
-          Hessian from Hessian-vector products over 59,400 samples), lfoci-newton 18 s, salun 3.4 s,
-          random-labels 2.4 s, finetune 2.0 s, gradient-ascent 0.2 s (x 18 each: 12 forget sets + 6
-          shadows) -> ~70 min at that load, ~25-35 min on an idle 2-core box, about half of it the
-          dense Fisher (its settings are in METHOD_SETTINGS). R8: MiniLM features ~8-10 min idle
-          (once, cached), then ~15-20 min (heads are small; the dense 2,056-entry Fisher dominates).
+Cost (``--threads 1``, the shared 2-core box, with another run beside it): full R8 8 min
+  (+ 4.5 min the first time, for the MiniLM features of 7,674 documents), full FMNIST about 45 min
+  (features 28 s once; one head training 10-20 s, 22 of them; lfoci-newton's L-FOCI probe and the
+  predictive Fisher diagonal dominate the removals); quick: under 10 minutes each.
 """
 from __future__ import annotations
 
@@ -726,9 +724,41 @@ def write_outputs(result: dict[str, Any], stem: str, out_dir: Path = RESULTS_DIR
     return paths
 
 
-def render_readme_tables(paths: list[Path]) -> str:
+def render_summary(result: dict[str, Any]) -> str:
+    """One compact table per dataset: Avg. Gap to Retrain (mean ± std over forget sets) and the
+    Retrain/removal time ratio, every row by every scenario (the README's table)."""
+    scenarios = list(result["scenarios"])
+    rows: list[str] = []
+    for sc in scenarios:
+        rows += [r for r in result["scenarios"][sc]["summary"] if r not in rows and r != "retrain"]
+    lines = [f"**{result['dataset_title']}**, n = {result['n_train']}, {result['seeds']} forget sets per scenario "
+             "(cells: Avg. Gap to Retrain, mean ± std; U-LiRA attack accuracy where run; Retrain s / removal s)", "",
+             "| row | " + " | ".join(scenarios) + " |", "|---|" + "---|" * len(scenarios)]
+    for row in rows:
+        cells = []
+        for sc in scenarios:
+            agg = result["scenarios"][sc]["summary"].get(row, {})
+            if "AvgGap" not in agg:
+                why = ("needs retrain" if "needs_retrain" in agg else "not applicable" if "not_applicable" in agg
+                       else "failed" if "errors" in agg else "-")
+                cells.append(why)
+                continue
+            text = f"{agg['AvgGap']['mean']:.1f} ± {agg['AvgGap']['std']:.1f}"
+            if "ULiRA" in agg:
+                text += f", U-LiRA {agg['ULiRA']['mean']:.0f}"
+            if "ratio" in agg:
+                text += f" ({_cell(agg, 'ratio')})"
+            if "needs_retrain" in agg:
+                text += f" [{len(agg['needs_retrain'])} needs retrain]"
+            cells.append(text)
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_readme_tables(paths: list[Path], summary: bool = False) -> str:
     """Markdown for the README from committed benchmark JSON files (one section per dataset)."""
-    return "\n".join(render_markdown(json.loads(Path(p).read_text())) for p in paths)
+    render = render_summary if summary else render_markdown
+    return "\n".join(render(json.loads(Path(p).read_text())) for p in paths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -742,9 +772,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench" / "forgetting")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", type=Path, nargs="*", default=None, help="print the README tables of these JSON files")
+    parser.add_argument("--summary", action="store_true", help="with --render: one compact Avg. Gap table per file")
     args = parser.parse_args(argv)
     if args.render is not None:
-        print(render_readme_tables(args.render))
+        print(render_readme_tables(args.render, summary=args.summary))
         return 0
     if args.seeds is not None and args.seeds < 1:
         parser.error("--seeds must be >= 1")
