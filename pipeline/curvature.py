@@ -346,6 +346,46 @@ def conjugate_gradient(
     return _check_finite(x, "Newton direction"), info
 
 
+def preconditioned_conjugate_gradient(
+    op: LinearOperator, rhs: Tensor, precondition: Callable[[Tensor], Tensor], *, rtol: float = 1e-8,
+    max_iter: int | None = None,
+) -> tuple[Tensor, SolveInfo]:
+    """Preconditioned CG for A x = b (A and the preconditioner P^{-1} symmetric positive
+    definite), CPU float64. Stops at ||A x - b|| <= rtol ||b|| (the true residual norm, not the
+    preconditioned one); non-positive curvature stops it and is reported."""
+    b = rhs.to("cpu", torch.float64)
+    x = torch.zeros_like(b)
+    r = b.clone()
+    z = precondition(r)
+    p = z.clone()
+    rz = float(r @ z)
+    bnorm = math.sqrt(float(b @ b)) or 1.0
+    limit = max_iter or max(10, op.dim)
+    info = SolveInfo("pcg", converged=False)
+    for it in range(1, limit + 1):
+        ap = op.matvec(p)
+        curv = float(p @ ap)
+        info.iterations = it
+        if curv <= 0:
+            info.positive_definite = False
+            info.min_eigenvalue = curv / max(float(p @ p), 1e-300)
+            info.notes.append(f"non-positive curvature {curv:.3e} met at iteration {it}")
+            break
+        alpha = rz / curv
+        x += alpha * p
+        r -= alpha * ap
+        if math.sqrt(float(r @ r)) <= rtol * bnorm:
+            info.converged = True
+            break
+        z = precondition(r)
+        rz_new = float(r @ z)
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    info.relative_residual = math.sqrt(float(r @ r)) / bnorm
+    tick(info.iterations, phase="PCG", unit="it")
+    return _check_finite(x, "Newton direction"), info
+
+
 def _eye_like(a: Tensor) -> Tensor:
     return torch.eye(a.shape[0], dtype=a.dtype)
 

@@ -62,14 +62,14 @@ def _block_order(block: ParamBlock, layer_names: dict[str, str], k: int, d: int)
 
 
 @torch.no_grad()
-def linear_cross_entropy_hessian(layer: nn.Linear, names: dict[str, str], block: ParamBlock, x: Tensor, *,
-                                 weight_decay: float, reduction: str, chunk: int = 4096) -> Tensor:
-    """sum (or mean) over the rows of ``x`` of M(x) (kron) x~ x~^T, plus the ridge, in the block's
-    flat order; float64. ``names`` maps the block's parameter names to "weight" / "bias"."""
-    k, d = layer.out_features, layer.in_features
+def linear_cross_entropy_hessian(weight: Tensor, bias: Tensor, names: dict[str, str], block: ParamBlock, x: Tensor,
+                                 *, weight_decay: float, reduction: str, chunk: int = 4096) -> Tensor:
+    """sum (or mean) over the rows of ``x`` of M(x) (kron) x~ x~^T at logits x W^T + b, plus the
+    ridge, in the block's flat order; float64. ``names`` maps the block's parameter names to
+    "weight" / "bias" (a layer without bias: ``bias`` zeros, and no bias part in the block)."""
+    k, d = weight.shape
     dd = d + 1
-    weight = layer.weight.detach().to(torch.float64)
-    bias = layer.bias.detach().to(torch.float64) if layer.bias is not None else torch.zeros(k, dtype=torch.float64)
+    weight, bias = weight.to(torch.float64), bias.to(torch.float64)
     full = torch.zeros(k * dd, k * dd, dtype=torch.float64)
     for start in range(0, x.shape[0], chunk):
         xa = x[start:start + chunk].to(torch.float64)
@@ -95,25 +95,61 @@ def linear_cross_entropy_hessian(layer: nn.Linear, names: dict[str, str], block:
 
 
 class LinearCrossEntropyHessian(LinearOperator):
-    """H_P(S) of the decision layer, materialised once in closed form (see the module doc)."""
+    """H_P(S) of the decision layer at the layer's current weights (captured when built):
+    products matrix-free in closed form, H v = sum_x x~ (M(x) (Theta_v x~)) rearranged, at
+    O(|S| K d) each; the dense matrix only when asked for (then kept)."""
 
     def __init__(self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, weight_decay: float,
                  *, reduction: str = "mean", batch_size: int = 4096, matrix: Tensor | None = None):
         layer = closed_form_layer(model, task, block)
         if layer is None:
             raise ValueError("the closed-form curvature needs a block that is one Linear layer under cross-entropy")
-        names = {n: ("weight" if p is layer.weight else "bias") for n, p in model.named_parameters()}
-        self.matrix = matrix if matrix is not None else linear_cross_entropy_hessian(
-            layer, names, block, data.columns["x"], weight_decay=weight_decay, reduction=reduction, chunk=batch_size)
+        if reduction not in ("sum", "mean"):
+            raise ValueError("reduction must be 'sum' or 'mean'")
+        self.names = {n: ("weight" if p is layer.weight else "bias") for n, p in model.named_parameters()}
+        self.block, self.x = block, data.columns["x"]
+        self.weight_decay, self.reduction, self.chunk = weight_decay, reduction, batch_size
+        self.k, self.d = layer.out_features, layer.in_features
+        self.order = _block_order(block, self.names, self.k, self.d)
+        self.weight = layer.weight.detach().to(torch.float64).clone()
+        self.bias = (layer.bias.detach().to(torch.float64).clone() if layer.bias is not None
+                     else torch.zeros(self.k, dtype=torch.float64))
+        n = self.x.shape[0]
+        self.scale = 1.0 / n if reduction == "mean" else 1.0
+        self.ridge = weight_decay if reduction == "mean" else weight_decay * n
+        self.matrix = matrix
         self.dim = block.numel
+        self.products = 0
 
     def matvec(self, v: Tensor) -> Tensor:
-        return self.matrix @ v.to(torch.float64)
+        v = v.to(torch.float64)
+        if self.matrix is not None:
+            return self.matrix @ v
+        theta = torch.zeros(self.k * (self.d + 1), dtype=torch.float64)
+        theta[self.order] = v
+        theta = theta.reshape(self.k, self.d + 1)
+        out = torch.zeros_like(theta)
+        with torch.no_grad():
+            for start in range(0, self.x.shape[0], self.chunk):
+                xa = self.x[start:start + self.chunk].to(torch.float64)
+                p = torch.softmax(xa @ self.weight.T + self.bias, dim=1)
+                dz = xa @ theta[:, :-1].T + theta[:, -1]                  # J v: logits' change
+                mz = p * dz - p * (p * dz).sum(dim=1, keepdim=True)      # M(x) J v
+                out[:, :-1] += mz.T @ xa
+                out[:, -1] += mz.sum(dim=0)
+        self.products += 1
+        return self.scale * out.reshape(-1)[self.order] + self.ridge * v
 
     def matmat(self, columns: Tensor) -> Tensor:
+        if self.matrix is None:
+            self.to_dense()
         return self.matrix @ columns.to(torch.float64)
 
     def to_dense(self, chunk: int = 256) -> Tensor:
+        if self.matrix is None:  # at the captured weights, even if the layer has moved since
+            self.matrix = linear_cross_entropy_hessian(
+                self.weight, self.bias, self.names, self.block, self.x, weight_decay=self.weight_decay,
+                reduction=self.reduction, chunk=self.chunk)
         return self.matrix
 
 
@@ -129,6 +165,7 @@ class WarmCurvature:
     weight_decay: float
     matrix: Tensor           # (numel, numel) float64
     seconds: float
+    inverse: Tensor | None = None  # matrix^{-1} (from its Cholesky factor): the preconditioner of later systems
 
     @classmethod
     def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
@@ -144,12 +181,15 @@ class WarmCurvature:
             suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
             op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean",
                                            batch_size=batch_size)
+            matrix = op.to_dense()
+            chol, status = torch.linalg.cholesky_ex(matrix)
         finally:
             model.train(was_training)
         params = {k: v.detach() for k, v in model.named_parameters()}
         return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,
-                   train.sample_ids.clone(), weight_decay, op.matrix, time.perf_counter() - started)
+                   train.sample_ids.clone(), weight_decay, matrix, time.perf_counter() - started,
+                   torch.cholesky_inverse(chol) if int(status) == 0 else None)
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

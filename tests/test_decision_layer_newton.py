@@ -188,3 +188,28 @@ def test_a_warm_removal_moves_only_its_own_copy(sgd_mlp, digits):
     assert record["curvature"]["warm_first_step"] and "prefix_cache" not in record["timings"]
     assert torch.equal(flat(sgd_mlp), before)  # the prepared model is untouched
     assert float(torch.linalg.vector_norm(flat(removed) - before)) > 1e-3
+
+
+def test_matrix_free_closed_form_products_equal_the_hessian_vector_products(sgd_mlp, digits):
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    suffix = sgd_mlp[3:]
+    hidden = SampleSet({**digits.columns, "x": sgd_mlp[:3](digits.columns["x"]).detach()}, digits.sample_ids)
+    v = torch.randn(block.numel, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for reduction in ("sum", "mean"):
+        exact = BlockHessian(suffix, softmax_task(), hidden, block, LAMBDA, reduction=reduction).matvec(v)
+        free = LinearCrossEntropyHessian(suffix, softmax_task(), hidden, block, LAMBDA, reduction=reduction).matvec(v)
+        assert float(torch.linalg.vector_norm(free - exact)) <= 1e-11 * float(torch.linalg.vector_norm(exact))
+
+
+def test_warm_preconditioned_chord_reaches_the_newton_point(sgd_mlp, digits):
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    assert warm.inverse is not None
+    newton, _ = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
+                    newton_rtol=1e-9, newton_atol=1e-12)
+    warm_chord, rec = run(sgd_mlp, digits, FORGET, warm=warm, anchor="training_residual", newton_max_steps=60,
+                          newton_rtol=1e-9, newton_atol=1e-12, curvature_refresh="first_step")
+    assert rec["newton"]["converged"] and rec["curvature"]["warm_first_step"]
+    assert {s["solver"] for s in rec["curvature"]["solvers"]} == {"pcg-warm"}
+    assert max(s["iterations"] for s in rec["curvature"]["solvers"]) <= 60  # the warm factor preconditions well
+    assert float(torch.linalg.vector_norm(flat(newton) - flat(warm_chord))) <= 1e-7

@@ -51,7 +51,7 @@ from torch import nn
 
 from pipeline.curvature import (
     BlockHessian, Combination, DenseOperator, RemovalNotServed, SolveInfo, UnsolvedSystemError, block_gradient,
-    solve_newton_system,
+    preconditioned_conjugate_gradient, solve_newton_system,
 )
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
@@ -301,7 +301,7 @@ class LFociNewton(RemovalMethod):
         curvature_notes: dict[str, Any] = {"operator": getattr(factory, "__name__", type(factory).__name__),
                                            "warm_first_step": warm is not None,
                                            "refresh": settings.curvature_refresh}
-        chord: _Chord | None = None
+        chord: _Chord | _WarmChord | None = None
         dense = block.numel <= settings.dense_max
         history: list[dict[str, Any]] = []
         solvers: list[dict[str, Any]] = []  # every step's solve, in order
@@ -313,6 +313,11 @@ class LFociNewton(RemovalMethod):
                 if norm_g <= tol and k > 0:
                     break
                 with problem.stage("curvature_and_solve", timings):
+                    if chord is None and k == 0 and warm is not None and warm.inverse is not None \
+                            and factory is LinearCrossEntropyHessian and settings.curvature_refresh == "first_step":
+                        h_forget = LinearCrossEntropyHessian(work.model, task, forget, block, lam, reduction="sum",
+                                                             batch_size=bs)
+                        chord = _WarmChord(warm, h_forget, n, m, settings.dense_rtol, settings.cg_max_iter)
                     if chord is not None:
                         direction, info = chord.solve(residual)
                     else:
@@ -412,6 +417,33 @@ class _Chord:
             raise UnsolvedSystemError(f"the reused Newton system was not solved to {self.rtol:.1e} (relative residual "
                                       f"{rel:.3e}); nothing was published", {"relative_residual": rel})
         return x, SolveInfo("cholesky-reused", relative_residual=rel, damping=self.damping, tolerance=self.rtol)
+
+
+class _WarmChord:
+    """The first system H' = (n H_P(D) - H_P(U)) / (n - m) at the start weights, from the warm
+    H_P(D): never materialised or factorised per removal; solved by conjugate gradients
+    preconditioned with the warm inverse of (n / (n - m)) H_P(D) (few iterations when U
+    is a small part of D), matrix-free products with H_P(U) in closed form."""
+
+    def __init__(self, warm: WarmCurvature, h_forget: LinearCrossEntropyHessian, n: int, m: int, rtol: float,
+                 max_iter: int | None):
+        self.op = Combination([(n / (n - m), DenseOperator(warm.matrix)), (-1.0 / (n - m), h_forget)])
+        self.inverse, self.factor = warm.inverse, (n - m) / n
+        self.rtol, self.max_iter = rtol, max_iter or 1000
+
+    def precondition(self, r: torch.Tensor) -> torch.Tensor:
+        return self.factor * (self.inverse @ r)
+
+    def solve(self, rhs: torch.Tensor) -> tuple[torch.Tensor, SolveInfo]:
+        x, info = preconditioned_conjugate_gradient(self.op, rhs, self.precondition, rtol=self.rtol,
+                                                    max_iter=self.max_iter)
+        info.solver, info.tolerance = "pcg-warm", self.rtol
+        if not info.converged:
+            raise UnsolvedSystemError(
+                f"the Newton system was not solved to {self.rtol:.1e} by the warm-preconditioned CG (relative "
+                f"residual {info.relative_residual:.3e} after {info.iterations} iterations); nothing was published",
+                {"solver": {k: v for k, v in info.__dict__.items() if k != "notes"}})
+        return x, info
 
 
 @torch.no_grad()
