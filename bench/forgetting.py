@@ -96,8 +96,8 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
 # not picked by L-FOCI; the row "lfoci-newton" is the default selection.
 VARIANT_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "newton-head": ("lfoci-newton", {"selection": "parameters", "parameters": OUTPUT_LAYER, "anchor": "training_residual",
-                                     "dense_max": 4096, "damping": 0.0, "curvature_refresh": "first_step",
-                                     "newton_max_steps": 5, "newton_rtol": 1e-3}),
+                                     "dense_max": 4096, "damping": 0.0, "curvature_refresh": "first_step", "dense_rtol": 1e-6,
+                                     "newton_max_steps": 3, "newton_rtol": 1e-3}),
 }
 # Rows whose removals start from the original's prepared curvature H_P(D) (pipeline.linear_curvature.
 # WarmCurvature): computed once per trained model, as a serving process holds it between requests;

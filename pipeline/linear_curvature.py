@@ -120,6 +120,7 @@ class LinearCrossEntropyHessian(LinearOperator):
         self.matrix = matrix
         self.dim = block.numel
         self.products = 0
+        self._chunks: list[tuple[Tensor, Tensor]] | None = None
 
     def matvec(self, v: Tensor) -> Tensor:
         v = v.to(torch.float64)
@@ -129,10 +130,14 @@ class LinearCrossEntropyHessian(LinearOperator):
         theta[self.order] = v
         theta = theta.reshape(self.k, self.d + 1)
         out = torch.zeros_like(theta)
+        if self._chunks is None:  # inputs and softmax at the captured weights, once for all products
+            with torch.no_grad():
+                self._chunks = []
+                for start in range(0, self.x.shape[0], self.chunk):
+                    xa = self.x[start:start + self.chunk].to(torch.float64)
+                    self._chunks.append((xa, torch.softmax(xa @ self.weight.T + self.bias, dim=1)))
         with torch.no_grad():
-            for start in range(0, self.x.shape[0], self.chunk):
-                xa = self.x[start:start + self.chunk].to(torch.float64)
-                p = torch.softmax(xa @ self.weight.T + self.bias, dim=1)
+            for xa, p in self._chunks:
                 dz = xa @ theta[:, :-1].T + theta[:, -1]                  # J v: logits' change
                 mz = p * dz - p * (p * dz).sum(dim=1, keepdim=True)      # M(x) J v
                 out[:, :-1] += mz.T @ xa
