@@ -81,7 +81,7 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     # cg_max_iter is a safety cap well above what these damped systems need, not a truncation
     "lfoci-newton": {"perturbations": 256, "pass_size": 64, "max_slices": 32, "curvature_samples": 2048,
                      "dense_max": 1024, "damping": 0.01, "cg_rtol": 1e-6, "cg_max_iter": 1000},
-    "fisher": {"parameters": OUTPUT_LAYER, "curvature": "diagonal"},  # the predictive Fisher diagonal
+    "fisher": {"parameters": OUTPUT_LAYER, "anchor": "training_residual"},  # dense output-layer Hessian (closed form)
     "ntk": {"parameters": OUTPUT_LAYER},           # w0 = the recipe's seeded initialisation
     # the field's reference approximate methods ("retain_fraction": share of D_r seen per epoch)
     "finetune": {"epochs": 2, "lr": 0.02, "batch_size": 128, "retain_fraction": 0.1},

@@ -286,6 +286,10 @@ class FisherScrubSettings(MethodSettings):
                                 "classes for cross-entropy (8 draws for other losses)")
     dense_max: int = Field(4096, gt=0, description="auto uses the dense Hessian up to this block size")
     newton_step: bool = Field(True, description="apply -B^{-1} grad L_Dr (off: noise only)")
+    anchor: Literal["none", "training_residual"] = Field(
+        "none", description="none: the step -B^{-1} grad L_Dr(w) (the quadratic view at w = w*(D)); "
+                            "training_residual: -B^{-1} (grad L_Dr(w) - grad L_D(w)), the removal's own share, "
+                            "for a model that training left off its optimum (equal at w*(D))")
     tradeoff: float = Field(1e-4, ge=0, description="lambda_f of the forgetting Lagrangian")
     sigma_h: float = Field(1e-2, ge=0, description="sigma_h: std of the isotropic error model")
     eigen_floor: float | None = Field(
@@ -298,8 +302,17 @@ Builder = Callable[[RemovalProblem, ParamBlock, FisherScrubSettings, SampleSet],
 
 def _build_dense(problem: RemovalProblem, block: ParamBlock, settings: FisherScrubSettings,
                  retain: SampleSet) -> Curvature:
-    h = BlockHessian(problem.model, problem.task, retain, block, problem.weight_decay,
-                     reduction="mean", batch_size=problem.batch_size)
+    from pipeline.frozen_prefix import cache_frozen_prefix
+    from pipeline.linear_curvature import LinearCrossEntropyHessian, closed_form_layer
+
+    prefix = cache_frozen_prefix(problem.model, problem.task, retain, block, problem.batch_size)
+    if prefix is not None and closed_form_layer(prefix.suffix, problem.task, block) is not None:
+        # the decision layer over its cached inputs: the same matrix in closed form (pipeline.linear_curvature)
+        h: Any = LinearCrossEntropyHessian(prefix.suffix, problem.task, prefix.train, block, problem.weight_decay,
+                                           reduction="mean", batch_size=problem.batch_size)
+    else:
+        h = BlockHessian(problem.model, problem.task, retain, block, problem.weight_decay,
+                         reduction="mean", batch_size=problem.batch_size)
     b = h.to_dense() + settings.damping * torch.eye(block.numel, dtype=torch.float64)
     return dense_curvature(b, settings.eigen_floor or problem.weight_decay + settings.damping)
 
@@ -362,11 +375,15 @@ class FisherScrub(RemovalMethod):
 
         with problem.stage("gradient", timings):
             g_before = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+            anchor = torch.zeros_like(g_before)
+            if settings.anchor == "training_residual":  # r0 = grad L_D(w) = ((n - m) g_Dr + sum_U grad f) / n
+                g_forget = block_gradient(model, task, problem.forget, block, lam, reduction="sum", batch_size=bs)
+                anchor = ((problem.n - problem.m) * g_before + g_forget) / problem.n
         with problem.stage("curvature", timings):
             curv = CURVATURES[kind](problem, block, settings, retain)
 
         with problem.stage("update", timings):
-            step = -curv.solve(g_before) if settings.newton_step else torch.zeros_like(g_before)
+            step = -curv.solve(g_before - anchor) if settings.newton_step else torch.zeros_like(g_before)
             scale = noise_scale(settings.tradeoff, settings.sigma_h)
             noise = curv.noise(scale) if scale > 0 else torch.zeros_like(g_before)  # secret (OS CSPRNG)
             probe = copy.deepcopy(model)
@@ -397,7 +414,8 @@ class FisherScrub(RemovalMethod):
                 "retain_mean_block_after_noise": _norm(g_after),
             },
             "step_norm": _norm(step),
-            "verification": _verify(g_before, g_newton, kind, settings.newton_step),
+            "anchor": {"kind": settings.anchor, "norm": _norm(anchor)},
+            "verification": _verify(g_before - anchor, g_newton - anchor, kind, settings.newton_step),
             "timings": timings,
             "release": release.model_dump(mode="json"),
         }
