@@ -213,3 +213,23 @@ def test_warm_preconditioned_chord_reaches_the_newton_point(sgd_mlp, digits):
     assert {s["solver"] for s in rec["curvature"]["solvers"]} == {"pcg-warm"}
     assert max(s["iterations"] for s in rec["curvature"]["solvers"]) <= 60  # the warm factor preconditions well
     assert float(torch.linalg.vector_norm(flat(newton) - flat(warm_chord))) <= 1e-7
+
+
+@pytest.mark.parametrize("anchor", ["none", "training_residual"])
+def test_fisher_dense_step_on_the_decision_layer_is_the_exact_newton_step(sgd_mlp, digits, anchor):
+    """Noise off: w' = w - B^{-1} (grad L_Dr(w) - a), B the exact Hessian of L_Dr on the output layer
+    (Hessian-vector products), a = grad L_D(w) when anchored, else 0."""
+    forget = torch.as_tensor(FORGET)
+    work = copy.deepcopy(sgd_mlp)
+    method = get_method("fisher")
+    problem = RemovalProblem(work, softmax_task(), digits, forget, LAMBDA, seed=1)
+    outcome = method.run(problem, method.Settings(parameters=HEAD, curvature="dense", tradeoff=0.0, anchor=anchor))
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    retain = digits.without(forget)
+    b = BlockHessian(sgd_mlp, softmax_task(), retain, block, LAMBDA, reduction="mean").to_dense()
+    g = head_gradient(sgd_mlp, digits, FORGET)
+    a = head_gradient(sgd_mlp, digits) if anchor == "training_residual" else torch.zeros_like(g)
+    expected = block.gather(dict(sgd_mlp.named_parameters())).double() - torch.linalg.solve(b, g - a)
+    got = block.gather(dict(work.named_parameters())).double()
+    assert float(torch.linalg.vector_norm(got - expected)) <= 1e-8 * float(torch.linalg.vector_norm(expected))
+    assert outcome.record["anchor"]["kind"] == anchor
