@@ -30,6 +30,7 @@ from pipeline.curvature import LinearOperator
 from pipeline.frozen_prefix import PrefixCache
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
+from pipeline.progress import tick
 from pipeline.tasks import Task
 
 __all__ = ["closed_form_layer", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
@@ -80,6 +81,7 @@ def linear_cross_entropy_hessian(weight: Tensor, bias: Tensor, names: dict[str, 
             m_a[:, 0] += p[:, a]
             right = (m_a[:, :, None] * xa[:, None, :]).reshape(xa.shape[0], (k - a) * dd)
             full[a * dd:(a + 1) * dd, a * dd:] += xa.T @ right
+            tick(dd if start == 0 else 0, total=k * dd, phase="Hessian columns", unit="col")
     upper = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)
     for a, b in upper.nonzero().tolist():
         full[b * dd:(b + 1) * dd, a * dd:(a + 1) * dd] = full[a * dd:(a + 1) * dd, b * dd:(b + 1) * dd].T

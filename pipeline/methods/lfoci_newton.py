@@ -296,8 +296,11 @@ class LFociNewton(RemovalMethod):
             curv_data = work.train.take(pick)
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
         factory = problem.curvature_factory or BlockHessian
-        if settings.closed_form_curvature and closed_form_layer(work.model, task, block) is not None:
-            factory = LinearCrossEntropyHessian  # the same matrix, in closed form (pipeline.linear_curvature)
+        if settings.closed_form_curvature and problem.curvature_factory is None \
+                and closed_form_layer(work.model, task, block) is not None:
+            # the same matrix, in closed form (pipeline.linear_curvature); a curvature factory the
+            # caller supplied (Ray workers) is used as asked
+            factory = LinearCrossEntropyHessian
         curvature_notes: dict[str, Any] = {"operator": getattr(factory, "__name__", type(factory).__name__),
                                            "warm_first_step": warm is not None,
                                            "refresh": settings.curvature_refresh}
