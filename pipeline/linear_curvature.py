@@ -179,19 +179,16 @@ class WarmCurvature:
                 batch_size: int = 4096) -> "WarmCurvature":
         """Compute H_P(D) once: the frozen prefix cached, then the closed form on the decision layer."""
         from pipeline.frozen_prefix import cache_frozen_prefix
+        from pipeline.probe import eval_mode_restored
 
         started = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode_restored(model):
             prefix = cache_frozen_prefix(model, task, train, block, batch_size)
-            suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
-            op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean",
-                                           batch_size=batch_size)
-            matrix = op.to_dense()
-            chol, status = torch.linalg.cholesky_ex(matrix)
-        finally:
-            model.train(was_training)
+        suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
+        op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean",
+                                       batch_size=batch_size)
+        matrix = op.to_dense()
+        chol, status = torch.linalg.cholesky_ex(matrix)
         params = {k: v.detach() for k, v in model.named_parameters()}
         return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,

@@ -238,20 +238,12 @@ class ModelCost:
     @classmethod
     def measure(cls, model: nn.Module, task: Any, batch_of_one: Mapping[str, torch.Tensor]) -> "ModelCost":
         """One no-grad forward of one sample under a dispatch mode summing every output."""
+        from pipeline.probe import eval_mode_restored  # probe sizes its passes with this module
+
         mode = _OutputBytes()
-        was = {name: m.training for name, m in model.named_modules()}
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        model.eval()
-        try:
-            with torch.no_grad(), mode:
-                logits = task.forward(model, dict(batch_of_one))
-                task.per_sample_loss(logits, dict(batch_of_one))
-        finally:
-            for name, m in model.named_modules():
-                m.training = was[name]
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    b.copy_(buffers[name])
+        with eval_mode_restored(model), torch.no_grad(), mode:
+            logits = task.forward(model, dict(batch_of_one))
+            task.per_sample_loss(logits, dict(batch_of_one))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         return cls(max(int(mode.total), 1), int(params), _dtype_bytes(model))
 
