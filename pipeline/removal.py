@@ -83,6 +83,9 @@ def remove(
     budget = memory.MemoryBudget.from_setting(memory_budget, device)
     model, task, card = load_model_dir(model_dir)
     train = training_set(card)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        train = train.astype(dtype)  # a float64 model (``model.dtype: float64`` at training) sees float64 data
     ids = [int(i) for i in sample_ids]
     positions = train.positions_of(ids, field=field)
     model.to(device)
