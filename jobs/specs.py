@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -123,10 +123,14 @@ class FastPath(Strict):
 
     enabled: bool = Field(default=False, description="opt in: apply batches on the warm state instead of from scratch")
     refresh_every: int = Field(default=100, ge=1, description="exact refresh (full pass) after this many batches")
-    drift_threshold: float = Field(default=1e-4, gt=0, description="refresh once the bound on the gradient error "
-                                                                   "C_R ||theta - theta_ref||^2 passes this")
+    drift_threshold: float = Field(default=1e-5, gt=0, description="refresh once the drift (drift_measure) passes this; "
+                                                                   "||theta - theta*|| <= drift / weight_decay")
+    drift_measure: Literal["gradient", "lipschitz"] = Field(
+        default="gradient", description="gradient: the exact residual ||grad F_R - a|| on the cached layer inputs (one "
+                                        "O(n K d) product per batch); lipschitz: the a-priori bound C_R ||theta - theta_ref||^2 "
+                                        "(O(1), pessimistic)")
     refresh_tol: float = Field(default=1e-9, gt=0, description="a refresh converges to ||grad F_R - a|| <= this")
-    refresh_max_steps: int = Field(default=8, ge=1, description="Newton steps of a refresh at most")
+    refresh_max_steps: int = Field(default=8, ge=1, description="Newton steps with fresh curvature in a refresh at most (chord steps: 4x this)")
 
 
 class RateLimit(Strict):

@@ -216,4 +216,5 @@ class WarmStreamRemover:
 def stream_settings_of(spec: Any) -> StreamSettings:
     """``StreamSettings`` from a config object with the same field names."""
     return StreamSettings(refresh_every=spec.refresh_every, drift_threshold=spec.drift_threshold,
-                          refresh_tol=spec.refresh_tol, refresh_max_steps=spec.refresh_max_steps)
+                          refresh_tol=spec.refresh_tol, refresh_max_steps=spec.refresh_max_steps,
+                          drift_measure=spec.drift_measure)

@@ -32,10 +32,13 @@ After a fast step the tracked residual g^_R - a is ~0 (solver tolerance r_s), so
 is at most ``gradient_error_bound`` = C_R ||theta - theta_ref||^2 + r_s and, F_R - <a, .> being
 lambda-strongly convex, ||theta - theta*_R|| <= that / lambda (``distance_bound``).
 
-Refresh (exact full pass over R at the current weights: G_R, S_R, Cholesky of H_R; then converged
-Newton with a fresh gradient and curvature per step until ||grad F_R - a|| <= refresh_tol): every
-``refresh_every`` removals, or when the gradient error bound after a fast step exceeds
-``drift_threshold``, or when asked (``refresh()``). Each removal returns a ``StreamStep`` saying
+Refresh (converged to ||grad F_R - a|| <= refresh_tol by a chord iteration on the state's own
+curvature with exact gradients, then one exact pass over R at the result: G_R, S_R, Cholesky of
+H_R; Newton steps with fresh curvature only if the chord did not get there): every
+``refresh_every`` removals, or when the drift after a fast step exceeds ``drift_threshold``, or
+when asked (``refresh()``). The drift is the a-priori bound above (``drift_measure: lipschitz``,
+O(1)) or the exact residual ||grad F_R(theta) - a|| on the cached inputs (``gradient``: one
+O(n K d) product, 1/(K (d+1)) of a curvature pass; the a-priori bound is recorded either way). Each removal returns a ``StreamStep`` saying
 which path it took.
 """
 from __future__ import annotations
@@ -61,17 +64,25 @@ SOFTMAX_HESSIAN_LIPSCHITZ = 3.0  # ||M(z') - M(z)||_2 <= 3 ||z' - z||_2 (module 
 @dataclass(frozen=True)
 class StreamSettings:
     """refresh_every: K, removals between exact refreshes (1 = every removal is a refresh);
-    drift_threshold: refresh once the gradient error bound passes this (inf = never on drift);
+    drift_threshold: refresh once the drift passes this (inf = never on drift);
+    drift_measure: "lipschitz" = the a-priori bound C_R ||theta - theta_ref||^2 + tracked residual
+    (O(1) per removal, rigorous, pessimistic: it assumes every sample at the worst curvature
+    change); "gradient" = the exact residual ||grad F_R(theta) - a|| on the cached inputs (one
+    O(n K d) product over R per removal, no curvature pass; the tightest rigorous measure);
     refresh_tol: a refresh converges to ||grad F_R - a|| <= this; refresh_max_steps: its Newton
-    steps at most; solve_rtol: relative residual of every Newton system."""
+    steps with fresh curvature at most (chord steps: 4x this); solve_rtol: relative residual of
+    every Newton system."""
 
     refresh_every: int = 100
     drift_threshold: float = 1e-4
     refresh_tol: float = 1e-9
     refresh_max_steps: int = 8
     solve_rtol: float = 1e-10
+    drift_measure: str = "lipschitz"
 
     def __post_init__(self) -> None:
+        if self.drift_measure not in ("lipschitz", "gradient"):
+            raise ValueError(f"drift_measure must be 'lipschitz' or 'gradient' (got {self.drift_measure!r})")
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1 (got {self.refresh_every}); 1 refreshes at every removal")
         if not self.drift_threshold > 0:
@@ -89,8 +100,11 @@ class StreamStep:
     reason: str
     n_before: int
     n_after: int
-    gradient_error_bound: float     # C_R ||theta - theta_ref||^2 + tracked residual, before any refresh
-    distance_bound: float           # gradient_error_bound / lambda: ||theta - theta*_R|| at most this
+    drift: float                    # the measure compared with drift_threshold (before any refresh)
+    drift_measure: str              # "lipschitz" or "gradient"
+    gradient_error_bound: float     # a priori: C_R ||theta - theta_ref||^2 + tracked residual >= ||grad F_R - a||
+    residual_measured: float | None  # "gradient": ||grad F_R(theta) - a|| exactly (None otherwise)
+    distance_bound: float           # drift / lambda: ||theta - theta*_R|| at most this (before any refresh)
     distance_from_refresh: float    # ||theta - theta_ref||
     step_norm: float                # ||theta_after - theta_before|| of this removal
     residual_after: float           # ||grad F_R - a||: tracked (fast) or exact (refresh)
@@ -293,28 +307,43 @@ class DecisionLayerStream:
         return x, {"solver": "cholesky", "iterations": 1, "relative_residual": rel}
 
     def refresh(self, *, converge: bool = True, reason: str = "asked") -> dict[str, Any]:
-        """Exact pass at the current weights; then (``converge``) Newton with a fresh gradient and
-        curvature each step until ||grad F_R - a|| <= refresh_tol. Sets theta_ref = theta."""
+        """Exact pass at the current weights; sets theta_ref = theta. With ``converge``, first a
+        chord iteration theta <- theta - H_R^{-1} (grad F_R(theta) - a) with the state's own
+        (incremental) curvature factorised once and an exact gradient per step (O(n K d) each),
+        until ||grad F_R - a|| <= refresh_tol; then the one curvature pass at the result; should
+        the residual still be above the tolerance, Newton steps with a fresh curvature each."""
         started = time.perf_counter()
-        steps: list[dict[str, float]] = []
+        steps: list[dict[str, Any]] = []
         theta_start = self.theta.clone()
+        tol, budget = self.settings.refresh_tol, self.settings.refresh_max_steps
+        if converge and self._ref is not None:
+            chol = torch.linalg.cholesky(self.system())
+            for _ in range(4 * budget):
+                residual = self.exact_gradient() - self.anchor
+                norm = float(torch.linalg.vector_norm(residual))
+                if norm <= tol:
+                    break
+                step = torch.cholesky_solve(residual[:, None], chol).squeeze(1)
+                self.theta = self.theta - step
+                steps.append({"kind": "chord", "residual_before": norm, "step_norm": float(torch.linalg.vector_norm(step))})
         while True:
             self._full_pass()
-            h = self.system()
-            chol = torch.linalg.cholesky(h)
+            chol = torch.linalg.cholesky(self.system())
             residual = self.G / self.n + self.lam * self.theta - self.anchor
             norm = float(torch.linalg.vector_norm(residual))
             self._ref = _Refresh(self.theta.clone(), torch.cholesky_inverse(chol), self.n)
-            if not converge or norm <= self.settings.refresh_tol or len(steps) >= self.settings.refresh_max_steps:
+            newton = sum(s["kind"] == "newton" for s in steps)
+            if not converge or norm <= tol or newton >= budget:
                 break
             step = torch.cholesky_solve(residual[:, None], chol).squeeze(1)
             self.theta = self.theta - step
-            steps.append({"residual_before": norm, "step_norm": float(torch.linalg.vector_norm(step))})
+            steps.append({"kind": "newton", "residual_before": norm, "step_norm": float(torch.linalg.vector_norm(step))})
         self.removals_since_refresh = 0
         self.refreshes += 1
-        return {"reason": reason, "newton_steps": len(steps), "residual_after": norm, "converged": norm <= self.settings.refresh_tol,
-                "moved": float(torch.linalg.vector_norm(self.theta - theta_start)), "history": steps,
-                "seconds": time.perf_counter() - started}
+        return {"reason": reason, "chord_steps": sum(s["kind"] == "chord" for s in steps),
+                "newton_steps": sum(s["kind"] == "newton" for s in steps), "residual_after": norm,
+                "converged": norm <= tol, "moved": float(torch.linalg.vector_norm(self.theta - theta_start)),
+                "history": steps, "seconds": time.perf_counter() - started}
 
     def remove(self, sample_ids: Sequence[int], *, field: str = "sample_ids", force_refresh: bool = False) -> StreamStep:
         """Remove ``sample_ids`` (retained, distinct): the fast path, then a refresh when K removals
@@ -343,14 +372,18 @@ class DecisionLayerStream:
         self.theta = self.theta - delta
         tracked = float(torch.linalg.vector_norm(self.tracked_gradient() - self.anchor))
         bound = self.gradient_error_bound() + tracked
+        measured = (float(torch.linalg.vector_norm(self.exact_gradient() - self.anchor))
+                    if self.settings.drift_measure == "gradient" else None)
+        drift = bound if measured is None else measured
         distance = float(torch.linalg.vector_norm(self.theta - self._ref.theta))
         reason = ("forced" if force_refresh else
                   "every_k" if self.removals_since_refresh >= self.settings.refresh_every else
-                  "drift" if bound > self.settings.drift_threshold else "")
+                  "drift" if drift > self.settings.drift_threshold else "")
         refreshed = self.refresh(reason=reason) if reason else None
         return StreamStep(
             sample_ids=[int(i) for i in sample_ids], path="refresh" if refreshed else "fast", reason=reason or "within_bound",
-            n_before=n_before, n_after=self.n, gradient_error_bound=bound, distance_bound=bound / self.lam,
+            n_before=n_before, n_after=self.n, drift=drift, drift_measure=self.settings.drift_measure,
+            gradient_error_bound=bound, residual_measured=measured, distance_bound=drift / self.lam,
             distance_from_refresh=distance, step_norm=float(torch.linalg.vector_norm(self.theta - theta_before)),
             residual_after=refreshed["residual_after"] if refreshed else tracked, solver=solver,
             seconds=time.perf_counter() - started, refresh=refreshed)

@@ -227,7 +227,25 @@ def test_refresh_every_k_and_on_drift_and_records_the_path(sgd_mlp, digits):
     tight, _ = build(sgd_mlp, digits, settings=StreamSettings(refresh_every=1000, drift_threshold=1e-12))
     step = tight.remove([ids[0]])
     assert step.path == "refresh" and step.reason == "drift" and step.refresh["converged"]
-    assert step.gradient_error_bound > 1e-12
+    assert step.gradient_error_bound > 1e-12 and step.drift == step.gradient_error_bound
+
+
+def test_gradient_drift_measure_is_the_exact_residual_and_below_the_a_priori_bound(sgd_mlp, digits):
+    state, _ = build(sgd_mlp, digits, settings=StreamSettings(refresh_every=1000, drift_threshold=1e-6,
+                                                              drift_measure="gradient"))
+    ids = digits.sample_ids.tolist()
+    steps = [state.remove([ids[j]]) for j in range(0, 60, 6)]
+    for step in steps:
+        assert step.drift_measure == "gradient" and step.drift == step.residual_measured
+        assert step.residual_measured <= step.gradient_error_bound
+    assert {s.path for s in steps} == {"fast", "refresh"}  # the threshold was passed at some point
+    fast = [s for s in steps if s.path == "fast"]
+    assert all(s.residual_measured <= 1e-6 for s in fast)
+    # a fast step leaves exactly the recorded residual
+    last = state.remove([ids[70]])
+    if last.path == "fast":
+        exact = float(torch.linalg.vector_norm(state.exact_gradient() - state.anchor))
+        assert abs(exact - last.residual_measured) <= 1e-12 + 1e-9 * exact
 
 
 def test_bad_requests_name_the_field(sgd_mlp, digits):
