@@ -127,14 +127,22 @@ class WarmStreamRemover:
                 xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(self.batch_size)]
             return torch.cat(xs).reshape(len(data), -1).to(torch.float64)
 
+        # layer inputs of the whole split: the state's cached ones for D, the prefix on the rest
+        position = {int(i): j for j, i in enumerate(full.sample_ids.tolist())}
+        x_all = torch.empty(len(full), state.d, dtype=torch.float64)
+        in_state = torch.tensor([position[int(i)] for i in state.sample_ids.tolist()], dtype=torch.long)
+        x_all[in_state] = state.x
+        rest = torch.ones(len(full), dtype=torch.bool)
+        rest[in_state] = False
+        if bool(rest.any()):
+            x_all[rest] = layer_inputs(full.take(torch.nonzero(rest).squeeze(1)))
         # the state converged at the build (anchor none) may already have moved the weights: the
         # first removal's parent is still this directory, so "before" metrics use its weights
         self.held = _Held(directory, {k: v.detach().clone() for k, v in model.state_dict().items()},
                           frozenset(int(i) for i in card.training.removed_ids), model.state_dict()[self.parameters[0]].dtype,
                           layer_inputs(test) if test is not None else None,
                           test.columns["y"] if test is not None else None,
-                          layer_inputs(full), full.columns["y"],
-                          {int(i): j for j, i in enumerate(full.sample_ids.tolist())})
+                          x_all, full.columns["y"], position)
         self.state = state
         self.builds += 1
         record = {"directory": str(directory), "seconds": time.perf_counter() - started, **state.build_record,

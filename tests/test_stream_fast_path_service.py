@@ -41,11 +41,12 @@ def _config(tmp_path, store, **fast):
     return config, port_file
 
 
-def _wait_applied(store, ids: set[str], timeout: float = 120, audited: bool = True) -> dict[str, str]:
+def _wait_applied(store, ids: set[str], timeout: float = 120) -> dict[str, str]:
+    """Poll the ledger until ``ids`` are applied (the store is audited once the service stopped:
+    CURRENT and the ledger read while a batch lands can disagree for a moment)."""
     deadline = time.monotonic() + timeout
     while True:
-        states = (audit(store, store / "ledger.sqlite3", final=False) if audited
-                  else {r["request_id"]: r["state"] for r in _ledger(store / "ledger.sqlite3")[0]})
+        states = {r["request_id"]: r["state"] for r in _ledger(store / "ledger.sqlite3")[0]}
         if all(states.get(r) == "applied" for r in ids):
             return states
         assert not {states.get(r) for r in ids} & {"needs_retrain", "failed"}, states
@@ -65,7 +66,7 @@ def _stop(proc: subprocess.Popen) -> str:
     return err
 
 
-def _serve_one(config, port_file, store, request_id: str, sample: int, *, audited: bool) -> str:
+def _serve_one(config, port_file, store, request_id: str, sample: int) -> str:
     """Start the service, have one request applied, stop it; its log."""
     proc, _ = _serve(config, port_file)
     try:
@@ -73,7 +74,7 @@ def _serve_one(config, port_file, store, request_id: str, sample: int, *, audite
         code, _ = http_json(port, "POST", "/v1/requests", {"request_id": request_id, "subject": "x",
                                                            "sample_ids": [sample]}, HEADERS)
         assert code == 202
-        _wait_applied(store, {request_id}, audited=audited)
+        _wait_applied(store, {request_id})
         return _stop(proc)
     finally:
         if proc.poll() is None:
@@ -96,6 +97,7 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     finally:
         if proc.poll() is None:
             proc.kill()
+    audit(store, store / "ledger.sqlite3", final=True)
     assert f"fast path: state built from {VersionStore(store).version_dir(MODEL, 0).name} " in err
     records = _records(store)
     assert len(records) == 8
@@ -120,14 +122,28 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     error = float(torch.linalg.vector_norm(oracle.theta - published))
     assert moved > 1e-3 and error <= records[-1]["fast_path"]["distance_bound"] + 1e-5 * float(published.norm())
 
+    # verification from the cached layer inputs: the same accuracies as full passes of the model
+    from pipeline.data import load_source
+    from pipeline.evaluate.removal_metrics import accuracy_share
+
+    last = vs.manifest(MODEL, 8)["metrics"]
+    splits = load_source(card0.data.source, card0.data.options)
+    forget = splits["train"].take(splits["train"].positions_of([ids[7]]))
+    assert last["measured_on"] == "cached decision-layer inputs"
+    assert last["retain_accuracy"] == pytest.approx(accuracy_share(model, task, training_set(load_model_dir(
+        vs.version_dir(MODEL, 8))[2])), abs=1e-6)
+    assert last["test_accuracy"] == pytest.approx(accuracy_share(model, task, splits["test"]), abs=1e-6)
+    assert last["forget_accuracy"] == pytest.approx(accuracy_share(model, task, forget), abs=1e-6)
+
     # restart: the state is rebuilt from the current version (8)
-    err = _serve_one(config, port_file, store, "g0", ids[8], audited=True)
+    err = _serve_one(config, port_file, store, "g0", ids[8])
+    audit(store, store / "ledger.sqlite3", final=True)
     assert f"fast path: state built from {vs.version_dir(MODEL, 8).name} " in err
     # rollback to version 4, then a new request: rebuilt from version 4, never from the state of 9
     rolled = subprocess.run(unlearn_argv("versions", "rollback", "--store", str(store), "--model", MODEL, "4",
                                          "--reason", "test"), capture_output=True, text=True, cwd=REPO, env=_env())
     assert rolled.returncode == 0, rolled.stderr + rolled.stdout
-    err = _serve_one(config, port_file, store, "h0", ids[9], audited=False)  # (the audit assumes no rollback)
+    err = _serve_one(config, port_file, store, "h0", ids[9])  # (no audit: it assumes a chain without rollbacks)
     assert f"fast path: state built from {vs.version_dir(MODEL, 4).name} " in err
     current = vs.open_verified(MODEL)
     assert current.parent == 4
