@@ -162,7 +162,12 @@ class WarmStreamRemover:
         model, _task, card = load_model_dir(directory)
         w_name, b_name = self.parameters
         self._before = torch.cat([model.state_dict()[w_name].reshape(-1), model.state_dict()[b_name]]).to(torch.float64)
-        step = state.remove(sample_ids, field="sample_ids")
+        try:
+            step = state.remove(sample_ids, field="sample_ids")
+        except Exception:
+            # a removal that failed part-way may have changed the sums: never reuse this state
+            self.state, self.held = None, None
+            raise
         new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         new_state[w_name] = state.weight.to(self.held.block_dtype).clone()
         new_state[b_name] = state.bias.to(self.held.block_dtype).clone()

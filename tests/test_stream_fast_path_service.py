@@ -205,3 +205,22 @@ def test_fast_path_config_fields_are_validated(tmp_path, tmp_path_factory, field
     run = subprocess.run(unlearn_argv("stream", "check", "--config", str(config)), capture_output=True, text=True,
                          timeout=120, cwd=REPO, env=_env())
     assert run.returncode != 0 and "fast_path.refresh_every" in run.stderr + run.stdout
+
+
+def test_remover_rebuilds_instead_of_reusing_a_state_for_other_weights_or_data(tmp_path_factory):
+    """In process: after a run that was not published, and after a failed removal, the next
+    removal rebuilds the state from the directory it is given."""
+    from pipeline.stream_removal import WarmStreamRemover
+
+    model_dir = cached_model_dir(tmp_path_factory)
+    remover = WarmStreamRemover("lfoci-newton", METHOD["settings"], StreamSettings(refresh_every=100))
+    ids = train_ids(4)
+    first = remover.remove(model_dir, [ids[0]])
+    assert remover.builds == 1 and first.record["fast_path"]["built"] is not None
+    again = remover.remove(model_dir, [ids[1]])   # the first run was never published: same parent
+    assert remover.builds == 2 and again.card.training.removed_ids == [ids[1]]
+    with pytest.raises(ValueError, match="sample_ids: sample id 999999 is not in the training set"):
+        remover.remove(model_dir, [999999])
+    assert remover.state is None and remover.builds == 3  # (rebuilt for the parent, then dropped)
+    remover.remove(model_dir, [ids[2]])
+    assert remover.builds == 4
