@@ -1,4 +1,4 @@
-"""Streaming removals on a decision layer: a warm state whose per-request cost does not grow with n.
+"""Streaming removals on a decision layer: a warm state updated per request without a curvature pass.
 
 The block is the whole last Linear layer (weight W, bias b; K classes, inputs x in R^d) of a
 model under softmax cross-entropy (label smoothing allowed), with the modules before it frozen
@@ -38,8 +38,9 @@ H_R; Newton steps with fresh curvature only if the chord did not get there): eve
 ``refresh_every`` removals, or when the drift after a fast step exceeds ``drift_threshold``, or
 when asked (``refresh()``). The drift is the a-priori bound above (``drift_measure: lipschitz``,
 O(1)) or the exact residual ||grad F_R(theta) - a|| on the cached inputs (``gradient``: one
-O(n K d) product, 1/(K (d+1)) of a curvature pass; the a-priori bound is recorded either way). Each removal returns a ``StreamStep`` saying
-which path it took.
+O(n K d) product, 1/(K (d+1)) of a curvature pass; the a-priori bound is recorded either way);
+``distance_bound`` = drift / lambda. Each removal returns a ``StreamStep`` saying which path it
+took.
 """
 from __future__ import annotations
 
