@@ -153,12 +153,13 @@ class ExactlyOnce:
 
     def __init__(self, store: VersionStore, ledger: Ledger, model: str, *, method: str = "lfoci-newton",
                  settings: dict[str, Any] | None = None, limits: Limits | None = None, cluster: Any = None,
-                 remover: Callable[..., Any] | None = None) -> None:
+                 remover: Callable[..., Any] | None = None, measure: Callable[..., dict[str, Any]] | None = None) -> None:
         self.store, self.ledger, self.model = store, ledger, model
         self.method, self.settings = method, dict(settings or {})
         self.limits = limits or Limits()
         self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
         self._remover = remover
+        self._measure = measure  # verification metrics (default: removal_metrics, passes over the data)
         self._split_on_error = False
         store.register_ledger(model, ledger.path)
 
@@ -246,7 +247,7 @@ class ExactlyOnce:
             return self._close(batch, "needs_retrain", f"the method cannot serve this batch: {run.record['needs_retrain']}")
         crash_point("after_compute")
         try:
-            metrics = removal_metrics(parent.path, run, batch.sample_ids, cumulative_ids)
+            metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
             release = release_of_record(run.record)
             history = [self._manifest_release(m) for m in self.store.removal_manifests(self.model)]
             decision = check_budget(history, release, self.limits.budget)

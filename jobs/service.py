@@ -125,6 +125,7 @@ class UnlearnService:
         self.server: HttpServer | None = None
         self._threads: list[threading.Thread] = []
         self._ready = False
+        self.fast = None
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> tuple[str, int]:
@@ -136,16 +137,24 @@ class UnlearnService:
                               first_seed=self.config.seed, last_seed=self.config.seed + STREAM_SEED_HEADROOM)
         except BatchInputError as err:
             raise BatchInputError(f"service configuration: {err}") from None
+        self.fast = self._fast_path_remover()
         self._lock_cm = self.store.lock(self.model)
         self._lock_cm.__enter__()
         try:
             self.ledger = Ledger(self.config.ledger_path())
-            self.machine = ExactlyOnce(self.store, self.ledger, self.model, method=self.config.method.name,
-                                       settings=self.config.method.settings, limits=self.config.limits)
+            fast = self.fast
+            self.machine = ExactlyOnce(
+                self.store, self.ledger, self.model, method=self.config.method.name,
+                settings=self.config.method.settings, limits=self.config.limits,
+                remover=None if fast is None else (lambda directory, batch: fast.remove(directory, batch.sample_ids,
+                                                                                        batch.seed)),
+                measure=None if fast is None else fast.metrics)
             self.machine.follow_rollbacks()
             current = self.store.open_verified(self.model)
             self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
             self.machine.finish_leftovers(self.batch_origin, lambda k: self.config.seed + k, self.log)
+            if fast is not None:  # warm before serving: from the current version, never from other weights
+                fast.warm(self.store.open_verified(self.model).path)
             self._threads = [threading.Thread(target=self._worker, name="removal-worker", daemon=True)]
             self._threads[0].start()
             self.server = HttpServer(self)
@@ -163,6 +172,20 @@ class UnlearnService:
         scheme = "https" if self.config.tls is not None else "http"
         self.log(f"serving model '{self.model}' on {scheme}://{host}:{port}")
         return str(host), int(port)
+
+    def _fast_path_remover(self):
+        """The warm decision-layer remover when ``fast_path.enabled`` (else None); the settings are
+        checked here, before anything is written."""
+        spec = self.config.fast_path
+        if not spec.enabled:
+            return None
+        from pipeline.stream_removal import FastPathError, WarmStreamRemover, stream_settings_of
+
+        try:
+            return WarmStreamRemover(self.config.method.name, self.config.method.settings, stream_settings_of(spec),
+                                     log=self.log)
+        except FastPathError as err:
+            raise BatchInputError(f"service configuration: {err}") from None
 
     def stop(self) -> None:
         """Stop accepting, let handlers finish, drain the batch in flight, release the lock."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -116,6 +116,23 @@ class Batching(Strict):
     max_wait_s: float = Field(default=0.5, gt=0, le=86_400, description="or when the oldest pending request is this old")
 
 
+class FastPath(Strict):
+    """The streaming fast path (pipeline/streaming.py): a warm decision-layer state kept between
+    micro-batches; needs method lfoci-newton with selection: parameters naming the last Linear
+    layer's weight and bias, epsilon: .inf, no curvature_samples, damping 0."""
+
+    enabled: bool = Field(default=False, description="opt in: apply batches on the warm state instead of from scratch")
+    refresh_every: int = Field(default=100, ge=1, description="exact refresh (full pass) after this many batches")
+    drift_threshold: float = Field(default=1e-5, gt=0, description="refresh once the drift (drift_measure) passes this; "
+                                                                   "||theta - theta*|| <= drift / weight_decay")
+    drift_measure: Literal["gradient", "lipschitz"] = Field(
+        default="gradient", description="gradient: the exact residual ||grad F_R - a|| on the cached layer inputs (one "
+                                        "O(n K d) product per batch); lipschitz: the a-priori bound C_R ||theta - theta_ref||^2 "
+                                        "(O(1), pessimistic)")
+    refresh_tol: float = Field(default=1e-9, gt=0, description="a refresh converges to ||grad F_R - a|| <= this")
+    refresh_max_steps: int = Field(default=8, ge=1, description="Newton steps with fresh curvature in a refresh at most (chord steps: 4x this)")
+
+
 class RateLimit(Strict):
     requests_per_second: float = Field(default=20.0, gt=0, description="sustained requests per second per client")
     burst: int = Field(default=40, gt=0, description="requests a client may send at once")
@@ -155,6 +172,7 @@ class ServiceConfig(Strict):
     allow_insecure_remote: bool = Field(default=False,
                                         description="allow plain HTTP on a non-loopback address (tokens travel in clear)")
     http: HttpLimits = Field(default_factory=HttpLimits)
+    fast_path: FastPath = Field(default_factory=FastPath, description="the streaming fast path (off by default)")
 
     @model_validator(mode="after")
     def _loopback_or_tls(self) -> "ServiceConfig":

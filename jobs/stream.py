@@ -25,6 +25,8 @@ CONFIG_HELP = """The configuration is YAML:
   # allow_insecure_remote: true                   # (plain HTTP, e.g. behind a TLS proxy)
   http: {header_timeout_s: 10, body_timeout_s: 10, keep_alive_s: 5,
          max_connections: 1000, max_header_bytes: 16384, shutdown_timeout_s: 5}
+  # warm decision-layer state between batches (lfoci-newton on the last Linear, epsilon .inf):
+  fast_path: {enabled: false, refresh_every: 100, drift_threshold: 1.0e-5, drift_measure: gradient}
 """
 
 

@@ -1,0 +1,233 @@
+"""Removals from model directories through a warm ``DecisionLayerStream`` (pipeline/streaming.py):
+the stream service's fast path. Nothing here knows the ledger, the version store or HTTP; the
+caller (``jobs.service``) hands a parent model directory and sample ids and gets a
+``RemovalRun`` back, as from ``pipeline.removal.remove``.
+
+The state is used only for the weights and data it holds: before each removal the parent
+directory's card (the removed ids) and weights are compared with what the state last produced
+(its block weights cast to the model's dtype, every other parameter as at the build). Anything
+else (a restart, a rollback, a removal that was computed but not published) rebuilds the state
+from the parent: load, cache the frozen prefix over D (and the test split, for verification),
+one exact pass. After a published fast removal the state continues from the published weights
+(its float64 theta is reset to them), so it always describes exactly the version it serves.
+
+Verification metrics (``metrics``: the keys of ``pipeline.evaluate.removal_metrics``) come from
+the cached layer inputs: accuracies of the parent and the new weights on the batch, the
+cumulative forget set, the retained set and the test split, one matrix product each. A version
+counts as verified exact (``record["fast_path"]["verified_exact"]``) only when a refresh computed
+its exact residual; a fast version carries its drift bound instead.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from pipeline.checkpoint import read_state_dict
+from pipeline.models.card import WEIGHTS_FILE, load_model_dir, read_card
+from pipeline.privacy.release import PrivacyRelease
+from pipeline.removal import RemovalRun, training_set
+from pipeline.streaming import DecisionLayerStream, StreamSettings
+
+__all__ = ["FastPathError", "WarmStreamRemover", "check_fast_path_settings", "stream_settings_of"]
+
+
+class FastPathError(ValueError):
+    """The method settings cannot run on the streaming fast path; the message names the field."""
+
+
+def check_fast_path_settings(method: str, settings: Mapping[str, Any], field: str = "method") -> tuple[list[str], str]:
+    """(decision-layer parameter names, anchor) from lfoci-newton settings, or FastPathError."""
+    from pipeline.methods.base import parse_settings
+
+    if method != "lfoci-newton":
+        raise FastPathError(f"fast_path needs {field}.name: lfoci-newton (got '{method}'); switch the method or set "
+                            "fast_path.enabled: false")
+    parsed = parse_settings(method, dict(settings))
+    if parsed.selection != "parameters" or len(parsed.parameters) != 2:
+        raise FastPathError(f"fast_path needs {field}.settings.selection: parameters with parameters naming the last "
+                            "Linear layer's weight and bias (e.g. ['3.weight', '3.bias'])")
+    if parsed.epsilon != float("inf"):
+        raise FastPathError(f"fast_path adds no privacy noise: {field}.settings.epsilon must be .inf (got "
+                            f"{parsed.epsilon}); set fast_path.enabled: false for noisy removals")
+    if parsed.curvature_samples is not None or parsed.damping > 0:
+        raise FastPathError(f"fast_path uses the exact curvature: remove {field}.settings.curvature_samples and set "
+                            f"{field}.settings.damping: 0")
+    return list(parsed.parameters), parsed.anchor
+
+
+@dataclass
+class _Held:
+    """What the state was built from and what it last produced."""
+
+    directory: Path
+    parameters: dict[str, Tensor]   # every parameter at the build (the prefix must stay equal)
+    removed: frozenset[int]         # the card's removed ids the state's retained set stands for
+    block_dtype: torch.dtype
+    test_x: Tensor | None           # the test split's layer inputs (float64)
+    test_y: Tensor | None
+    x_all: Tensor                   # layer inputs of every sample of the split (for cumulative sets)
+    y_all: Tensor
+    position: dict[int, int]
+
+
+class WarmStreamRemover:
+    """``remove(parent_dir, sample_ids, seed)`` -> ``RemovalRun``; ``metrics(...)`` for verification."""
+
+    def __init__(self, method: str, settings: Mapping[str, Any], stream: StreamSettings, *, batch_size: int = 4096,
+                 log=None) -> None:
+        self.method, self.settings = method, dict(settings)
+        self.parameters, self.anchor = check_fast_path_settings(method, settings)
+        self.stream_settings, self.batch_size = stream, batch_size
+        self.log = log or (lambda _msg: None)
+        self.state: DecisionLayerStream | None = None
+        self.held: _Held | None = None
+        self.builds = 0
+        self._before: Tensor | None = None   # theta of the parent of the last run (for metrics)
+
+    # -- building and checking -------------------------------------------------------------
+    def _matches(self, directory: Path) -> bool:
+        """The state holds exactly the parent's data and weights."""
+        if self.state is None or self.held is None:
+            return False
+        card = read_card(directory)
+        if frozenset(int(i) for i in card.training.removed_ids) != self.held.removed:
+            return False
+        weights = read_state_dict(Path(directory) / WEIGHTS_FILE)
+        w_name, b_name = self.parameters
+        if not (torch.equal(weights[w_name], self.state.weight.to(self.held.block_dtype))
+                and torch.equal(weights[b_name], self.state.bias.to(self.held.block_dtype))):
+            return False
+        return all(torch.equal(weights[k], v) for k, v in self.held.parameters.items() if k not in self.parameters)
+
+    def warm(self, directory: str | Path) -> dict[str, Any] | None:
+        """Build the state from ``directory`` unless it already holds it; the build's record or None."""
+        directory = Path(directory)
+        if self._matches(directory):
+            return None
+        started = time.perf_counter()
+        model, task, card = load_model_dir(directory)
+        model.eval()
+        train = training_set(card)
+        state, prefix = DecisionLayerStream.from_model(model, task, train, self.parameters, card.training.weight_decay,
+                                                       anchor=self.anchor, settings=self.stream_settings,
+                                                       batch_size=self.batch_size)
+        from pipeline.data import load_source
+
+        splits = load_source(card.data.source, card.data.options)
+        full = splits[card.data.split]
+        test = splits.get("test") if card.data.split != "test" else None
+
+        def layer_inputs(data) -> Tensor:
+            with torch.no_grad():
+                xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(self.batch_size)]
+            return torch.cat(xs).reshape(len(data), -1).to(torch.float64)
+
+        # layer inputs of the whole split: the state's cached ones for D, the prefix on the rest
+        position = {int(i): j for j, i in enumerate(full.sample_ids.tolist())}
+        x_all = torch.empty(len(full), state.d, dtype=torch.float64)
+        in_state = torch.tensor([position[int(i)] for i in state.sample_ids.tolist()], dtype=torch.long)
+        x_all[in_state] = state.x
+        rest = torch.ones(len(full), dtype=torch.bool)
+        rest[in_state] = False
+        if bool(rest.any()):
+            x_all[rest] = layer_inputs(full.take(torch.nonzero(rest).squeeze(1)))
+        # the state converged at the build (anchor none) may already have moved the weights: the
+        # first removal's parent is still this directory, so "before" metrics use its weights
+        self.held = _Held(directory, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                          frozenset(int(i) for i in card.training.removed_ids), model.state_dict()[self.parameters[0]].dtype,
+                          layer_inputs(test) if test is not None else None,
+                          test.columns["y"] if test is not None else None,
+                          x_all, full.columns["y"], position)
+        self.state = state
+        self.builds += 1
+        record = {"directory": str(directory), "seconds": time.perf_counter() - started, **state.build_record,
+                  "state": state.describe()}
+        self.log(f"fast path: state built from {directory.name} in {record['seconds']:.2f} s "
+                 f"(n = {state.n}, block {state.p})")
+        return record
+
+    # -- one removal ------------------------------------------------------------------------
+    def remove(self, directory: str | Path, sample_ids: Sequence[int], seed: int = 0) -> RemovalRun:
+        """The removal of ``sample_ids`` from the parent in ``directory`` on the warm state."""
+        started = time.perf_counter()
+        directory = Path(directory)
+        built = self.warm(directory)
+        assert self.state is not None and self.held is not None
+        state = self.state
+        model, _task, card = load_model_dir(directory)
+        w_name, b_name = self.parameters
+        self._before = torch.cat([model.state_dict()[w_name].reshape(-1), model.state_dict()[b_name]]).to(torch.float64)
+        try:
+            step = state.remove(sample_ids, field="sample_ids")
+        except Exception:
+            # a removal that failed part-way may have changed the sums: never reuse this state
+            self.state, self.held = None, None
+            raise
+        new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        new_state[w_name] = state.weight.to(self.held.block_dtype).clone()
+        new_state[b_name] = state.bias.to(self.held.block_dtype).clone()
+        new_card = card.model_copy(deep=True)
+        ids = [int(i) for i in sample_ids]
+        new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(ids))
+        new_card.training.n = card.training.n - len(ids)
+        # the state now stands for the new version: its weights as published (dtype-cast)
+        state.theta = torch.cat([new_state[w_name].reshape(-1), new_state[b_name]]).to(torch.float64)
+        self.held.removed = frozenset(new_card.training.removed_ids)
+        from pipeline.methods.base import parse_settings
+
+        record = {
+            "method": self.method, "settings": parse_settings(self.method, self.settings).model_dump(mode="json"),
+            "seed": seed, "sample_ids": ids, "n_before": card.training.n, "n_after": new_card.training.n,
+            "fast_path": {**step.as_record(), "verified_exact": step.path == "refresh",
+                          "state": state.describe(), "built": built},
+            "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor))},
+            "step_norm": step.step_norm,
+            "release": PrivacyRelease.non_private().model_dump(mode="json"),
+            "wall_seconds": time.perf_counter() - started,
+        }
+        return RemovalRun(new_state, new_card, record)
+
+    # -- verification from the cached inputs ---------------------------------------------------
+    def _accuracy(self, theta: Tensor, x: Tensor | None, y: Tensor | None) -> float | None:
+        if x is None or y is None or len(y) == 0:
+            return None
+        assert self.state is not None
+        k, d = self.state.k, self.state.d
+        logits = x @ theta[: k * d].reshape(k, d).T + theta[k * d:]
+        return float((logits.argmax(dim=1) == y).double().mean())
+
+    def metrics(self, parent_dir: str | Path, run: RemovalRun, sample_ids: Sequence[int],
+                cumulative_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """The keys of ``removal_metrics`` for the run just computed, from cached layer inputs."""
+        assert self.state is not None and self.held is not None and self._before is not None
+        held, after, before = self.held, self.state.theta, self._before
+
+        def subset(ids: Sequence[int]) -> tuple[Tensor | None, Tensor | None]:
+            if not ids:
+                return None, None
+            pos = torch.tensor([held.position[int(i)] for i in ids])
+            return held.x_all[pos], held.y_all[pos]
+
+        retain_pos = torch.tensor([held.position[int(i)] for i in self.state.retained_ids().tolist()])
+        sets = {"forget": subset(sample_ids), "cumulative_forget": subset(cumulative_ids),
+                "retain": (held.x_all[retain_pos], held.y_all[retain_pos]), "test": (held.test_x, held.test_y)}
+        out: dict[str, Any] = {"n_train": run.card.training.n, "n_removed_total": len(run.card.training.removed_ids),
+                               "batch_samples": len(sample_ids), "measured_on": "cached decision-layer inputs"}
+        for name, (x, y) in sets.items():
+            out[f"{name}_accuracy"] = self._accuracy(after, x, y)
+            out[f"{name}_accuracy_before"] = self._accuracy(before, x, y)
+        b, a = out["retain_accuracy_before"], out["retain_accuracy"]
+        out["retain_accuracy_drop"] = None if b is None or a is None else b - a
+        return out
+
+
+def stream_settings_of(spec: Any) -> StreamSettings:
+    """``StreamSettings`` from a config object with the same field names."""
+    return StreamSettings(refresh_every=spec.refresh_every, drift_threshold=spec.drift_threshold,
+                          refresh_tol=spec.refresh_tol, refresh_max_steps=spec.refresh_max_steps,
+                          drift_measure=spec.drift_measure)
