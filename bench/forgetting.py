@@ -92,12 +92,15 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
 # Rows that run a registered method under other settings: row name -> (method, settings).
 # newton-head: lfoci-newton on the decision layer (the head's output layer) with the anchored
 # target (pipeline/methods/lfoci_newton.py): converged block Newton to grad L_{D\\U} = grad L_D(w)
-# at the start, over cached hidden features (pipeline/frozen_prefix.py). The block is named,
-# not picked by L-FOCI; the row "lfoci-newton" is the default selection.
+# at the start, over cached hidden features (pipeline/frozen_prefix.py), by Newton's method with
+# the exact curvature at the current weights applied matrix-free (curvature_refresh: matrix_free,
+# pipeline/decision_layer_newton.py; Hessian products on 16,384 retained samples, PCG preconditioned
+# with the original's prepared H_P(D)^-1) until ||grad - r0|| <= 1e-3 of its start, else refused.
+# The block is named, not picked by L-FOCI; the row "lfoci-newton" is the default selection.
 VARIANT_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "newton-head": ("lfoci-newton", {"selection": "parameters", "parameters": OUTPUT_LAYER, "anchor": "training_residual",
-                                     "dense_max": 4096, "damping": 0.0, "curvature_refresh": "first_step", "dense_rtol": 1e-6,
-                                     "newton_max_steps": 3, "newton_rtol": 1e-3}),
+                                     "curvature_refresh": "matrix_free", "curvature_samples": 16384,
+                                     "newton_max_steps": 60, "newton_rtol": 1e-3}),
 }
 # Rows whose removals start from the original's prepared curvature H_P(D) (pipeline.linear_curvature.
 # WarmCurvature): computed once per trained model, as a serving process holds it between requests;

@@ -9,6 +9,11 @@ grad_P L_D; r0 = 0 for the plain retrained optimum):
     grad F   = (1/n_r) (P - T)^T X~ + lambda theta - r0                 (P = softmax(X~ theta^T))
     H V      = (1/n_r) [P o (X~ V^T) - P o rowsum(P o X~ V^T)]^T X~ + lambda V
 
+Options of the products: ``curvature_rows`` (a seeded subsample of R: a subsampled Hessian,
+Byrd et al. 2011; the gradient and F stay exact, so the minimiser is the same, only the path
+changes) and ``curvature_dtype`` (float32 products for a float32 model: CG is then asked for no
+more than 100 eps_32 relative residual). Gradients, values and weights are float64 always.
+
 H is the exact Hessian of F at the current theta (the same matrix as
 ``pipeline.linear_curvature.linear_cross_entropy_hessian`` of R), applied without ever being
 built: one product costs two passes over X~ (O(n_r K (d+1))). F is lambda-strongly convex, so
@@ -48,7 +53,8 @@ class SoftmaxLayerObjective:
     weight_decay: float
     anchor: Tensor
     reference: Tensor
-    chunk: int = 16384
+    curvature_rows: Tensor | None = None
+    curvature_dtype: torch.dtype = torch.float64
 
     def __post_init__(self) -> None:
         if self.x.dtype != torch.float64:
@@ -57,7 +63,11 @@ class SoftmaxLayerObjective:
         self.n = int(self.x.shape[0])
         if self.n == 0:
             raise ValueError("the retained set is empty: nothing to fit the decision layer on")
-        self.passes = 0  # passes over X~ (each costs O(n_r K (d+1)))
+        self.passes = 0.0  # passes over X~ (each costs O(n_r K (d+1))); a subsample counts its share
+        x_curv = self.x if self.curvature_rows is None else self.x[self.curvature_rows]
+        self.x_curv = x_curv.to(self.curvature_dtype)
+        # relative accuracy a CG solve can ask of these products
+        self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 else 100 * torch.finfo(self.curvature_dtype).eps
 
     def logits(self, theta: Tensor) -> Tensor:
         self.passes += 1
@@ -75,11 +85,17 @@ class SoftmaxLayerObjective:
         return (p - self.targets).T @ self.x / self.n + self.weight_decay * theta - self.anchor
 
     def hessian_product(self, p: Tensor, v: Tensor) -> Tensor:
-        """H V at the weights whose probabilities are ``p``; V in the (K, d+1) layout."""
-        self.passes += 2
-        dz = self.x @ v.T
+        """H V at the weights whose probabilities are ``p``; V in the (K, d+1) layout. With
+        ``curvature_rows`` the loss part is the mean over those rows only (a subsampled Hessian:
+        the gradient and the objective stay exact, so the minimiser is the same)."""
+        x = self.x_curv
+        if self.curvature_rows is not None:
+            p = p[self.curvature_rows]
+        p = p.to(x.dtype)
+        self.passes += 2 * x.shape[0] / self.n
+        dz = x @ v.to(x.dtype).T
         mz = p * dz - p * (p * dz).sum(dim=1, keepdim=True)
-        return mz.T @ self.x / self.n + self.weight_decay * v
+        return (mz.T @ x).to(torch.float64) / x.shape[0] + self.weight_decay * v
 
 
 Preconditioner = Callable[[Tensor], Tensor]
@@ -103,7 +119,8 @@ def kronecker_preconditioner(objective: SoftmaxLayerObjective, p: Tensor,
 def gram_eigen(objective: SoftmaxLayerObjective) -> tuple[Tensor, Tensor]:
     """Eigen-decomposition of G = X~^T X~ / n_r (one pass over X~)."""
     objective.passes += 1
-    return torch.linalg.eigh(objective.x.T @ objective.x / objective.n)
+    x = objective.x_curv.to(torch.float64)
+    return torch.linalg.eigh(x.T @ x / x.shape[0])
 
 
 def dense_preconditioner(inverse: Tensor, order: Tensor, shape: tuple[int, int]) -> Preconditioner:
@@ -125,7 +142,7 @@ class NewtonResult:
     gradient_norm: float
     start_gradient_norm: float
     history: list[dict[str, float]] = field(default_factory=list)
-    passes: int = 0
+    passes: float = 0.0
 
 
 def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Preconditioner, rtol: float,
@@ -184,7 +201,7 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         eta = min(forcing, math.sqrt(gnorm / g0) if g0 > 0 else forcing)
         p_now = p
         direction, iterations, rel = _pcg(lambda v: objective.hessian_product(p_now, v), g, precondition,
-                                          max(eta, tol / (2 * gnorm)), max_cg)
+                                          max(eta, tol / (2 * gnorm), objective.product_rtol), max_cg)
         slope = float((g * direction).sum())
         dz = objective.logits(direction)
         t = 1.0

@@ -331,3 +331,24 @@ def test_matrix_free_refuses_what_it_does_not_converge_and_rejects_other_blocks(
     with pytest.raises(ValueError, match="curvature_refresh: matrix_free needs"):
         method.run(problem, method.Settings(selection="parameters", parameters=["1.weight", *HEAD],
                                             curvature_refresh="matrix_free"))
+
+
+def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digits):
+    """Hessian products on a subsample (curvature_samples) or in float32 (a float32 model) change
+    the path, not the point: the gradient is exact, so the class-forgetting minimiser is the same."""
+    forget = class_positions(digits)
+    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=80)
+    full, _ = run(sgd_mlp, digits, forget, newton_rtol=1e-11, newton_atol=1e-13, **settings)
+    # a subsampled Hessian converges linearly: a looser stop, ||w - w*|| <= ||grad|| / lambda
+    sub, rec = run(sgd_mlp, digits, forget, curvature_samples=300, newton_rtol=1e-9, newton_atol=1e-13,
+                   **{**settings, "newton_max_steps": 200})
+    assert rec["curvature"]["solvers"][0]["curvature_rows"] == 300 and rec["newton"]["converged"]
+    moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
+    assert moved > 1.0
+    assert float(torch.linalg.vector_norm(flat(sub) - flat(full))) <= 1e-6 * moved
+
+    single = copy.deepcopy(sgd_mlp).float()
+    data32 = SampleSet({**digits.columns, "x": digits.columns["x"].float()}, digits.sample_ids)
+    low, rec32 = run(single, data32, forget, newton_rtol=1e-5, newton_atol=1e-9, **settings)
+    assert rec32["curvature"]["solvers"][0]["product_dtype"] == "float32" and rec32["newton"]["converged"]
+    assert float(torch.linalg.vector_norm(flat(low).double() - flat(full))) <= 1e-4 * moved

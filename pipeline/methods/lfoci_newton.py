@@ -88,7 +88,8 @@ class LFociNewtonSettings(MethodSettings):
     pass_size: int = Field(32, gt=0, description="perturbations per forward pass")
     max_slices: int | None = Field(None, gt=0, description="cap on L-FOCI picks")
     curvature_samples: int | None = Field(
-        None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples")
+        None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples "
+                                "(matrix_free: Hessian products on this many retained samples; gradients stay exact)")
     dense_max: int = Field(4096, gt=0, description="largest block solved densely (Cholesky); CG above")
     damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
                                                   "when H' + mu I is indefinite)")
@@ -453,7 +454,14 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block, lam: float, anc
     targets = (1 - smoothing) * nn.functional.one_hot(retain.columns["y"].long(), k).to(torch.float64) + smoothing / k
     w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
     theta0 = to_theta(w_start)
-    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0)
+    rows = None
+    if settings.curvature_samples is not None and settings.curvature_samples < len(retain):
+        gen = work.generator(RandomStream.CURVATURE_SUBSAMPLE)
+        rows = torch.randperm(len(retain), generator=gen)[: settings.curvature_samples].sort().values
+    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
+    product_dtype = torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+        else torch.float64
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
     if choice == "auto":
@@ -468,7 +476,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block, lam: float, anc
                 "damping": 0.0, "solver": "pcg-matrix-free", "iterations": h["cg_iterations"],
                 "relative_residual": h["cg_relative_residual"]} for h in result.history]
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
-                "converged": result.converged}]
+                "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
+                "curvature_rows": len(retain) if rows is None else len(rows)}]
     if not result.converged:
         raise RemovalNotServed(
             f"matrix-free Newton did not reach ||grad|| <= {tol:.3g} in {settings.newton_max_steps} steps "
