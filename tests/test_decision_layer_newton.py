@@ -295,7 +295,7 @@ def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stop
                    newton_max_steps=3, min_gradient_reduction=0.0)
     assert float(torch.linalg.vector_norm(head(chord) - oracle)) > 0.05 * span
     exact, rec = run(sgd_mlp, digits, forget, anchor="training_residual", curvature_refresh="matrix_free",
-                     newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
+                     anchor_absent_classes=True, newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
     assert rec["newton"]["converged"] and rec["curvature"]["solvers"][0]["solver"] == "pcg-matrix-free"
     assert float(torch.linalg.vector_norm(head(exact) - oracle)) <= 1e-6 * span
     assert float(torch.linalg.vector_norm(head_gradient(exact, digits, forget) - r0)) <= 1e-9
@@ -352,3 +352,28 @@ def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sg
     low, rec32 = run(single, data32, forget, newton_rtol=1e-5, newton_atol=1e-9, **settings)
     assert rec32["curvature"]["solvers"][0]["product_dtype"] == "float32" and rec32["newton"]["converged"]
     assert float(torch.linalg.vector_norm(flat(low).double() - flat(full))) <= 1e-4 * moved
+
+
+def test_matrix_free_drops_the_anchor_on_the_rows_of_a_class_with_no_retained_sample(sgd_mlp, digits):
+    """anchor_absent_classes false (the default): forgetting class 3 leaves D_r without it, so the
+    target is grad L_{D\\U}(w') = r0 with r0's class-3 weight row and bias zeroed (oracle: L-BFGS
+    on that objective); a forget set that leaves every class present is anchored as before."""
+    forget = class_positions(digits)
+    r0 = head_gradient(sgd_mlp, digits)
+    k, d = sgd_mlp[3].weight.shape
+    cut = r0.clone()
+    cut[3 * d:4 * d] = 0.0
+    cut[k * d + 3] = 0.0
+    oracle = anchored_minimiser(sgd_mlp, digits, forget, cut)
+    kept = anchored_minimiser(sgd_mlp, digits, forget, r0)
+    assert float(torch.linalg.vector_norm(oracle - kept)) > 0.1  # the two targets differ
+    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=60,
+                    newton_rtol=1e-11, newton_atol=1e-13)
+    ours, rec = run(sgd_mlp, digits, forget, **settings)
+    assert rec["target"]["unanchored_classes"] == [3]
+    got = torch.cat([ours[3].weight.detach().reshape(-1), ours[3].bias.detach()])
+    assert float(torch.linalg.vector_norm(got - oracle)) <= 1e-6 * float(torch.linalg.vector_norm(oracle))
+    # every class still present: nothing unanchored, the same point as anchor_absent_classes true
+    a, rec_a = run(sgd_mlp, digits, FORGET, **settings)
+    b, _ = run(sgd_mlp, digits, FORGET, anchor_absent_classes=True, **settings)
+    assert rec_a["target"]["unanchored_classes"] == [] and torch.equal(flat(a), flat(b))

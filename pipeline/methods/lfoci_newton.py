@@ -118,6 +118,10 @@ class LFociNewtonSettings(MethodSettings):
                                   "weights, never built: closed-form products over the cached inputs, inexact PCG "
                                   "(pipeline.decision_layer_newton; the block must be the whole last Linear layer "
                                   "under cross-entropy)")
+    anchor_absent_classes: bool = Field(
+        False, description="matrix_free with anchor training_residual: keep the anchor on the decision-layer rows of "
+                           "classes that have no retained sample (false: those rows go to the plain retrained optimum; "
+                           "their residual is the forgotten samples' unfinished fit, which Retrain never has)")
     newton_preconditioner: Literal["auto", "kronecker", "none"] = Field(
         "auto", description="matrix_free: PCG preconditioner. auto: the warm H_P(D)^{-1} when a prepared curvature "
                             "holds for the start, else none; kronecker: (A (x) G + lambda I)^{-1}, no preparation")
@@ -295,6 +299,14 @@ class LFociNewton(RemovalMethod):
         r0 = ((n - m) * g + g_forget) / n  # grad_P L_D(w) at the start
         start_norm = _norm(r0)
         anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
+        unanchored: list[int] = []
+        if settings.anchor == "training_residual" and settings.curvature_refresh == "matrix_free" \
+                and not settings.anchor_absent_classes:
+            # a class with no retained sample: its row's residual is the forgotten samples' unfinished
+            # fit, which Retrain never has; that row's target is the plain retrained optimum
+            unanchored, entries = _absent_class_entries(work, task, block)
+            anchor = anchor.clone()
+            anchor[entries] = 0.0
         residual = g - anchor
         g0 = _norm(residual)
         raw0 = _norm(g)
@@ -393,7 +405,7 @@ class LFociNewton(RemovalMethod):
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
             "frozen_prefix": prefix.describe() if prefix is not None else None,
-            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor),
+            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor), "unanchored_classes": unanchored,
                        "equation": "grad_P L_D\\U(w') = 0" if settings.anchor == "none"
                        else "grad_P L_D\\U(w') = grad_P L_D(w_start)"},
             "curvature": {"data": curv_note, **curvature_notes, "solver": dict(info.__dict__) if info else None,
@@ -422,6 +434,21 @@ class LFociNewton(RemovalMethod):
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+def _absent_class_entries(work: RemovalProblem, task: Task, block) -> tuple[list[int], torch.Tensor]:
+    """The classes with no retained sample and the block entries of their decision-layer rows
+    (weight row and bias); empty unless the block is the whole last Linear under cross-entropy."""
+    layer = closed_form_layer(work.model, task, block)
+    if layer is None:
+        return [], torch.zeros(0, dtype=torch.long)
+    k = layer.out_features
+    absent = (torch.bincount(work.retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
+    names = {name: ("weight" if p is layer.weight else "bias") for name, p in work.model.named_parameters()
+             if p is layer.weight or p is layer.bias}
+    order = _block_order(block, names, k, layer.in_features)  # block entry -> class * (d + 1) + input
+    entries = torch.isin(order // (layer.in_features + 1), absent).nonzero().squeeze(1)
+    return absent.tolist(), entries
 
 
 def _matrix_free_newton(work: RemovalProblem, task: Task, block, lam: float, anchor: torch.Tensor, tol: float,
