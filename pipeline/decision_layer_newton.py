@@ -67,7 +67,8 @@ class SoftmaxLayerObjective:
         x_curv = self.x if self.curvature_rows is None else self.x[self.curvature_rows]
         self.x_curv = x_curv.to(self.curvature_dtype)
         # relative accuracy a CG solve can ask of these products
-        self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 else 100 * torch.finfo(self.curvature_dtype).eps
+        self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 \
+            else 100 * torch.finfo(self.curvature_dtype).eps
 
     def logits(self, theta: Tensor) -> Tensor:
         self.passes += 1

@@ -304,7 +304,7 @@ class LFociNewton(RemovalMethod):
                 and not settings.anchor_absent_classes:
             # a class with no retained sample: its row's residual is the forgotten samples' unfinished
             # fit, which Retrain never has; that row's target is the plain retrained optimum
-            unanchored, entries = _absent_class_entries(work, task, block)
+            unanchored, entries = _absent_class_entries(work, task, block, retain)
             anchor = anchor.clone()
             anchor[entries] = 0.0
         residual = g - anchor
@@ -338,7 +338,8 @@ class LFociNewton(RemovalMethod):
         try:
             if settings.curvature_refresh == "matrix_free":
                 with problem.stage("curvature_and_solve", timings):
-                    history, solvers = _matrix_free_newton(work, task, block, lam, anchor, tol, settings, warm)
+                    history, solvers = _matrix_free_newton(work, task, retain, block, lam, anchor, tol, settings,
+                                                           warm)
                 with problem.stage("verify", timings):  # at the published (rounded) weights
                     g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
                 residual = g - anchor
@@ -372,7 +373,8 @@ class LFociNewton(RemovalMethod):
                         g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
                     residual = g - anchor
                     norm_g = _norm(residual)
-                    history.append({"step": k + 1, "residual_norm_after": norm_g, "retain_gradient_norm_after": _norm(g),
+                    history.append({"step": k + 1, "residual_norm_after": norm_g,
+                                    "retain_gradient_norm_after": _norm(g),
                                     "step_norm": step_length * _norm(direction), "step_length": step_length,
                                     "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
                                     "relative_residual": info.relative_residual})
@@ -436,14 +438,14 @@ class LFociNewton(RemovalMethod):
         return RemovalOutcome(new_parameters, record, release)
 
 
-def _absent_class_entries(work: RemovalProblem, task: Task, block) -> tuple[list[int], torch.Tensor]:
+def _absent_class_entries(work: RemovalProblem, task: Task, block, retain) -> tuple[list[int], torch.Tensor]:
     """The classes with no retained sample and the block entries of their decision-layer rows
     (weight row and bias); empty unless the block is the whole last Linear under cross-entropy."""
     layer = closed_form_layer(work.model, task, block)
     if layer is None:
         return [], torch.zeros(0, dtype=torch.long)
     k = layer.out_features
-    absent = (torch.bincount(work.retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
+    absent = (torch.bincount(retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
     names = {name: ("weight" if p is layer.weight else "bias") for name, p in work.model.named_parameters()
              if p is layer.weight or p is layer.bias}
     order = _block_order(block, names, k, layer.in_features)  # block entry -> class * (d + 1) + input
@@ -451,8 +453,8 @@ def _absent_class_entries(work: RemovalProblem, task: Task, block) -> tuple[list
     return absent.tolist(), entries
 
 
-def _matrix_free_newton(work: RemovalProblem, task: Task, block, lam: float, anchor: torch.Tensor, tol: float,
-                        settings: LFociNewtonSettings, warm: "WarmCurvature | None"
+def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: float, anchor: torch.Tensor,
+                        tol: float, settings: LFociNewtonSettings, warm: "WarmCurvature | None"
                         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``curvature_refresh: matrix_free``: minimise L_{D\\U}(w) - <anchor, w_P> over the decision
     layer by Newton's method with the exact curvature at the current weights, applied in closed
@@ -474,9 +476,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block, lam: float, anc
         out[order] = v.to(torch.float64)
         return out.reshape(k, d + 1)
 
-    retain = work.retain
-    x = retain.columns["x"].to(torch.float64).reshape(len(retain), d)
-    x = torch.cat([x, torch.ones(len(retain), 1, dtype=torch.float64)], dim=1)
+    x = torch.ones(len(retain), d + 1, dtype=torch.float64)  # x~ = (x, 1), one copy
+    x[:, :d] = retain.columns["x"].reshape(len(retain), d)
     smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
     targets = (1 - smoothing) * nn.functional.one_hot(retain.columns["y"].long(), k).to(torch.float64) + smoothing / k
     w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
