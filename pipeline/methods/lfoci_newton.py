@@ -24,6 +24,16 @@ Armijo on L_{D\\U} - <r0, w_P>). At an exact optimum of L_D, r0 = 0 and it is th
 optimum; its first step from w is the forget-gradient form of REFERENCE section 1,
 w + H'^{-1} (1/(n-m)) sum_U (grad f(w, z) - r0). The retained gradient it leaves is reported.
 
+Matrix-free decision layer (``curvature_refresh: matrix_free``; the block is the whole last Linear
+under cross-entropy over cached inputs): Newton's method on the same anchored objective with the
+exact Hessian at the current weights, H V = (1/n_r) [M(x) (V x~)] x~^T + lambda V, never built
+(``pipeline.decision_layer_newton``), each system solved by PCG to the forcing tolerance
+(preconditioner: the warm H_P(D)^{-1} when prepared), until ||grad_P L_{D\\U} - anchor|| <= tol;
+otherwise ``RemovalNotServed``. The chord (``first_step``) keeps the start curvature, which after
+a class is forgotten overstates the curvature of its row by orders of magnitude, so its steps
+stall there. With the anchor, the rows of a class that has no retained sample are not anchored
+(``anchor_absent_classes: false``): their residual is the forgotten samples' unfinished fit.
+
 Robust solve: mu >= ``damping``; an indefinite H' + damping I gets Levenberg-Marquardt damping
 (recorded), and a system not solved to the stated tolerance is never published: it raises
 ``RemovalNotServed`` (``UnsolvedSystemError``), as does a step that removes less than
