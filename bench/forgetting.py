@@ -45,10 +45,11 @@ Metrics: UA, RA, TA, MIA-efficacy (SVC on confidence; mean over MIA_REPEATS draw
 Writes bench/results/forgetting_<dataset>[_quick].json, .md and .png (atomically); progress (tqdm,
 time left) on stderr when it is a terminal (``UNLEARN_PROGRESS=1`` forces it, ``0`` silences it).
 
-Cost (``--threads 1``, the shared 2-core box, with another run beside it): full R8 8 min
-  (+ 4.5 min the first time, for the MiniLM features of 7,674 documents), full FMNIST about 45 min
-  (features 28 s once; one head training 10-20 s, 22 of them; lfoci-newton's L-FOCI probe and the
-  predictive Fisher diagonal dominate the removals); quick: under 10 minutes each.
+Cost (``--threads 1``, the shared 2-core box, with another run beside it): full R8 10 min
+  (+ 4.5 min the first time, for the MiniLM features of 7,674 documents), full FMNIST 20-25 min
+  (features 28 s once; one head training 4-15 s depending on load, 26 of them; lfoci-newton's
+  L-FOCI probe and the predictive Fisher diagonal dominate the removals); quick: 5-13 min each
+  at load 7-14 (under 10 minutes on a quieter machine).
 """
 from __future__ import annotations
 
