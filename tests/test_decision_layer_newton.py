@@ -59,6 +59,34 @@ def head_gradient(model, data, positions=None):
     return block_gradient(model, softmax_task(), keep, block, LAMBDA, reduction="mean")
 
 
+def anchored_minimiser(model, data, forget, r0):
+    """Oracle: the output layer minimising L_{D\\U}(w) - <r0, w_P> (convex in it), by a tight
+    L-BFGS solve over the hidden features; flat (weight, bias), float64."""
+    keep = data.without(torch.as_tensor(forget))
+    h = model[:3](keep.columns["x"]).detach()
+    y = keep.columns["y"]
+    w = torch.cat([model[3].weight.detach().reshape(-1), model[3].bias.detach()]).clone().requires_grad_(True)
+    k, d = model[3].weight.shape
+    others = sum(float(p.detach().pow(2).sum()) for p in (model[1].weight, model[1].bias))
+
+    def objective():
+        wt, b = w[: k * d].reshape(k, d), w[k * d:]
+        loss = nn.functional.cross_entropy(h @ wt.T + b, y)
+        return loss + 0.5 * LAMBDA * (w.pow(2).sum() + others) - r0 @ w
+
+    opt = torch.optim.LBFGS([w], lr=1, max_iter=2000, tolerance_grad=1e-13, tolerance_change=1e-18,
+                            history_size=50, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        value = objective()
+        value.backward()
+        return value
+
+    opt.step(closure)
+    return w.detach()
+
+
 @pytest.mark.parametrize("smoothing,bias,reduction", [(0.0, True, "mean"), (0.1, True, "sum"), (0.0, False, "sum")])
 def test_closed_form_hessian_is_the_hessian_vector_product_matrix(smoothing, bias, reduction):
     torch.manual_seed(0)
@@ -107,30 +135,9 @@ def test_anchored_target_is_the_stationary_point_of_the_anchored_objective(sgd_m
     left = head_gradient(anchored, digits, FORGET) - r0
     assert float(torch.linalg.vector_norm(left)) <= 1e-9
 
-    oracle = copy.deepcopy(sgd_mlp)
-    h = oracle[:3](digits.without(torch.as_tensor(FORGET)).columns["x"]).detach()
-    y = digits.without(torch.as_tensor(FORGET)).columns["y"]
-    w = torch.cat([oracle[3].weight.detach().reshape(-1), oracle[3].bias.detach()]).clone().requires_grad_(True)
-    k, d = oracle[3].weight.shape
-
-    def objective():
-        wt, b = w[: k * d].reshape(k, d), w[k * d:]
-        loss = nn.functional.cross_entropy(h @ wt.T + b, y)
-        others = sum(float(p.detach().pow(2).sum()) for p in (oracle[1].weight, oracle[1].bias))
-        return loss + 0.5 * LAMBDA * (w.pow(2).sum() + others) - r0 @ w
-
-    opt = torch.optim.LBFGS([w], lr=1, max_iter=500, tolerance_grad=1e-13, tolerance_change=1e-16,
-                            history_size=50, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        value = objective()
-        value.backward()
-        return value
-
-    opt.step(closure)
+    w = anchored_minimiser(sgd_mlp, digits, FORGET, r0)
     ours = torch.cat([anchored[3].weight.detach().reshape(-1), anchored[3].bias.detach()])
-    assert float(torch.linalg.vector_norm(ours - w.detach())) <= 1e-6 * float(torch.linalg.vector_norm(w.detach()))
+    assert float(torch.linalg.vector_norm(ours - w)) <= 1e-6 * float(torch.linalg.vector_norm(w))
 
     # without the anchor the target is the retrained optimum of the block instead: a different point
     plain, _ = run(sgd_mlp, digits, FORGET, newton_max_steps=20, newton_rtol=1e-10, newton_atol=1e-12)
@@ -233,3 +240,140 @@ def test_fisher_dense_step_on_the_decision_layer_is_the_exact_newton_step(sgd_ml
     got = block.gather(dict(work.named_parameters())).double()
     assert float(torch.linalg.vector_norm(got - expected)) <= 1e-8 * float(torch.linalg.vector_norm(expected))
     assert outcome.record["anchor"]["kind"] == anchor
+
+
+# ---- curvature_refresh: matrix_free (Newton with the current curvature, never built) ----------
+def class_positions(data, label=3):
+    return torch.nonzero(data.columns["y"] == label).squeeze(1).tolist()
+
+
+def test_matrix_free_objective_matches_autograd():
+    """grad F and H V of pipeline.decision_layer_newton against autograd on the same objective
+    (label smoothing, anchor): a wrong sign or a missing 1/n or lambda fails."""
+    from pipeline.decision_layer_newton import SoftmaxLayerObjective
+
+    gen = torch.Generator().manual_seed(3)
+    n, d, k, s = 40, 5, 4, 0.1
+    x = torch.cat([torch.randn(n, d, generator=gen, dtype=torch.float64), torch.ones(n, 1, dtype=torch.float64)], 1)
+    y = torch.randint(0, k, (n,), generator=gen)
+    targets = (1 - s) * nn.functional.one_hot(y, k).double() + s / k
+    anchor, ref = torch.randn(k, d + 1, generator=gen, dtype=torch.float64), torch.randn(k, d + 1, generator=gen,
+                                                                                         dtype=torch.float64)
+    obj = SoftmaxLayerObjective(x, targets, 0.07, anchor, ref)
+    theta = torch.randn(k, d + 1, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        z = x @ t.T
+        return (nn.functional.cross_entropy(z, y, label_smoothing=s) + 0.035 * (t * t).sum()
+                - (anchor * (t - ref)).sum())
+
+    z = obj.logits(theta.detach())
+    p = torch.softmax(z, dim=1)
+    assert abs(obj.value(theta.detach(), z) - float(f(theta))) <= 1e-12
+    grad = torch.autograd.grad(f(theta), theta)[0]
+    assert float((obj.gradient(theta.detach(), p) - grad).abs().max()) <= 1e-12
+    v = torch.randn(k, d + 1, generator=gen, dtype=torch.float64)
+    hv = torch.autograd.functional.hvp(f, theta.detach(), v)[1]
+    got = obj.hessian_product(p, v)
+    assert float((got - hv).abs().max()) <= 1e-11 * float(hv.abs().max())
+
+
+def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stops_short(sgd_mlp, digits):
+    """Class forgetting on the softmax head: the 3-step chord (start curvature kept) ends far from
+    the anchored optimum; matrix_free Newton lands on it (tight L-BFGS oracle)."""
+    forget = class_positions(digits)
+    r0 = head_gradient(sgd_mlp, digits)
+    oracle = anchored_minimiser(sgd_mlp, digits, forget, r0)
+    start = torch.cat([sgd_mlp[3].weight.detach().reshape(-1), sgd_mlp[3].bias.detach()])
+    span = float(torch.linalg.vector_norm(oracle - start))
+    assert span > 1.0  # forgetting a class moves the head far
+
+    def head(model):
+        return torch.cat([model[3].weight.detach().reshape(-1), model[3].bias.detach()])
+
+    chord, _ = run(sgd_mlp, digits, forget, anchor="training_residual", curvature_refresh="first_step",
+                   newton_max_steps=3, min_gradient_reduction=0.0)
+    assert float(torch.linalg.vector_norm(head(chord) - oracle)) > 0.05 * span
+    exact, rec = run(sgd_mlp, digits, forget, anchor="training_residual", curvature_refresh="matrix_free",
+                     anchor_absent_classes=True, newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
+    assert rec["newton"]["converged"] and rec["curvature"]["solvers"][0]["solver"] == "pcg-matrix-free"
+    assert float(torch.linalg.vector_norm(head(exact) - oracle)) <= 1e-6 * span
+    assert float(torch.linalg.vector_norm(head_gradient(exact, digits, forget) - r0)) <= 1e-9
+    assert torch.equal(exact[1].weight, sgd_mlp[1].weight)  # the hidden layer never moves
+
+
+@pytest.mark.parametrize("preconditioner", ["auto", "kronecker", "none"])
+def test_matrix_free_equals_converged_newton_where_that_converges(sgd_mlp, digits, preconditioner):
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    newton, rec_n = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
+                        newton_rtol=1e-10, newton_atol=1e-12)
+    free, rec_f = run(sgd_mlp, digits, FORGET, warm=warm, anchor="training_residual", newton_max_steps=40,
+                      newton_rtol=1e-10, newton_atol=1e-12, curvature_refresh="matrix_free",
+                      newton_preconditioner=preconditioner)
+    assert rec_n["newton"]["converged"] and rec_f["newton"]["converged"]
+    expected = {"auto": "warm H_P(D)^-1", "kronecker": "kronecker", "none": "none"}[preconditioner]
+    assert rec_f["curvature"]["solvers"][0]["preconditioner"] == expected
+    moved = float(torch.linalg.vector_norm(flat(newton) - flat(sgd_mlp)))
+    assert float(torch.linalg.vector_norm(flat(newton) - flat(free))) <= 1e-7 * max(1.0, moved)
+
+
+def test_matrix_free_refuses_what_it_does_not_converge_and_rejects_other_blocks(sgd_mlp, digits):
+    from pipeline.curvature import RemovalNotServed
+
+    work = copy.deepcopy(sgd_mlp)
+    method = get_method("lfoci-newton")
+    problem = RemovalProblem(work, softmax_task(), digits, torch.as_tensor(class_positions(digits)), LAMBDA, seed=1)
+    with pytest.raises(RemovalNotServed, match="matrix-free Newton did not reach"):
+        method.run(problem, method.Settings(selection="parameters", parameters=HEAD, curvature_refresh="matrix_free",
+                                            newton_max_steps=1, newton_rtol=1e-12, newton_atol=1e-14))
+    assert torch.equal(flat(work), flat(sgd_mlp))  # nothing published
+    with pytest.raises(ValueError, match="curvature_refresh: matrix_free needs"):
+        method.run(problem, method.Settings(selection="parameters", parameters=["1.weight", *HEAD],
+                                            curvature_refresh="matrix_free"))
+
+
+def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digits):
+    """Hessian products on a subsample (curvature_samples) or in float32 (a float32 model) change
+    the path, not the point: the gradient is exact, so the class-forgetting minimiser is the same."""
+    forget = class_positions(digits)
+    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=80)
+    full, _ = run(sgd_mlp, digits, forget, newton_rtol=1e-11, newton_atol=1e-13, **settings)
+    # a subsampled Hessian converges linearly: a looser stop, ||w - w*|| <= ||grad|| / lambda
+    sub, rec = run(sgd_mlp, digits, forget, curvature_samples=300, newton_rtol=1e-9, newton_atol=1e-13,
+                   **{**settings, "newton_max_steps": 200})
+    assert rec["curvature"]["solvers"][0]["curvature_rows"] == 300 and rec["newton"]["converged"]
+    moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
+    assert moved > 1.0
+    assert float(torch.linalg.vector_norm(flat(sub) - flat(full))) <= 1e-6 * moved
+
+    single = copy.deepcopy(sgd_mlp).float()
+    data32 = SampleSet({**digits.columns, "x": digits.columns["x"].float()}, digits.sample_ids)
+    low, rec32 = run(single, data32, forget, newton_rtol=1e-5, newton_atol=1e-9, **settings)
+    assert rec32["curvature"]["solvers"][0]["product_dtype"] == "float32" and rec32["newton"]["converged"]
+    assert float(torch.linalg.vector_norm(flat(low).double() - flat(full))) <= 1e-4 * moved
+
+
+def test_matrix_free_drops_the_anchor_on_the_rows_of_a_class_with_no_retained_sample(sgd_mlp, digits):
+    """anchor_absent_classes false (the default): forgetting class 3 leaves D_r without it, so the
+    target is grad L_{D\\U}(w') = r0 with r0's class-3 weight row and bias zeroed (oracle: L-BFGS
+    on that objective); a forget set that leaves every class present is anchored as before."""
+    forget = class_positions(digits)
+    r0 = head_gradient(sgd_mlp, digits)
+    k, d = sgd_mlp[3].weight.shape
+    cut = r0.clone()
+    cut[3 * d:4 * d] = 0.0
+    cut[k * d + 3] = 0.0
+    oracle = anchored_minimiser(sgd_mlp, digits, forget, cut)
+    kept = anchored_minimiser(sgd_mlp, digits, forget, r0)
+    assert float(torch.linalg.vector_norm(oracle - kept)) > 0.1  # the two targets differ
+    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=60,
+                    newton_rtol=1e-11, newton_atol=1e-13)
+    ours, rec = run(sgd_mlp, digits, forget, **settings)
+    assert rec["target"]["unanchored_classes"] == [3]
+    got = torch.cat([ours[3].weight.detach().reshape(-1), ours[3].bias.detach()])
+    assert float(torch.linalg.vector_norm(got - oracle)) <= 1e-6 * float(torch.linalg.vector_norm(oracle))
+    # every class still present: nothing unanchored, the same point as anchor_absent_classes true
+    a, rec_a = run(sgd_mlp, digits, FORGET, **settings)
+    b, _ = run(sgd_mlp, digits, FORGET, anchor_absent_classes=True, **settings)
+    assert rec_a["target"]["unanchored_classes"] == [] and torch.equal(flat(a), flat(b))

@@ -13,7 +13,9 @@ from pipeline.evaluate.classification import accuracy, micro_f1, task_accuracy, 
 from pipeline.evaluate.divergence import bernoulli_kl_from_logits, kl_from_logits, kl_from_probs
 from pipeline.evaluate.forget_sets import build_forget_set
 from pipeline.evaluate.lira import balanced_membership, gaussian_llr, logit_confidence
-from pipeline.evaluate.mia import attack_features, mia_efficacy, svc_nonmember_share
+from pipeline.evaluate.mia import (
+    attack_features, mia_efficacy, mia_efficacy_from_logits, shadow_positions, svc_nonmember_share,
+)
 from pipeline.evaluate.retrieval import average_precision, query_gallery_split, retrieval_metrics
 from pipeline.evaluate.scorecard import avg_gap
 from pipeline.evaluate.weights import relative_distance, residual_gradient_norm, weight_distance
@@ -152,3 +154,27 @@ def test_residual_gradient_norm_vanishes_at_the_optimum():
     before = residual_gradient_norm(model, task, data, 0.1)
     fit_lbfgs(model, task, data, 0.1, tolerance=1e-9, max_steps=10)
     assert residual_gradient_norm(model, task, data, 0.1) < 1e-7 < before
+
+
+def test_mia_repeats_average_independent_balanced_draws():
+    """repeats = 1 is the single-draw value; repeats = B the mean over B seeded balanced draws
+    (each its own SVC), all of the same size; repeats < 1 is refused."""
+    task = DenseInputTask()
+    gen = torch.Generator().manual_seed(0)
+    retain = (torch.randn(300, 3, generator=gen) * 2, torch.randint(0, 3, (300,), generator=gen))
+    test = (torch.randn(200, 3, generator=gen) * 2, torch.randint(0, 3, (200,), generator=gen))
+    forget = (torch.randn(30, 3, generator=gen) * 2, torch.randint(0, 3, (30,), generator=gen))
+    one = mia_efficacy_from_logits(task, retain, test, forget, seed=5, max_shadow=80)
+    many = mia_efficacy_from_logits(task, retain, test, forget, seed=5, max_shadow=80, repeats=3)
+    shares = []
+    for seed in (5, (5, 1), (5, 2)):
+        m, n = shadow_positions(300, 200, seed, 80)
+        assert len(m) == len(n) == 80
+        feats = [attack_features(torch.softmax(lg, 1), y) for lg, y in
+                 ((retain[0][m], retain[1][m]), (test[0][n], test[1][n]), forget)]
+        shares.append(svc_nonmember_share(*feats))
+    assert one == pytest.approx(100 * shares[0])
+    assert many == pytest.approx(100 * float(np.mean(shares)))
+    assert len({round(v, 6) for v in shares}) > 1  # the draws differ, so the mean is not a copy of one
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        mia_efficacy_from_logits(task, retain, test, forget, repeats=0)

@@ -31,7 +31,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     from pipeline.methods import METHODS
     from bench.forgetting import MIXED_LINEAR, SCENARIOS, SKIP_METHODS, VARIANT_ROWS
 
-    expected = {"original", "retrain"} | {m for m in METHODS if m not in SKIP_METHODS} | set(VARIANT_ROWS)
+    expected = {"original", "retrain", "retrain-reseed"} | {m for m in METHODS if m not in SKIP_METHODS} | set(VARIANT_ROWS)
     assert "newton-head" in expected
     ml_rows = {"ml-original", "ml-retrain", "mixed-linear"}
     assert {"finetune", "gradient-ascent", "random-labels", "salun", "lfoci-newton", "fisher", "ntk"} <= expected
@@ -51,6 +51,8 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
                 for col in ("UA", "RA", "TA", "MIA", "AvgGap", "seconds"):
                     assert isinstance(row[col], float), (scenario, name, col)
             assert run["rows"]["retrain"]["AvgGap"] == 0.0
+            # the noise floor: Retrain's recipe from another seed, compared with Retrain, no time ratio
+            assert run["rows"]["retrain-reseed"]["AvgGap"] >= 0.0 and "ratio" not in run["rows"]["retrain-reseed"]
         for name, agg in block["summary"].items():
             if "AvgGap" not in agg:  # refused on every forget set: only the reasons
                 assert method_of(name) == "lfoci-newton" and agg["needs_retrain"], (scenario, name, agg)
@@ -59,7 +61,7 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     run0 = smoke_result["scenarios"]["random_1pct"]["runs"][0]
     ulira = run0["ulira"]
     refused = {name for name, row in run0["rows"].items() if "needs_retrain" in row}
-    assert set(ulira) == expected - {"retrain"} - refused
+    assert set(ulira) == expected - {"retrain", "retrain-reseed"} - refused
     assert "mixed-linear" in smoke_result["method_settings"] or smoke_result["mixed_linear"]["enabled"]
     for name, res in ulira.items():
         assert "error" not in res, (name, res)

@@ -55,9 +55,10 @@ def predict_sets(model: nn.Module, task: Task, sets: EvalSets, batch_size: int =
 
 def score(model: nn.Module, task: Task, sets: EvalSets, *, mia_feature: str = "confidence",
           seed: int = 0, batch_size: int = 256, logits: dict[str, Tensor] | None = None,
-          mia_max_shadow: int | None = 5000) -> dict[str, float]:
+          mia_max_shadow: int | None = 5000, mia_repeats: int = 1) -> dict[str, float]:
     """UA, RA, TA, MIA (and TA_forgotten for class scenarios) from one forward pass per set.
-    ``mia_max_shadow`` caps the members and non-members the MIA's SVC is fitted on."""
+    ``mia_max_shadow`` caps the members and non-members the MIA's SVC is fitted on;
+    ``mia_repeats``: the MIA is the mean over that many independent draws of them."""
     logits = logits or predict_sets(model, task, sets, batch_size)
     y = {name: getattr(sets, name).columns["y"] for name in logits}
     row = {
@@ -67,7 +68,7 @@ def score(model: nn.Module, task: Task, sets: EvalSets, *, mia_feature: str = "c
     }
     row["MIA"] = mia_efficacy_from_logits(task, (logits["retain"], y["retain"]), (logits["test"], y["test"]),
                                           (logits["forget"], y["forget"]), feature=mia_feature, seed=seed,
-                                          max_shadow=mia_max_shadow)
+                                          max_shadow=mia_max_shadow, repeats=mia_repeats)
     if "forgotten_test" in logits:
         row["TA_forgotten"] = score_logits(logits["forgotten_test"], y["forgotten_test"], task)
     return row

@@ -24,6 +24,16 @@ Armijo on L_{D\\U} - <r0, w_P>). At an exact optimum of L_D, r0 = 0 and it is th
 optimum; its first step from w is the forget-gradient form of REFERENCE section 1,
 w + H'^{-1} (1/(n-m)) sum_U (grad f(w, z) - r0). The retained gradient it leaves is reported.
 
+Matrix-free decision layer (``curvature_refresh: matrix_free``; the block is the whole last Linear
+under cross-entropy over cached inputs): Newton's method on the same anchored objective with the
+exact Hessian at the current weights, H V = (1/n_r) [M(x) (V x~)] x~^T + lambda V, never built
+(``pipeline.decision_layer_newton``), each system solved by PCG to the forcing tolerance
+(preconditioner: the warm H_P(D)^{-1} when prepared), until ||grad_P L_{D\\U} - anchor|| <= tol;
+otherwise ``RemovalNotServed``. The chord (``first_step``) keeps the start curvature, which after
+a class is forgotten overstates the curvature of its row by orders of magnitude, so its steps
+stall there. With the anchor, the rows of a class that has no retained sample are not anchored
+(``anchor_absent_classes: false``): their residual is the forgotten samples' unfinished fit.
+
 Robust solve: mu >= ``damping``; an indefinite H' + damping I gets Levenberg-Marquardt damping
 (recorded), and a system not solved to the stated tolerance is never published: it raises
 ``RemovalNotServed`` (``UnsolvedSystemError``), as does a step that removes less than
@@ -57,7 +67,8 @@ from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
 from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
-from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, closed_form_layer
+from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise
+from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
@@ -87,7 +98,8 @@ class LFociNewtonSettings(MethodSettings):
     pass_size: int = Field(32, gt=0, description="perturbations per forward pass")
     max_slices: int | None = Field(None, gt=0, description="cap on L-FOCI picks")
     curvature_samples: int | None = Field(
-        None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples")
+        None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples "
+                                "(matrix_free: Hessian products on this many retained samples; gradients stay exact)")
     dense_max: int = Field(4096, gt=0, description="largest block solved densely (Cholesky); CG above")
     damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
                                                   "when H' + mu I is indefinite)")
@@ -108,10 +120,24 @@ class LFociNewtonSettings(MethodSettings):
     closed_form_curvature: bool = Field(
         True, description="a block that is the whole last Linear layer under cross-entropy: build its Hessian in "
                           "closed form (pipeline.linear_curvature), the same matrix as the Hessian-vector products")
-    curvature_refresh: Literal["every_step", "first_step"] = Field(
+    curvature_refresh: Literal["every_step", "first_step", "matrix_free"] = Field(
         "every_step", description="every_step: fresh curvature for each Newton step (Newton's method); first_step: "
                                   "the first step's system (factorised once) for every step, with fresh gradients "
-                                  "(a chord iteration: same fixed point, linear convergence, far cheaper steps)")
+                                  "(a chord iteration: same fixed point, linear convergence, far cheaper steps); "
+                                  "matrix_free: Newton's method with the exact curvature of D\\U at the current "
+                                  "weights, never built: closed-form products over the cached inputs, inexact PCG "
+                                  "(pipeline.decision_layer_newton; the block must be the whole last Linear layer "
+                                  "under cross-entropy)")
+    anchor_absent_classes: bool = Field(
+        False, description="matrix_free with anchor training_residual: keep the anchor on the decision-layer rows of "
+                           "classes that have no retained sample (false: those rows go to the plain retrained optimum; "
+                           "their residual is the forgotten samples' unfinished fit, which Retrain never has)")
+    newton_preconditioner: Literal["auto", "kronecker", "none"] = Field(
+        "auto", description="matrix_free: PCG preconditioner. auto: the warm H_P(D)^{-1} when a prepared curvature "
+                            "holds for the start, else none; kronecker: (A (x) G + lambda I)^{-1}, no preparation")
+    newton_forcing: float = Field(
+        0.5, gt=0, lt=1, description="matrix_free: each Newton system solved to relative residual "
+                                     "min(newton_forcing, sqrt(||grad|| / ||grad_0||)) (inexact Newton)")
     newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
     newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
     newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
@@ -283,6 +309,14 @@ class LFociNewton(RemovalMethod):
         r0 = ((n - m) * g + g_forget) / n  # grad_P L_D(w) at the start
         start_norm = _norm(r0)
         anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
+        unanchored: list[int] = []
+        if settings.anchor == "training_residual" and settings.curvature_refresh == "matrix_free" \
+                and not settings.anchor_absent_classes:
+            # a class with no retained sample: its row's residual is the forgotten samples' unfinished
+            # fit, which Retrain never has; that row's target is the plain retrained optimum
+            unanchored, entries = _absent_class_entries(work, task, block, retain)
+            anchor = anchor.clone()
+            anchor[entries] = 0.0
         residual = g - anchor
         g0 = _norm(residual)
         raw0 = _norm(g)
@@ -312,39 +346,50 @@ class LFociNewton(RemovalMethod):
         norm_g = g0
         f_now: float | None = None  # the line search's objective at the current weights, once known
         try:
-            for k in range(settings.newton_max_steps):
-                if norm_g <= tol and k > 0:
-                    break
+            if settings.curvature_refresh == "matrix_free":
                 with problem.stage("curvature_and_solve", timings):
-                    if chord is None and k == 0 and warm is not None and warm.inverse is not None \
-                            and factory is LinearCrossEntropyHessian and settings.curvature_refresh == "first_step":
-                        h_forget = LinearCrossEntropyHessian(work.model, task, forget, block, lam, reduction="sum",
-                                                             batch_size=bs)
-                        chord = _WarmChord(warm, h_forget, n, m, settings.dense_rtol, settings.cg_max_iter)
-                    if chord is not None:
-                        direction, info = chord.solve(residual)
-                    else:
-                        h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
-                                             warm if k == 0 else None, curvature_notes)
-                        direction, info = solve_newton_system(
-                            h_new, residual, dense=dense, damping=settings.damping,
-                            rtol=settings.dense_rtol if dense else settings.cg_rtol,
-                            max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
-                        if settings.curvature_refresh == "first_step" and dense:
-                            chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
-                    solvers.append(dict(info.__dict__))
-                    step_length, f_now = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
-                                                    settings.max_backtracks, anchor, w_start, f_now)
-                with problem.stage("verify", timings):
+                    history, solvers = _matrix_free_newton(work, task, retain, block, lam, anchor, tol, settings,
+                                                           warm)
+                with problem.stage("verify", timings):  # at the published (rounded) weights
                     g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
                 residual = g - anchor
                 norm_g = _norm(residual)
-                history.append({"step": k + 1, "residual_norm_after": norm_g, "retain_gradient_norm_after": _norm(g),
-                                "step_norm": step_length * _norm(direction), "step_length": step_length,
-                                "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
-                                "relative_residual": info.relative_residual})
-                if norm_g <= tol or step_length == 0.0:
-                    break
+                curvature_notes["operator"] = "closed-form products at the current weights (matrix-free)"
+            else:
+                for k in range(settings.newton_max_steps):
+                    if norm_g <= tol and k > 0:
+                        break
+                    with problem.stage("curvature_and_solve", timings):
+                        if chord is None and k == 0 and warm is not None and warm.inverse is not None \
+                                and factory is LinearCrossEntropyHessian and settings.curvature_refresh == "first_step":
+                            h_forget = LinearCrossEntropyHessian(work.model, task, forget, block, lam, reduction="sum",
+                                                                 batch_size=bs)
+                            chord = _WarmChord(warm, h_forget, n, m, settings.dense_rtol, settings.cg_max_iter)
+                        if chord is not None:
+                            direction, info = chord.solve(residual)
+                        else:
+                            h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
+                                                 warm if k == 0 else None, curvature_notes)
+                            direction, info = solve_newton_system(
+                                h_new, residual, dense=dense, damping=settings.damping,
+                                rtol=settings.dense_rtol if dense else settings.cg_rtol,
+                                max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                            if settings.curvature_refresh == "first_step" and dense:
+                                chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
+                        solvers.append(dict(info.__dict__))
+                        step_length, f_now = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
+                                                        settings.max_backtracks, anchor, w_start, f_now)
+                    with problem.stage("verify", timings):
+                        g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                    residual = g - anchor
+                    norm_g = _norm(residual)
+                    history.append({"step": k + 1, "residual_norm_after": norm_g,
+                                    "retain_gradient_norm_after": _norm(g),
+                                    "step_norm": step_length * _norm(direction), "step_length": step_length,
+                                    "damping": info.damping, "solver": info.solver, "iterations": info.iterations,
+                                    "relative_residual": info.relative_residual})
+                    if norm_g <= tol or step_length == 0.0:
+                        break
             reduction = 1.0 - norm_g / g0 if g0 > 0 else 1.0
             if reduction < settings.min_gradient_reduction:
                 raise RemovalNotServed(
@@ -372,7 +417,7 @@ class LFociNewton(RemovalMethod):
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
             "frozen_prefix": prefix.describe() if prefix is not None else None,
-            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor),
+            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor), "unanchored_classes": unanchored,
                        "equation": "grad_P L_D\\U(w') = 0" if settings.anchor == "none"
                        else "grad_P L_D\\U(w') = grad_P L_D(w_start)"},
             "curvature": {"data": curv_note, **curvature_notes, "solver": dict(info.__dict__) if info else None,
@@ -401,6 +446,85 @@ class LFociNewton(RemovalMethod):
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+def _absent_class_entries(work: RemovalProblem, task: Task, block, retain) -> tuple[list[int], torch.Tensor]:
+    """The classes with no retained sample and the block entries of their decision-layer rows
+    (weight row and bias); empty unless the block is the whole last Linear under cross-entropy."""
+    layer = closed_form_layer(work.model, task, block)
+    if layer is None:
+        return [], torch.zeros(0, dtype=torch.long)
+    k = layer.out_features
+    absent = (torch.bincount(retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
+    names = {name: ("weight" if p is layer.weight else "bias") for name, p in work.model.named_parameters()
+             if p is layer.weight or p is layer.bias}
+    order = _block_order(block, names, k, layer.in_features)  # block entry -> class * (d + 1) + input
+    entries = torch.isin(order // (layer.in_features + 1), absent).nonzero().squeeze(1)
+    return absent.tolist(), entries
+
+
+def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: float, anchor: torch.Tensor,
+                        tol: float, settings: LFociNewtonSettings, warm: "WarmCurvature | None"
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``curvature_refresh: matrix_free``: minimise L_{D\\U}(w) - <anchor, w_P> over the decision
+    layer by Newton's method with the exact curvature at the current weights, applied in closed
+    form over the cached inputs (``pipeline.decision_layer_newton``); the result is written into
+    the layer. Raises ``RemovalNotServed`` when ||grad|| <= tol is not reached."""
+    layer = closed_form_layer(work.model, task, block)
+    if layer is None:
+        raise ValueError("curvature_refresh: matrix_free needs a block that is the whole last Linear layer under "
+                         "cross-entropy over fixed inputs (selection: parameters naming the output layer's weight "
+                         "and bias, cache_frozen_prefix: true); use every_step or first_step for other blocks")
+    params = dict(work.model.named_parameters())
+    names = {name: ("weight" if p is layer.weight else "bias") for name, p in params.items()
+             if p is layer.weight or p is layer.bias}
+    k, d = layer.out_features, layer.in_features
+    order = _block_order(block, names, k, d)
+
+    def to_theta(v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(k * (d + 1), dtype=torch.float64)
+        out[order] = v.to(torch.float64)
+        return out.reshape(k, d + 1)
+
+    x = torch.ones(len(retain), d + 1, dtype=torch.float64)  # x~ = (x, 1), one copy
+    x[:, :d] = retain.columns["x"].reshape(len(retain), d)
+    smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
+    targets = (1 - smoothing) * nn.functional.one_hot(retain.columns["y"].long(), k).to(torch.float64) + smoothing / k
+    w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
+    theta0 = to_theta(w_start)
+    rows = None
+    if settings.curvature_samples is not None and settings.curvature_samples < len(retain):
+        gen = work.generator(RandomStream.CURVATURE_SUBSAMPLE)
+        rows = torch.randperm(len(retain), generator=gen)[: settings.curvature_samples].sort().values
+    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
+    product_dtype = torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+        else torch.float64
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype)
+    choice = settings.newton_preconditioner
+    preconditioner: Any = choice
+    if choice == "auto":
+        preconditioner = "none"
+        if warm is not None and warm.inverse is not None:
+            preconditioner = dense_preconditioner(warm.inverse, order, (k, d + 1))
+            choice = "warm H_P(D)^-1"
+    result = newton_minimise(objective, theta0, tol=tol, max_steps=settings.newton_max_steps,
+                             preconditioner=preconditioner, forcing=settings.newton_forcing,
+                             max_cg=settings.cg_max_iter or 200, max_backtracks=settings.max_backtracks)
+    history = [{"step": h["step"], "residual_norm_after": h["gradient_norm"], "step_length": h["step_length"],
+                "damping": 0.0, "solver": "pcg-matrix-free", "iterations": h["cg_iterations"],
+                "relative_residual": h["cg_relative_residual"]} for h in result.history]
+    solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
+                "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
+                "curvature_rows": len(retain) if rows is None else len(rows)}]
+    if not result.converged:
+        raise RemovalNotServed(
+            f"matrix-free Newton did not reach ||grad|| <= {tol:.3g} in {settings.newton_max_steps} steps "
+            f"(left {result.gradient_norm:.3g}; raise newton_max_steps or newton_rtol)",
+            {"retain_gradient_norm_before": result.start_gradient_norm, "retain_gradient_norm_after":
+             result.gradient_norm, "steps": history})
+    with torch.no_grad():
+        block.add_to_model(work.model, result.theta.reshape(-1)[order] - w_start)
+    return history, solvers
 
 
 class _Chord:
