@@ -58,5 +58,7 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
     config = parse(EvalConfig, raw, f"evaluation config {config_path or '(command line)'}")
     result = evaluate(config)
     click.echo(result["table"])
+    for name, refused in result["needs_retrain"].items():
+        click.echo(f"{name}: needs retrain (the method refused this removal): {refused['reason']}")
     if config.out:
         click.echo(f"wrote {config.out}")

@@ -106,3 +106,22 @@ def test_eval_class_scenario_cli(model_dir, tmp_path):
 def _write(path, data):
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def test_eval_records_a_refused_removal_as_needs_retrain(model_dir, tmp_path):
+    """A method that refuses (RemovalNotServed: here CG capped at one iteration short of its
+    tolerance) is the method's verdict, not a failure: the evaluation finishes, the baselines are
+    scored, and the refusal is reported with its reason."""
+    from jobs.evaluate import command as eval_command
+
+    spec = {"methods": {"lfoci-newton": {"selection": "all", "dense_max": 1, "cg_max_iter": 1, "cg_rtol": 1e-12}},
+            "baselines": ["retrain"], "residual_gradient": False}
+    result = CliRunner().invoke(eval_command, [
+        str(model_dir), "--scenario", "random", "--count", "5", "--config", str(_write(tmp_path / "e.yaml", spec)),
+        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "refused.json")])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "refused.json").read_text())
+    assert "lfoci-newton" not in saved["rows"] and {"original", "retrain"} <= set(saved["rows"])
+    refused = saved["needs_retrain"]["lfoci-newton"]
+    assert "cg" in refused["reason"].lower() or "solve" in refused["reason"].lower(), refused
+    assert "lfoci-newton: needs retrain" in result.output and saved["method_errors"] == {}

@@ -43,6 +43,7 @@ from pipeline.evaluate.weights import relative_distance, residual_gradient_norm,
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
 from pipeline.progress import StageProgress, Steps
 from pipeline.recipe import fit, initial_model
+from pipeline.curvature import RemovalNotServed
 from pipeline.removal import remove, training_set
 
 # Method names that mean the baselines (never run twice if a method registry also has them).
@@ -176,6 +177,7 @@ class Evaluation:
         self.models: dict[str, nn.Module] = {"original": self.model}
         self.rows: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
+        self.needs_retrain: dict[str, dict[str, Any]] = {}  # methods that refused (RemovalNotServed)
         self._w0_path: Path | None = None
         self.forget_logits: dict[str, torch.Tensor] = {}
         self.steps: Steps | None = None  # the progress bar over the protocol's steps (evaluate)
@@ -226,6 +228,10 @@ class Evaluation:
                     run = remove(self.config.model_dir, self.sample_ids, method=name, settings=settings,
                                  seed=self.config.seed, batch_size=self.config.batch_size,
                                  memory_budget=memory.current_budget(), stage_hook=StageProgress(name))
+                except RemovalNotServed as refused:  # the method's own verdict, not a failure
+                    self.needs_retrain[name] = {"reason": refused.reason, "diagnostics": refused.diagnostics,
+                                                "seconds": time.perf_counter() - started}
+                    continue
                 except Exception as err:
                     if not self.config.continue_on_error:
                         raise
@@ -386,7 +392,7 @@ def _evaluate(config: EvalConfig, budget: memory.MemoryBudget) -> dict[str, Any]
         "model_dir": config.model_dir, "preset": ev.card.preset, "data": ev.card.data.model_dump(),
         "n": len(ev.train), "scenario": config.forget.model_dump(exclude_none=True),
         "sample_ids": ev.sample_ids, "m": len(ev.sample_ids), "rows": ev.rows, "method_records": records,
-        "method_errors": ev.errors,
+        "method_errors": ev.errors, "needs_retrain": ev.needs_retrain,
         "lira": lira, "curve": curve, "table": format_table({k: v for k, v in ev.rows.items()}),
         "config": config.model_dump(mode="json"), "wall_seconds": time.perf_counter() - started,
     }
