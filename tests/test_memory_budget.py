@@ -156,7 +156,11 @@ def test_configs_accept_memory_budget_and_examples_still_parse():
     assert ForgetConfig.model_validate(forget).memory_budget == "512MiB"
 
 
-# -- a real removal in a child process -------------------------------------------------------------------
+# -- real removals in a child process -----------------------------------------------------------------
+# A child process runs the removals of the budgets it is given in turn, after one warm-up; each
+# run resets the peak (VmHWM) to the current RSS first. The bounded (measured) budget has a
+# child of its own; the too-small and the unbounded ones share one (one interpreter start, one
+# import of torch and the pipeline, one warm-up less).
 CHILD = textwrap.dedent("""
     import gc, json, resource, sys, traceback
     import torch
@@ -164,7 +168,7 @@ CHILD = textwrap.dedent("""
     from pipeline.models.card import load_model_dir
     from pipeline.removal import remove, training_set
 
-    model_dir, budget, settings, batch_size = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    model_dir, budgets, settings, batch_size = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     card = load_model_dir(model_dir)[2]
     ids = training_set(card).sample_ids[:30].tolist()
 
@@ -177,40 +181,45 @@ CHILD = textwrap.dedent("""
     # warm up the code paths (imports, lazy initialisation of torch.func) on a tiny removal
     remove(model_dir, ids[:2], method="lfoci-newton", settings={**settings, "newton_max_steps": 1},
            seed=0, batch_size=8, memory_budget="64MiB")
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset the peak (VmHWM) to the current RSS
-        reset = True
-    except OSError:
-        reset = False
-    before = status("VmRSS")
-    peak_before = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"before": before, "reset": reset}
-    try:
-        run = remove(model_dir, ids, method="lfoci-newton", settings=settings, seed=0, batch_size=batch_size,
-                     memory_budget=budget)
-        out["record"] = {k: run.record[k] for k in ("memory_budget", "n_after", "block")}
-        out["ok"] = True
-    except Exception as err:
-        out["ok"] = False
-        out["error"] = f"{type(err).__name__}: {err}"
-    peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out["growth"] = peak - before
-    print("RESULT " + json.dumps(out))
+    for budget in budgets:
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")  # reset the peak (VmHWM) to the current RSS
+            reset = True
+        except OSError:
+            reset = False
+        before = status("VmRSS")
+        peak_before = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out = {"budget": budget, "before": before, "reset": reset}
+        run = None
+        try:
+            run = remove(model_dir, ids, method="lfoci-newton", settings=settings, seed=0, batch_size=batch_size,
+                         memory_budget=budget)
+            out["record"] = {k: run.record[k] for k in ("memory_budget", "n_after", "block")}
+            out["ok"] = True
+        except Exception as err:
+            out["ok"] = False
+            out["error"] = f"{type(err).__name__}: {err}"
+        peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["growth"] = peak - before
+        run = None  # the next budget starts without this run's results
+        print("RESULT " + json.dumps(out), flush=True)
 """)
 
 SETTINGS = {"selection": "all", "dense_max": 4096, "damping": 0.01, "newton_max_steps": 2,
             "min_gradient_reduction": 0.0}
 
 
-def _child(model_dir: Path, budget: str, batch_size: int = 1024) -> dict:
+def _children(model_dir: Path, budgets: list[str], batch_size: int = 1024) -> dict[str, dict]:
+    """The removals under ``budgets``, in this order, in one child process: {budget: result}."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), budget, json.dumps(SETTINGS), str(batch_size)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(budgets), json.dumps(SETTINGS),
+                           str(batch_size)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    results = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert [r["budget"] for r in results] == budgets, proc.stdout[-3000:]
+    return {r["budget"]: r for r in results}
 
 
 @pytest.fixture(scope="module")
@@ -220,25 +229,33 @@ def mlp_dir(tmp_path_factory):
     return kit.trained_model_dir(tmp_path_factory.mktemp("mlp16"), "mlp", {"hidden": [16]}, steps=30)
 
 
-def test_removal_peak_memory_stays_inside_a_small_budget(mlp_dir):
+@pytest.fixture(scope="module")
+def child_runs(mlp_dir):
+    """The model directory's files before, and the removals under a 48 MiB budget (in a process
+    of its own), a budget too small for one chunk (256 KiB) and a 1 TiB one (no effective bound)."""
+    before = {p.name: p.read_bytes() for p in mlp_dir.iterdir() if p.is_file()}
+    return before, {**_children(mlp_dir, ["48MiB"]), **_children(mlp_dir, ["256KiB", "1TiB"])}
+
+
+def test_removal_peak_memory_stays_inside_a_small_budget(child_runs):
     """30 samples removed from an MLP (1,210 parameters, the whole model as the block: a dense
     1210 x 1210 Newton system) with batch_size 1024 and 128 Hessian columns per vmapped pass.
     Under a 48 MiB budget the process's peak RSS growth stays below 48 MiB."""
     budget = 48 * 2**20
-    bounded = _child(mlp_dir, "48MiB")
+    bounded = child_runs[1]["48MiB"]
     assert bounded["ok"], bounded
     assert "48 MiB" in bounded["record"]["memory_budget"] and bounded["record"]["block"]["numel"] == 1210
     print(f"\npeak RSS growth: {bounded['growth'] / 2**20:.1f} MiB under a 48 MiB budget "
           f"(reset peak: {bounded['reset']})")
     assert bounded["growth"] < budget, bounded
-    unbounded = _child(mlp_dir, "1TiB")
+    unbounded = child_runs[1]["1TiB"]
     assert unbounded["ok"], unbounded
     print(f"peak RSS growth: {unbounded['growth'] / 2**20:.1f} MiB with a 1 TiB budget (no effective bound)")
 
 
-def test_a_budget_too_small_for_one_chunk_fails_up_front_and_writes_nothing(mlp_dir, tmp_path):
-    before = {p.name: p.read_bytes() for p in mlp_dir.iterdir() if p.is_file()}
-    tiny = _child(mlp_dir, "256KiB")
+def test_a_budget_too_small_for_one_chunk_fails_up_front_and_writes_nothing(mlp_dir, child_runs, tmp_path):
+    before, results = child_runs
+    tiny = results["256KiB"]
     assert not tiny["ok"]
     assert tiny["error"].startswith("MemoryBudgetError: memory_budget 256 KiB cannot hold"), tiny
     assert "raise memory_budget" in tiny["error"]
