@@ -113,6 +113,9 @@ class WarmStreamRemover:
         model, task, card = load_model_dir(directory)
         model.eval()
         train = training_set(card)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        if dtype is not None:
+            train = train.astype(dtype)  # a float64 model sees float64 inputs (as remove() does)
         state, prefix = DecisionLayerStream.from_model(model, task, train, self.parameters, card.training.weight_decay,
                                                        anchor=self.anchor, settings=self.stream_settings,
                                                        batch_size=self.batch_size)
@@ -175,15 +178,24 @@ class WarmStreamRemover:
         ids = [int(i) for i in sample_ids]
         new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(ids))
         new_card.training.n = card.training.n - len(ids)
-        # the state now stands for the new version: its weights as published (dtype-cast)
+        # the state now stands for the new version: its weights as published (dtype-cast); the
+        # checks are of those weights: ||grad F_R(theta_pub) - a|| exactly (one O(n K d) pass),
+        # and ||theta_pub - theta*_R|| <= that / lambda (lambda-strong convexity)
         state.theta = torch.cat([new_state[w_name].reshape(-1), new_state[b_name]]).to(torch.float64)
+        published = float(torch.linalg.vector_norm(state.exact_gradient() - state.anchor))
+        refresh_converged = bool(step.refresh["converged"]) if step.refresh is not None else None
         self.held.removed = frozenset(new_card.training.removed_ids)
         from pipeline.methods.base import parse_settings
 
         record = {
             "method": self.method, "settings": parse_settings(self.method, self.settings).model_dump(mode="json"),
             "seed": seed, "sample_ids": ids, "n_before": card.training.n, "n_after": new_card.training.n,
-            "fast_path": {**step.as_record(), "verified_exact": step.path == "refresh",
+            "fast_path": {**step.as_record(),
+                          # a converged exact refresh; the weights as published are then within
+                          # published_distance_bound of the exact optimum of D_r (dtype rounding included)
+                          "verified_exact": bool(refresh_converged),
+                          "refresh_converged": refresh_converged,
+                          "published_residual": published, "published_distance_bound": published / state.lam,
                           "state": state.describe(), "built": built},
             "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor))},
             "step_norm": step.step_norm,

@@ -194,7 +194,7 @@ def _fit_mixed_linear(config: TrainConfig, spec: MixedLinearSection, data: Any, 
             raise TrainingError(f"mixed_linear.core_data.split: '{ref.split}' is not a split of '{ref.source}' "
                                 f"(has {sorted(core_splits)})")
         public = core_splits[ref.split].astype(dtype)
-        same = (ref.source, ref.options, ref.split) == (config.data.source, config.data.options, config.data.split)
+        same = (ref.source, ref.split) == (config.data.source, config.data.split)  # ids: rows of one split's file
         overlap = shared_ids(public, data) if same else []
         if overlap:
             raise TrainingError(

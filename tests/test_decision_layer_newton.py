@@ -331,6 +331,12 @@ def test_matrix_free_refuses_what_it_does_not_converge_and_rejects_other_blocks(
     with pytest.raises(ValueError, match="curvature_refresh: matrix_free needs"):
         method.run(problem, method.Settings(selection="parameters", parameters=["1.weight", *HEAD],
                                             curvature_refresh="matrix_free"))
+    # an output layer without a bias: refused by name, never solved with an undefined bias column
+    no_bias = nn.Sequential(nn.Flatten(), nn.Linear(64, 10, bias=False)).double()
+    problem = RemovalProblem(no_bias, softmax_task(), digits, torch.as_tensor(class_positions(digits)), LAMBDA, seed=1)
+    with pytest.raises(ValueError, match="needs an output layer with a bias"):
+        method.run(problem, method.Settings(selection="parameters", parameters=["1.weight"],
+                                            curvature_refresh="matrix_free"))
 
 
 def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digits):

@@ -114,13 +114,19 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     oracle, _ = DecisionLayerStream.from_model(model0, task, training_set(card0), LAYER, card0.training.weight_decay,
                                                anchor="training_residual", settings=StreamSettings(refresh_every=10**6))
     oracle.remove(ids[:8])
-    assert oracle.refresh(converge=True)["converged"]
+    oracle_refresh = oracle.refresh(converge=True)
+    assert oracle_refresh["converged"]
     model, _, _ = load_model_dir(vs.open_verified(MODEL).path)
     published = torch.cat([model.state_dict()[LAYER[0]].reshape(-1), model.state_dict()[LAYER[1]]]).double()
     moved = float(torch.linalg.vector_norm(oracle.theta - torch.cat([model0.state_dict()[LAYER[0]].reshape(-1),
                                                                       model0.state_dict()[LAYER[1]]]).double()))
     error = float(torch.linalg.vector_norm(oracle.theta - published))
     assert moved > 1e-3 and error <= records[-1]["fast_path"]["distance_bound"] + 1e-5 * float(published.norm())
+    # the bound recorded for the weights as published (float32), with no rounding allowance: rigorous
+    # by lambda-strong convexity, up to the oracle's own distance to the optimum
+    lam = card0.training.weight_decay
+    assert error <= records[-1]["fast_path"]["published_distance_bound"] + oracle_refresh["residual_after"] / lam
+    assert all(r["fast_path"]["refresh_converged"] in (None, True) for r in records)
 
     # verification from the cached layer inputs: the same accuracies as full passes of the model
     from pipeline.data import load_source

@@ -195,6 +195,7 @@ def convex_model_reason(model: nn.Module, task: Task) -> str | None:
 def privacy_release(
     problem: RemovalProblem, settings: LFociNewtonSettings, cal: NoiseCalibration, *, full_block: bool,
     steps: int, damping_used: float, subsampled: bool, shortened: bool, start_gradient_norm: float, final_gradient_norm: float,
+    inexact_solve: str | None = None,
 ) -> PrivacyRelease:
     """``certified`` only where Sekhari et al. (2021, Thm 3.2) holds: a full-parameter step on a
     convex model with weight decay lambda > 0 (strong convexity no larger than lambda), and
@@ -225,6 +226,8 @@ def privacy_release(
         one_step.append("a Newton step was shortened by the line search")
     if subsampled:
         one_step.append("curvature estimated on a subsample")
+    if inexact_solve:
+        one_step.append(inexact_solve)
     if not start_gradient_norm <= settings.exact_start_tol:
         one_step.append(f"start is not the exact minimiser (||grad L_D|| = {start_gradient_norm:.3g} > "
                         f"{settings.exact_start_tol:g}): a sequential or SGD-trained model")
@@ -408,7 +411,10 @@ class LFociNewton(RemovalMethod):
         release = privacy_release(
             problem, settings, noise_cal, full_block=full_block, steps=len(history), damping_used=damping_used,
             subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
-            start_gradient_norm=start_norm, final_gradient_norm=raw_after)
+            start_gradient_norm=start_norm, final_gradient_norm=raw_after,
+            inexact_solve=("matrix_free: each Newton system solved inexactly (PCG to the forcing term "
+                           f"{settings.newton_forcing:g} or better), not Sekhari's exact-Hessian step"
+                           if settings.curvature_refresh == "matrix_free" else None))
         noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
         block.add_to_model(model, noise)
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
@@ -475,6 +481,9 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         raise ValueError("curvature_refresh: matrix_free needs a block that is the whole last Linear layer under "
                          "cross-entropy over fixed inputs (selection: parameters naming the output layer's weight "
                          "and bias, cache_frozen_prefix: true); use every_step or first_step for other blocks")
+    if layer.bias is None:
+        raise ValueError("curvature_refresh: matrix_free needs an output layer with a bias (its closed form works "
+                         "on x~ = (x, 1)); use curvature_refresh: every_step for a Linear without bias")
     params = dict(work.model.named_parameters())
     names = {name: ("weight" if p is layer.weight else "bias") for name, p in params.items()
              if p is layer.weight or p is layer.bias}
