@@ -14,8 +14,9 @@ one exact pass. After a published fast removal the state continues from the publ
 Verification metrics (``metrics``: the keys of ``pipeline.evaluate.removal_metrics``) come from
 the cached layer inputs: accuracies of the parent and the new weights on the batch, the
 cumulative forget set, the retained set and the test split, one matrix product each. A version
-counts as verified exact (``record["fast_path"]["verified_exact"]``) only when a refresh computed
-its exact residual; a fast version carries its drift bound instead.
+counts as verified exact (``record["fast_path"]["verified_exact"]``) only when its refresh
+converged; every version carries the exact residual of its weights as published (dtype-cast),
+``published_residual``, and ``published_distance_bound`` = that / lambda.
 """
 from __future__ import annotations
 
