@@ -234,22 +234,6 @@ def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int
 
 
 # -- one scenario -----------------------------------------------------------------------------------
-REFUSALS = ("RemovalNotServed", "UnsolvedSystemError")  # pipeline.curvature: the method's own refusal
-
-
-def split_refusals(method_errors: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(errors, needs_retrain): a removal the method refused (``RemovalNotServed``: nothing
-    published, the request goes to retraining) is a legitimate outcome, recorded with its reason;
-    anything else a method raised stays an error. ``pipeline.evaluate.protocol`` records both as
-    ``"<exception class>: <message>"``."""
-    errors, refused = {}, {}
-    for name, text in method_errors.items():
-        kind, _, reason = text.partition(": ")
-        if kind in REFUSALS:
-            refused[name] = reason
-        else:
-            errors[name] = text
-    return errors, refused
 def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], settings: dict[str, dict[str, Any]],
                  cache: Path, finetune_epochs: int) -> dict[str, Any]:
     from pipeline.evaluate.protocol import EvalConfig, evaluate
@@ -272,7 +256,11 @@ def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], se
         row["compute_seconds"] = compute
         ratios[name] = {"wall": retrain_s / row["seconds"] if row["seconds"] else None,
                         "compute": retrain_s / compute if compute else None}
-    errors, refused = split_refusals(result["method_errors"])
+    # a removal the method refused (RemovalNotServed: nothing published, the request goes to
+    # retraining) is the protocol's "needs_retrain", a legitimate outcome with its reason; anything
+    # else a method raised is an error
+    errors = result["method_errors"]
+    refused = {name: r["reason"] for name, r in result["needs_retrain"].items()}
     out: dict[str, Any] = {
         "m": result["m"], "n": result["n"], "forget_ids": result["sample_ids"], "rows": rows, "stage_timings": timings,
         "ratio_retrain_over_removal": ratios, "method_records": records, "errors": errors, "needs_retrain": refused,

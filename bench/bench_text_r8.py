@@ -90,7 +90,8 @@ def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], ca
     })
     result = evaluate(config)
     return {"m": result["m"], "forget_ids": result["sample_ids"], "rows": result["rows"],
-            "method_records": result["method_records"], "errors": result["method_errors"]}
+            "method_records": result["method_records"], "errors": result["method_errors"],
+            "needs_retrain": {name: r["reason"] for name, r in result["needs_retrain"].items()}}
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
