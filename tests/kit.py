@@ -3,6 +3,7 @@ fixtures). Real data (scikit-learn digits), real training code paths, real engin
 
   digits64, softmax_task, trained, retrained, newton_fit, newton_retrained, flat
                           convex oracles in float64 (tight optima by L-BFGS or damped Newton)
+  sgd_mlp_head            a 64-16-10 ReLU head after a few epochs of SGD (off any optimum)
   trained_model_dir       a model directory written by the real ``unlearn train`` code path
                           (``pipeline.trainer.run_training``), any preset / source / recipe / dtype
   load_in_dtype           the model of a directory built in a given dtype
@@ -27,6 +28,22 @@ from cluster.net import free_port
 from pipeline.data import SampleSet, load_source
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs, fit_newton
+
+
+# -- an SGD-trained head (its decision layer is not at an optimum) ------------------------------
+def sgd_mlp_head(data: SampleSet, *, seed: int, epochs: int, weight_decay: float = 0.0) -> nn.Module:
+    """Flatten, Linear 64-16, ReLU, Linear 16-10 in float64 after ``epochs`` of SGD (lr 0.05,
+    momentum 0.9, batches of 64 in order), eval mode."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
+    x, y = data.columns["x"], data.columns["y"]
+    for _ in range(epochs):
+        for i in range(0, len(y), 64):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
+            opt.step()
+    return net.eval()
 
 
 # -- convex oracles ------------------------------------------------------------------------------

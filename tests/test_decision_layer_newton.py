@@ -17,7 +17,7 @@ from pipeline.methods.base import RemovalProblem
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs, fit_newton
-from tests.kit import digits64, flat, softmax_task
+from tests.kit import digits64, flat, sgd_mlp_head, softmax_task
 
 LAMBDA = 0.01
 HEAD = ["3.weight", "3.bias"]
@@ -32,16 +32,7 @@ def digits():
 @pytest.fixture(scope="module")
 def sgd_mlp(digits):
     """64-16-10 ReLU head after a few epochs of SGD: far from any stationary point."""
-    torch.manual_seed(2)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=LAMBDA)
-    x, y = digits.columns["x"], digits.columns["y"]
-    for _ in range(3):
-        for i in range(0, len(y), 64):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
-            opt.step()
-    return net.eval()
+    return sgd_mlp_head(digits, seed=2, epochs=3, weight_decay=LAMBDA)
 
 
 def run(model, data, positions, warm=None, **settings):

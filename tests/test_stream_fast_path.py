@@ -16,7 +16,7 @@ from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
 from pipeline.param_block import ParamBlock
 from pipeline.streaming import DecisionLayerStream, StreamSettings
-from tests.kit import digits64, softmax_task
+from tests.kit import digits64, sgd_mlp_head, softmax_task
 
 LAMBDA = 0.01
 HEAD = ["3.weight", "3.bias"]
@@ -30,16 +30,7 @@ def digits():
 @pytest.fixture(scope="module")
 def sgd_mlp(digits):
     """64-16-10 ReLU head after two epochs of SGD: its decision layer is not at an optimum."""
-    torch.manual_seed(3)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    x, y = digits.columns["x"], digits.columns["y"]
-    for _ in range(2):
-        for i in range(0, len(y), 64):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
-            opt.step()
-    return net.eval()
+    return sgd_mlp_head(digits, seed=3, epochs=2)
 
 
 def build(model, data, **kw):
