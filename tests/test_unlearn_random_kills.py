@@ -1,5 +1,5 @@
 """kill -9 at random moments (not at named crash points): a real `python -m jobs.cli campaign`
-subprocess over 22 one-request batches, SIGKILLed again and again and resumed each time; then
+subprocess over 30 one-request batches, SIGKILLed again and again and resumed each time; then
 `versions rollback` and the stream service killed the same way. After every kill and at the end
 an audit reads the real SQLite ledger and the real version store:
 
@@ -29,7 +29,7 @@ from tests.unlearn_store_support import (
 )
 
 MODEL = "digits"
-N_BATCHES = 22
+N_BATCHES = 30
 MIN_KILLS = 10
 TOKEN = "random-kill-token-0123456789"
 STATS = Counter()  # kills survived, audits run, request states checked (the closing note's counts)
@@ -72,23 +72,36 @@ def _events(ledger: Path) -> int:
 
 def _run_and_kill_in_work(argv: list[str], ledger: Path, rng: random.Random) -> tuple[bool, subprocess.CompletedProcess | None]:
     """Start ``argv`` and SIGKILL it at a random moment: one life in four anywhere in its first
-    seconds (imports, ingest), the others 0-0.3 s after 1-3 more ledger events (inside the
-    batches: compute, staging, rename, pointer, ledger, report - wherever the clock falls)."""
+    seconds (imports, ingest), the others 0-0.3 s after 1-2 more ledger events (inside the
+    batches: compute, staging, rename, pointer, ledger, report - wherever the clock falls), but
+    never past the next event: where a batch takes tens of milliseconds a fixed delay would
+    let one life run through most of the campaign, which then ends after too few kills."""
     proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    early = rng.random() < 0.25
-    # a random moment counted in the ledger's own progress (1-3 new events, then 0-0.3 s), not
-    # in seconds alone: on a fast machine a whole campaign fits in a couple of seconds
-    delay = rng.uniform(0.5, 4.0) if early else rng.uniform(0.0, 0.3)
-    start, target = time.monotonic(), _events(ledger) + rng.randint(1, 3)
-    while not early and proc.poll() is None and _events(ledger) < target and time.monotonic() - start < 120:
+    start = time.monotonic()
+    if rng.random() < 0.25:  # early: 0.5-4 s from the start, but before its first batch's second event
+        deadline, cap = start + rng.uniform(0.5, 4.0), _events(ledger) + 2
+        while proc.poll() is None and time.monotonic() < deadline and _events(ledger) < cap:
+            time.sleep(0.005)
+        return _kill_or_result(proc, argv)
+    # a random moment counted in the ledger's own progress (1-2 new events, then 0-0.3 s capped at
+    # the next event), not in seconds alone: on a fast machine a whole campaign takes seconds
+    delay, target = rng.uniform(0.0, 0.3), _events(ledger) + rng.randint(1, 2)
+    while proc.poll() is None and _events(ledger) < target and time.monotonic() - start < 120:
         time.sleep(0.02)
-    try:
-        out, err = proc.communicate(timeout=delay)
-        return False, subprocess.CompletedProcess(argv, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
+    deadline, cap = time.monotonic() + delay, _events(ledger) + 1
+    while proc.poll() is None and time.monotonic() < deadline and _events(ledger) < cap:
+        time.sleep(0.005)
+    return _kill_or_result(proc, argv)
+
+
+def _kill_or_result(proc: subprocess.Popen, argv: list[str]) -> tuple[bool, subprocess.CompletedProcess | None]:
+    """SIGKILL ``proc`` if it still runs: (True, None); else (False, its result)."""
+    if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         return True, None
+    out, err = proc.communicate()
+    return False, subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 # -- the audit ------------------------------------------------------------------------------
@@ -181,7 +194,7 @@ def test_random_kills_of_a_campaign_then_of_a_rollback(tmp_path, tmp_path_factor
     assert done is not None and done.returncode == 0, (done.stdout + done.stderr) if done else "never finished"
     states = audit(store, ledger, final=True)
     assert states == {f"r{k}": "applied" for k in range(N_BATCHES)}
-    assert kills >= MIN_KILLS, kills
+    assert kills >= MIN_KILLS, (kills, progress)
     # the kills fell while batches were being applied, not only before the first one
     assert len({p for p in progress[:-1]}) >= 4, progress
     from pipeline.store.versions import VersionStore
