@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeline import memory
 from pipeline.data import SampleSet, load_source
@@ -35,8 +35,10 @@ class RemovalRun:
     user_weights: UserWeights | None = None  # for Mixed-Linear models: the new w_u, bound to D_r
 
 
-def training_set(card: ModelCard) -> SampleSet:
-    """The model's current training set: the card's data split minus samples already removed."""
+def training_set(card: ModelCard, model: nn.Module | None = None) -> SampleSet:
+    """The model's current training set: the card's data split minus samples already removed;
+    given the ``model``, its floating columns in the model's dtype (a float64 model, trained with
+    ``model.dtype: float64``, sees float64 data)."""
     splits = load_source(card.data.source, card.data.options)
     if card.data.split not in splits:
         raise ValueError(f"data split '{card.data.split}' not in source '{card.data.source}' (has {sorted(splits)})")
@@ -48,7 +50,8 @@ def training_set(card: ModelCard) -> SampleSet:
             f"the model card says n={card.training.n} training samples but the data gives {len(full)}; "
             "the card and the dataset do not belong together"
         )
-    return full
+    dtype = None if model is None else next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return full if dtype is None else full.astype(dtype)
 
 
 def remove(
@@ -82,10 +85,7 @@ def remove(
     parsed = parse_settings(method, settings)
     budget = memory.MemoryBudget.from_setting(memory_budget, device)
     model, task, card = load_model_dir(model_dir)
-    train = training_set(card)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    if dtype is not None:
-        train = train.astype(dtype)  # a float64 model (``model.dtype: float64`` at training) sees float64 data
+    train = training_set(card, model)
     ids = [int(i) for i in sample_ids]
     positions = train.positions_of(ids, field=field)
     model.to(device)

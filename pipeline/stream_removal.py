@@ -113,10 +113,7 @@ class WarmStreamRemover:
         started = time.perf_counter()
         model, task, card = load_model_dir(directory)
         model.eval()
-        train = training_set(card)
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        if dtype is not None:
-            train = train.astype(dtype)  # a float64 model sees float64 inputs (as remove() does)
+        train = training_set(card, model)
         state, prefix = DecisionLayerStream.from_model(model, task, train, self.parameters, card.training.weight_decay,
                                                        anchor=self.anchor, settings=self.stream_settings,
                                                        batch_size=self.batch_size)

@@ -108,15 +108,20 @@ def run_training(config: TrainConfig, output: str | Path | None = None) -> dict[
         return _run_training(config, out_dir, load_source, steps)
 
 
+def _load_splits(spec: DataSpec, field: str, load_source: Any) -> dict[str, Any]:
+    """The splits of ``spec``'s source, checked to hold ``spec.split``; errors name ``field``."""
+    try:
+        splits = load_source(spec.source, spec.options)
+    except (ValueError, TypeError) as err:
+        raise TrainingError(f"{field}.source / {field}.options: {err}") from None
+    if spec.split not in splits:
+        raise TrainingError(f"{field}.split: '{spec.split}' is not a split of '{spec.source}' (has {sorted(splits)})")
+    return splits
+
+
 def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: Steps) -> dict[str, Any]:
     with steps.step(f"data ({config.data.source})"):
-        try:
-            splits = load_source(config.data.source, config.data.options)
-        except (ValueError, TypeError) as err:
-            raise TrainingError(f"data.source / data.options: {err}") from None
-        if config.data.split not in splits:
-            raise TrainingError(f"data.split: '{config.data.split}' is not a split of '{config.data.source}' "
-                                f"(has {sorted(splits)})")
+        splits = _load_splits(config.data, "data", load_source)
         dtype = getattr(torch, config.model.dtype)
         data = splits[config.data.split].astype(dtype)
     if config.mixed_linear is None:
@@ -186,14 +191,7 @@ def _fit_mixed_linear(config: TrainConfig, spec: MixedLinearSection, data: Any, 
         core = core.to(dtype)
     else:
         ref = spec.core_data
-        try:
-            core_splits = load_source(ref.source, ref.options)
-        except (ValueError, TypeError) as err:
-            raise TrainingError(f"mixed_linear.core_data.source / options: {err}") from None
-        if ref.split not in core_splits:
-            raise TrainingError(f"mixed_linear.core_data.split: '{ref.split}' is not a split of '{ref.source}' "
-                                f"(has {sorted(core_splits)})")
-        public = core_splits[ref.split].astype(dtype)
+        public = _load_splits(ref, "mixed_linear.core_data", load_source)[ref.split].astype(dtype)
         same = (ref.source, ref.split) == (config.data.source, config.data.split)  # ids: rows of one split's file
         overlap = shared_ids(public, data) if same else []
         if overlap:

@@ -454,6 +454,13 @@ class LFociNewton(RemovalMethod):
         return RemovalOutcome(new_parameters, record, release)
 
 
+def _layer_order(model: nn.Module, block, layer: nn.Linear) -> torch.Tensor:
+    """Block entry i -> its (class, input-with-bias) flat index class * (d + 1) + input in ``layer``."""
+    names = {name: ("weight" if p is layer.weight else "bias") for name, p in model.named_parameters()
+             if p is layer.weight or p is layer.bias}
+    return _block_order(block, names, layer.out_features, layer.in_features)
+
+
 def _absent_class_entries(work: RemovalProblem, task: Task, block, retain) -> tuple[list[int], torch.Tensor]:
     """The classes with no retained sample and the block entries of their decision-layer rows
     (weight row and bias); empty unless the block is the whole last Linear under cross-entropy."""
@@ -462,9 +469,7 @@ def _absent_class_entries(work: RemovalProblem, task: Task, block, retain) -> tu
         return [], torch.zeros(0, dtype=torch.long)
     k = layer.out_features
     absent = (torch.bincount(retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
-    names = {name: ("weight" if p is layer.weight else "bias") for name, p in work.model.named_parameters()
-             if p is layer.weight or p is layer.bias}
-    order = _block_order(block, names, k, layer.in_features)  # block entry -> class * (d + 1) + input
+    order = _layer_order(work.model, block, layer)
     entries = torch.isin(order // (layer.in_features + 1), absent).nonzero().squeeze(1)
     return absent.tolist(), entries
 
@@ -485,10 +490,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         raise ValueError("curvature_refresh: matrix_free needs an output layer with a bias (its closed form works "
                          "on x~ = (x, 1)); use curvature_refresh: every_step for a Linear without bias")
     params = dict(work.model.named_parameters())
-    names = {name: ("weight" if p is layer.weight else "bias") for name, p in params.items()
-             if p is layer.weight or p is layer.bias}
     k, d = layer.out_features, layer.in_features
-    order = _block_order(block, names, k, d)
+    order = _layer_order(work.model, block, layer)
 
     def to_theta(v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(k * (d + 1), dtype=torch.float64)
