@@ -124,6 +124,7 @@ class WarmStreamRemover:
         test = splits.get("test") if card.data.split != "test" else None
 
         def layer_inputs(data) -> Tensor:
+            data = data.astype(train.columns["x"].dtype)  # the model's dtype, as the training set has
             with torch.no_grad():
                 xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(self.batch_size)]
             return torch.cat(xs).reshape(len(data), -1).to(torch.float64)
