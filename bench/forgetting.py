@@ -30,8 +30,7 @@ Rows: original (no removal), Retrain (same recipe on D_r), retrain-reseed (the s
   the head's output layer with the anchored target, over cached hidden features, starting from
   the original's prepared curvature (``WARM_ROWS``; its one-time seconds are reported apart and
   in ``ratio_with_preparation``). A method that raises is recorded with its error (never
-  dropped); a method that cannot apply at this size (NTK's (nK)^2 kernel) is recorded as not
-  applicable; a removal the method refuses (``RemovalNotServed``: system not solved to its
+  dropped); a removal the method refuses (``RemovalNotServed``: system not solved to its
   tolerance, or too little of the retained gradient removed; nothing published) is recorded as
   ``needs_retrain`` with the method's reason and numbers: the request goes to retraining.
 Metrics: UA, RA, TA, MIA-efficacy (SVC on confidence; mean over MIA_REPEATS draws of the SVC's
@@ -122,7 +121,6 @@ SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model fami
 # weights on D_r (exactness) and, like every row, with the network's Retrain (Avg. Gap).
 MIXED_LINEAR = {"settings": {"user_last_modules": 1, "cg_rtol": 1e-10},
                 "scenarios": ("class", "subject"), "forget_sets": 1}
-NTK_MAX_OUTPUTS = 5_000  # n * K above this: the (nK)^2 kernel (and its Jacobians) cost minutes; recorded as not applicable
 
 DATASETS: dict[str, dict[str, Any]] = {
     "fmnist": {
@@ -251,10 +249,6 @@ def forget_set(scenario: str, train: Any, seed: int, num_classes: int) -> tuple[
 
 
 # ---- removals --------------------------------------------------------------------------------------
-class NotApplicable(Exception):
-    """The method cannot run at this size; recorded as such (not an error)."""
-
-
 def method_of(row: str) -> str:
     """The registered method a row runs."""
     return VARIANT_ROWS[row][0] if row in VARIANT_ROWS else row
@@ -279,14 +273,12 @@ def needs_retrain_row(refused: Exception) -> dict[str, Any]:
 
 def run_removal(method: str, settings: dict[str, Any], original: nn.Module, task: Any, train: Any,
                 positions: torch.Tensor, weight_decay: float, seed: int, w0: dict[str, torch.Tensor],
-                num_classes: int, warm: Any = None) -> tuple[nn.Module, float, dict[str, Any]]:
+                warm: Any = None) -> tuple[nn.Module, float, dict[str, Any]]:
     """One removal through the registry on a copy of ``original``; wall seconds of method.run.
     ``warm``: the original's prepared curvature (``WarmCurvature``), for the rows in WARM_ROWS."""
     from pipeline.methods import RemovalProblem, get_method
     from pipeline.progress import StageProgress
 
-    if method == "ntk" and len(train) * num_classes > NTK_MAX_OUTPUTS:
-        raise NotApplicable(f"NTK scrub needs the (nK)^2 kernel: n K = {len(train) * num_classes} > {NTK_MAX_OUTPUTS}")
     model = copy.deepcopy(original)
     impl = get_method(method_of(method))
     parsed = impl.Settings.model_validate(settings)
@@ -378,10 +370,7 @@ def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: C
         settings = resolved_settings(method, len(sets.retain), ctx.quick)
         try:
             model, seconds, record = run_removal(method, settings, ctx.originals[0], task, train, positions, wd, seed,
-                                                 ctx.w0s[0], ctx.data.num_classes, ctx.warm_for(method, 0))
-        except NotApplicable as why:
-            rows[method] = {"not_applicable": str(why)}
-            continue
+                                                 ctx.w0s[0], ctx.warm_for(method, 0))
         except RemovalNotServed as refused:  # the method's own verdict: this request goes to retraining
             rows[method] = needs_retrain_row(refused)
             continue
@@ -506,7 +495,7 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
             tick(f"shadow {method} {s}")
             try:
                 model, _, _ = run_removal(method, settings, ctx.originals[s], task, ctx.data.train, positions, wd,
-                                          seed * 100 + s, ctx.w0s[s], ctx.data.num_classes, ctx.warm_for(method, s))
+                                          seed * 100 + s, ctx.w0s[s], ctx.warm_for(method, s))
             except RemovalNotServed as refused:  # a shadow request refused: no game for this method
                 phis = []
                 stats[method] = [needs_retrain_row(refused)]  # type: ignore[list-item]
@@ -546,14 +535,11 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if values:
                 agg[col] = {"mean": float(np.mean(values)), "std": float(np.std(values)), "count": len(values)}
         errors = [c["error"] for c in cells if "error" in c]
-        skipped = [c["not_applicable"] for c in cells if "not_applicable" in c]
         refused = [c["needs_retrain"] for c in cells if "needs_retrain" in c]
         if refused:
             agg["needs_retrain"] = refused
         if errors:
             agg["errors"] = errors
-        if skipped:
-            agg["not_applicable"] = skipped[0]
         out[name] = agg
     return out
 
@@ -586,9 +572,6 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += ["", f"**{scenario}** (m = {', '.join(str(m) for m in ms)})", "",
                   "| method | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
         for name, agg in block["summary"].items():
-            if "not_applicable" in agg and "UA" not in agg:
-                lines.append(f"| {name} | not applicable: {agg['not_applicable']} |" + " |" * (len(COLUMNS) - 1))
-                continue
             if "needs_retrain" in agg and "UA" not in agg:
                 lines.append(f"| {name} | needs retrain: {agg['needs_retrain'][0][:120]} |" + " |" * (len(COLUMNS) - 1))
                 continue
@@ -760,8 +743,7 @@ def render_summary(result: dict[str, Any]) -> str:
         for sc in scenarios:
             agg = result["scenarios"][sc]["summary"].get(row, {})
             if "AvgGap" not in agg:
-                why = ("needs retrain" if "needs_retrain" in agg else "not applicable" if "not_applicable" in agg
-                       else "failed" if "errors" in agg else "-")
+                why = "needs retrain" if "needs_retrain" in agg else "failed" if "errors" in agg else "-"
                 cells.append(why)
                 continue
             text = f"{agg['AvgGap']['mean']:.1f} ± {agg['AvgGap']['std']:.1f}"

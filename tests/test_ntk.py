@@ -12,7 +12,7 @@ from pipeline.data import SampleSet
 from pipeline.linearized import LinearizedModel
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
-from pipeline.methods.ntk_scrub import RESIDUALS, build_system, trapezium_scale
+from pipeline.methods.ntk_scrub import RESIDUALS, build_primal_system, build_system, trapezium_scale
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs
@@ -139,7 +139,8 @@ def _closed_form_ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Te
     return torch.cat([theta[:-1].T.reshape(-1), theta[-1]])
 
 
-def test_linear_model_default_scrub_is_the_retrained_optimum():
+@pytest.mark.parametrize("form", ["kernel", "primal"])
+def test_linear_model_default_scrub_is_the_retrained_optimum(form):
     """A model linear in w (MSE), trained to the exact optimum of its weight-decayed objective:
     the linearisation is exact, w(D) = w_lin(D), the trapezium leg e = w(D) - w_lin(D) is 0 and
     the factor is 1; the default scrub (decay regulariser, trapezium) lands on the optimum
@@ -163,8 +164,9 @@ def test_linear_model_default_scrub_is_the_retrained_optimum():
     w_retrained = _closed_form_ridge(x[keep], onehot[keep], lam * n / (n - m))
 
     problem = RemovalProblem(model, DenseInputTask(loss="mse"), data, forget, lam, extras={"w0": w0})
-    outcome = get_method("ntk").run(problem, get_method("ntk").Settings())
+    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(form=form))
     rec = outcome.record
+    assert rec["form"] == form
     assert rec["ridge"]["c"] == pytest.approx(n * 10 * lam / 2) and rec["ridge"]["regulariser"] == "decay"
     assert rec["norms"]["e"] <= 1e-6 * rec["norms"]["delta_w"]
     assert rec["scale"] == pytest.approx(1.0, abs=1e-6)
@@ -183,8 +185,9 @@ def test_trapezium_scale_hand_values():
     assert trapezium_scale(d, -d) == pytest.approx(3.0)  # the old leg on a linear model
 
 
-@pytest.mark.parametrize("variant,regulariser", [("softmax", "proximal"), ("logits", "proximal"), ("softmax", "decay")])
-def test_cross_entropy_variant(variant, regulariser):
+@pytest.mark.parametrize("variant,regulariser,form", [("softmax", "proximal", "kernel"), ("logits", "proximal", "kernel"),
+                                                      ("softmax", "decay", "kernel"), ("softmax", "decay", "primal")])
+def test_cross_entropy_variant(variant, regulariser, form):
     """Identity output Hessian (c = n lambda), one-hot targets; residual softmax(f0) - onehot
     or f0 - onehot. The scrub equals the difference of the two ridge solves of that problem."""
     data = digits64()["train"].take(torch.arange(150))
@@ -200,7 +203,8 @@ def test_cross_entropy_variant(variant, regulariser):
     method = get_method("ntk")
     problem = RemovalProblem(trained, task, data, forget, LAMBDA, extras={"w0": w0})
     before = flat_params(trained)
-    outcome = method.run(problem, method.Settings(ce_residual=variant, rescale="none", regulariser=regulariser))
+    outcome = method.run(problem, method.Settings(ce_residual=variant, rescale="none", regulariser=regulariser,
+                                                  form=form))
     assert outcome.record["ridge"]["c"] == pytest.approx(150 * LAMBDA)
     assert rel(flat_params(trained) - before, expected) <= 1e-8
 
@@ -223,7 +227,8 @@ def test_yaml_mirrors_settings_and_record_is_json(mlp_case):
     json.dumps(get_method("ntk").run(problem, get_method("ntk").Settings()).record)
 
 
-def test_parameter_subset_linearises_the_block_at_w0(mlp_case):
+@pytest.mark.parametrize("form", ["kernel", "primal"])
+def test_parameter_subset_linearises_the_block_at_w0(mlp_case, form):
     """parameters=[last layer]: J0 w.r.t. the block at (w0 on the block, w(D) elsewhere)."""
     model, trained, task, data, w0, forget = mlp_case
     names = ["4.weight", "4.bias"]
@@ -239,9 +244,68 @@ def test_parameter_subset_linearises_the_block_at_w0(mlp_case):
     expected = ridge_displacement(jac[rr], r0[rr], c) - ridge_displacement(jac, r0, c)
     work = copy.deepcopy(trained)
     problem = RemovalProblem(work, task, data, forget, LAMBDA, extras={"w0": w0})
-    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(parameters=names, rescale="none",
+    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(parameters=names, rescale="none", form=form,
                                                                                   regulariser="proximal"))
     assert outcome.record["block"]["numel"] == 123
     assert torch.equal(work[0].weight, trained[0].weight)
     moved = torch.cat([(work[4].weight - trained[4].weight).reshape(-1), work[4].bias - trained[4].bias]).detach()
     assert rel(moved, expected) <= 1e-8
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_primal_form_equals_the_two_ridge_solves(mlp_case, mlp_oracle, decay):
+    """The weight-space system (J0^T J0 + cI) of all 2,203 parameters (Jacobian chunks) gives the
+    same w_lin(Dr) - w0 and delta_w as the oracle's two direct solves; dropping the ridge's centre
+    (decay) or the forgotten part of G_D does not."""
+    model, _, task, data, w0, forget = mlp_case
+    c = len(data) * 3 * LAMBDA / 2
+    block = ParamBlock.all_parameters(model)
+    lin = LinearizedModel(model, task, block, base=w0)
+    offset = -block.gather(w0) if decay else None
+    system = build_primal_system(lin, data.without(forget), data.take(forget), ridge=c, residual=RESIDUALS["mse"],
+                                 chunk=50, offset=offset)
+    assert system.form == "primal-jacobian" and system.size == 2203
+    expected, d_retain = mlp_oracle(decay)
+    d_all = system.data_displacement()
+    assert rel(system.retain_displacement(), d_retain) <= 1e-8
+    assert rel(system.retain_displacement() - d_all, expected) <= 1e-8
+    system.gram_forget = torch.zeros_like(system.gram_forget)  # G_D taken as G_Dr: a wrong system
+    assert rel(system.retain_displacement() - system.data_displacement(), expected) > 0.01
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_primal_kronecker_form_of_the_output_layer(mlp_case, decay):
+    """Block = the output Linear (40 x 3 + 3): J0 = I_K (x) x~^T, so the system is 41 x 41 over
+    the hidden features; it equals the direct ridge solves on the oracle Jacobian's last 123
+    columns, in the block's flat order (weight rows, then the bias)."""
+    model, trained, task, data, w0, forget = mlp_case
+    names = ["4.weight", "4.bias"]
+    point = {n: (w0[n] if n in names else p.detach()) for n, p in trained.named_parameters()}
+    c = len(data) * 3 * LAMBDA / 2
+    x = data.columns["x"]
+    jac = oracle_jacobian(trained, x, point)[:, -123:]
+    with torch.no_grad():
+        r0 = (functional_call(trained, point, (x,)) - data.columns["y"]).reshape(-1)
+    keep = torch.ones(len(data), dtype=torch.bool)
+    keep[forget] = False
+    rr = rows(len(data), 3, torch.nonzero(keep).flatten())
+    w0_flat = torch.cat([w0["4.weight"].reshape(-1), w0["4.bias"]]) if decay else None
+    d_all = ridge_displacement(jac, r0, c, w0_flat)
+    d_retain = ridge_displacement(jac[rr], r0[rr], c, w0_flat)
+    block = ParamBlock.from_rows(trained, {name: None for name in names})
+    lin = LinearizedModel(trained, task, block, base={n: w0[n] for n in names})
+    system = build_primal_system(lin, data.without(forget), data.take(forget), ridge=c, residual=RESIDUALS["mse"],
+                                 offset=-block.gather(w0) if decay else None)
+    assert system.form == "primal-kronecker" and system.size == 41
+    assert rel(system.retain_displacement(), d_retain) <= 1e-9
+    assert rel(system.data_displacement(), d_all) <= 1e-9
+    assert rel(system.retain_displacement() - system.data_displacement(), d_retain - d_all) <= 1e-8
+
+
+def test_a_system_above_max_system_is_refused_with_the_fix(mlp_case):
+    model, trained, task, data, w0, forget = mlp_case
+    method = get_method("ntk")
+    problem = RemovalProblem(copy.deepcopy(trained), task, data, forget, LAMBDA, extras={"w0": w0})
+    with pytest.raises(ValueError, match=r"kernel form\) would factor a 900 x 900 system.*max_system"):
+        method.run(problem, method.Settings(max_system=500))
+    assert torch.equal(flat_params(problem.model), flat_params(trained))  # nothing changed

@@ -13,10 +13,19 @@ With the SAME ridge c for D and Dr = D \\ Df, and Theta blocks (rr, rf, ff) over
     M = (Theta_ff + cI - Theta_rf^T (Theta_rr + cI)^{-1} Theta_rf)^{-1}
     V = r0(Df) + Theta_rf^T (Theta_rr + cI)^{-1} (-r0(Dr))    [= (f0(Df)-Yf) + Theta_rf^T Theta_rr^-1 (Yr-f0(Dr))]
 (block inversion of Theta_D + cI; the sign of V is checked against two direct solves in
-tests/test_ntk.py). Only N K x N K kernel blocks are formed: Theta by per-sample Jacobian
-chunks (``kernel="jacobian"``, when N K |P| floats fit ``jacobian_memory_mb``) or by
-forward-mode products of Jacobian chunks (``kernel="jvp"``, memory |P| * chunk * K); P and
-J^T are applied with JVP/VJP products. No |P| x |P| matrix is ever built.
+tests/test_ntk.py). Two forms of the same w_lin (``form``; auto takes the smaller system):
+- kernel (dual): only N K x N K kernel blocks are formed: Theta by per-sample Jacobian chunks
+  (``kernel="jacobian"``, when N K |P| floats fit ``jacobian_memory_mb``) or by forward-mode
+  products of Jacobian chunks (``kernel="jvp"``, memory |P| * chunk * K); P and J^T are applied
+  with JVP/VJP products. No |P| x |P| matrix is built.
+- primal (weight space), by the push-through identity J^T (J J^T + cI)^{-1} = (J^T J + cI)^{-1} J^T:
+      w_lin(S) = a - (G_S + cI)^{-1} J0(S)^T r0'(S),     G_S = J0(S)^T J0(S)   (|P| x |P|),
+  so delta_w = w_lin(Dr) - w_lin(D) is two |P| x |P| solves with G_Dr = G_D - G_Df: the cost
+  is linear in N. When the block is the whole last Linear layer of a Sequential (the output
+  layer over the frozen features phi(x) of the layers before it), J0(x) = I_K (x) x~^T with
+  x~ = (phi(x), 1) for any w0, so G_S = I_K (x) X~_S^T X~_S and every solve is (d+1) x (d+1)
+  ("primal-kronecker"); other blocks accumulate G from per-sample Jacobian chunks
+  ("primal-jacobian", O(N K |P|^2)).
 
 Ridge, regulariser and loss normalisation. The model is trained on
 (1/n) sum_i loss_i + (lambda/2)||w||^2 (weight decay towards 0). Near w0 each per-sample loss
@@ -58,6 +67,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.linear_curvature import _block_order
 from pipeline.linearized import LinearizedModel, output_targets
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.probe import eval_mode_restored
@@ -220,6 +230,10 @@ class NTKSystem:
         out = -apply_jt(self.lin, self.retain, self.solve_rr(self.r_retain), self.outputs, self.batch_size)
         return out if self.offset is None else out + self.offset
 
+    def data_displacement(self) -> Tensor:
+        """w_lin(D) - w0 = (w_lin(Dr) - w0) - delta_w."""
+        return self.retain_displacement() - self.delta()
+
 
 def build_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, ridge: float,
                  residual: Residual, kernel: str = "auto", chunk: int = 64,
@@ -248,6 +262,136 @@ def build_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, 
     return system, kernel
 
 
+# -- the primal (weight-space) form -------------------------------------------------------------
+@dataclass
+class PrimalSystem:
+    """w_lin(S) - w0 = d - (G_S + cI)^{-1} b_S, b_S = J0(S)^T r0'(S), for S = Dr and S = D (module
+    docstring); G and b are kept per part (retained, forgotten), so G_D = G_Dr + G_Df. In the
+    Kronecker layout the Gram is X~^T X~ ((d+1) x (d+1)) and b is (d+1) x K; ``to_flat`` maps a
+    solution in the Gram's layout to the block's flat order."""
+
+    gram_retain: Tensor
+    gram_forget: Tensor
+    b_retain: Tensor
+    b_forget: Tensor
+    ridge: float
+    to_flat: Callable[[Tensor], Tensor]
+    offset: Tensor | None  # d = a - w0 (block order); None = 0 (proximal)
+    form: str
+
+    def _displacement(self, gram: Tensor, b: Tensor) -> Tensor:
+        eye = torch.eye(gram.shape[0], dtype=torch.float64)
+        chol = _cholesky(gram + self.ridge * eye, "G + cI")
+        u = -self.to_flat(torch.cholesky_solve(b.reshape(gram.shape[0], -1), chol))
+        return u if self.offset is None else u + self.offset
+
+    def retain_displacement(self) -> Tensor:
+        """w_lin(Dr) - w0."""
+        return self._displacement(self.gram_retain, self.b_retain)
+
+    def data_displacement(self) -> Tensor:
+        """w_lin(D) - w0."""
+        return self._displacement(self.gram_retain + self.gram_forget, self.b_retain + self.b_forget)
+
+    @property
+    def size(self) -> int:
+        return int(self.gram_retain.shape[0])
+
+
+def output_linear(model: nn.Module, block: ParamBlock) -> nn.Linear | None:
+    """The last module of a Sequential when it is a Linear with a bias and the block is exactly
+    its whole weight and bias (then J0(x) = I_K (x) x~^T for any base point); else None."""
+    if not isinstance(model, nn.Sequential) or len(model) == 0 or not isinstance(model[-1], nn.Linear):
+        return None
+    layer = model[-1]
+    if layer.bias is None:
+        return None
+    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
+    if {part.name for part in block.parts} != names or any(part.rows is not None for part in block.parts):
+        return None
+    return layer
+
+
+def _outputs_and_inputs(lin: LinearizedModel, layer: nn.Linear, batch: Any) -> tuple[Tensor, Tensor]:
+    """(f(x; w0), x~ = (input of ``layer``, 1)) in one pass at the base point, float64."""
+    seen: list[Tensor] = []
+    handle = layer.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
+    try:
+        f0 = lin.base_outputs(batch)
+    finally:
+        handle.remove()
+    x = seen[0].reshape(f0.shape[0], -1).to("cpu", torch.float64)
+    return f0, torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
+
+
+def _kronecker_pieces(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, residual: Residual,
+                      offset_rows: Tensor | None, batch_size: int) -> tuple[Tensor, Tensor]:
+    """(X~^T X~, X~^T R') over ``data``: R' = r0 + X~ D^T with D = the offset in (K, d+1) rows."""
+    d1 = layer.in_features + 1
+    gram = torch.zeros(d1, d1, dtype=torch.float64)
+    b = torch.zeros(d1, layer.out_features, dtype=torch.float64)
+    for batch in data.batches(batch_size):
+        f0, x = _outputs_and_inputs(lin, layer, batch)
+        r = residual(f0, batch["y"]).to("cpu", torch.float64)
+        if offset_rows is not None:
+            r = r + x @ offset_rows.T
+        gram += x.T @ x
+        b += x.T @ r
+    return gram, b
+
+
+def _jacobian_pieces(lin: LinearizedModel, data: SampleSet, residual: Residual, offset: Tensor | None,
+                     chunk: int) -> tuple[Tensor, Tensor]:
+    """(J0^T J0, J0^T r0') over ``data`` from per-sample Jacobian chunks."""
+    gram = torch.zeros(lin.dim, lin.dim, dtype=torch.float64)
+    b = torch.zeros(lin.dim, dtype=torch.float64)
+    for batch in data.batches(chunk):
+        jac = lin.jacobian(batch).to("cpu", torch.float64)
+        r = residual(lin.base_outputs(batch), batch["y"]).to("cpu", torch.float64).reshape(-1)
+        if offset is not None:
+            r = r + jac @ offset
+        gram += jac.T @ jac
+        b += jac.T @ r
+    return gram, b
+
+
+def build_primal_system(lin: LinearizedModel, retain: SampleSet, forget: SampleSet, *, ridge: float,
+                        residual: Residual, chunk: int = 64, batch_size: int = 256,
+                        offset: Tensor | None = None) -> PrimalSystem:
+    """G and b of retained and forgotten data at the base point of ``lin`` (Kronecker layout
+    when the block is the output Linear layer, else dense |P| x |P|)."""
+    if ridge <= 0:
+        raise ValueError(f"the NTK ridge c must be > 0, got {ridge}")
+    offset = None if offset is None else offset.to("cpu", torch.float64)
+    layer = output_linear(lin.model, lin.block)
+    if layer is not None:
+        k, d = layer.out_features, layer.in_features
+        names = {n: ("weight" if p is layer.weight else "bias") for n, p in lin.model.named_parameters()
+                 if p is layer.weight or p is layer.bias}
+        order = _block_order(lin.block, names, k, d)
+        rows_offset = None
+        if offset is not None:
+            laid = torch.empty(k * (d + 1), dtype=torch.float64)
+            laid[order] = offset
+            rows_offset = laid.reshape(k, d + 1)
+        g_r, b_r = _kronecker_pieces(lin, layer, retain, residual, rows_offset, batch_size)
+        g_f, b_f = _kronecker_pieces(lin, layer, forget, residual, rows_offset, batch_size)
+        return PrimalSystem(g_r, g_f, b_r, b_f, ridge, lambda t: t.T.reshape(-1)[order], offset, "primal-kronecker")
+    g_r, b_r = _jacobian_pieces(lin, retain, residual, offset, chunk)
+    g_f, b_f = _jacobian_pieces(lin, forget, residual, offset, chunk)
+    return PrimalSystem(g_r, g_f, b_r, b_f, ridge, lambda t: t.reshape(-1), offset, "primal-jacobian")
+
+
+def choose_form(lin: LinearizedModel, n: int, outputs: int, form: str) -> str:
+    """auto: the primal form for an output Linear block (its system is (d+1) x (d+1)) or when
+    |P| < N K (the smaller system); else the kernel form."""
+    if form != "auto":
+        return form
+    if output_linear(lin.model, lin.block) is not None or lin.dim < n * outputs:
+        return "primal"
+    return "kernel"
+
+
 # -- rescaling ----------------------------------------------------------------------------------
 def trapezium_scale(delta: Tensor, e: Tensor) -> float:
     """1 + 2 ||e|| |cos(delta, e)| / ||delta|| = 1 + 2 |<delta, e>| / ||delta||^2."""
@@ -271,7 +415,13 @@ class NTKScrubSettings(MethodSettings):
     regulariser: Literal["decay", "proximal"] = Field(
         "decay", description="ridge centre: decay (towards 0, as the model was trained) or proximal (towards w0)")
     rescale: Literal["trapezium", "none"] = Field("trapezium", description="trapezium rescaling of delta_w")
-    kernel: Literal["auto", "jacobian", "jvp"] = Field("auto", description="how Theta is formed")
+    form: Literal["auto", "kernel", "primal"] = Field(
+        "auto", description="kernel: the (NK)^2 dual system; primal: the |P| x |P| weight-space system (the "
+                            "same w_lin); auto: primal for an output Linear block or when |P| < N K")
+    max_system: int = Field(
+        12_000, gt=0, description="largest linear system (kernel N K, or primal |P|) to form and factor; above it the "
+                                  "scrub refuses with a clear error (a (12,000)^2 float64 system is 1.15 GB)")
+    kernel: Literal["auto", "jacobian", "jvp"] = Field("auto", description="kernel form: how Theta is formed")
     jacobian_memory_mb: float = Field(512.0, gt=0, description="auto: materialise J up to this size")
     chunk_size: int = Field(64, gt=0, description="samples per Jacobian chunk")
     w0_path: str | None = Field(
@@ -329,16 +479,30 @@ class NTKScrub(RemovalMethod):
         w_block = block.gather({n: p.detach() for n, p in model.named_parameters()}).to("cpu", torch.float64)
         w0_block = block.gather(lin.params).to("cpu", torch.float64)
         offset = -w0_block if settings.regulariser == "decay" else None  # d = a - w0, a = 0 or w0
+        form = choose_form(lin, problem.n, outputs, settings.form)
+        layer = output_linear(model, block)
+        size = problem.n * outputs if form == "kernel" else (block.numel if layer is None else layer.in_features + 1)
+        if size > settings.max_system:
+            raise ValueError(
+                f"NTK scrub ({form} form) would factor a {size} x {size} system, above max_system = "
+                f"{settings.max_system}: choose form: {'kernel' if form == 'primal' else 'primal'} if that system is "
+                "smaller, a smaller block (parameters: the output layer's weight and bias), or raise max_system")
+        system: NTKSystem | PrimalSystem
         with problem.stage("kernel", timings):
-            system, kernel = build_system(
-                lin, retain, forget, ridge=ridge, residual=residual, kernel=settings.kernel,
-                chunk=settings.chunk_size, jacobian_memory_mb=settings.jacobian_memory_mb,
-                batch_size=problem.batch_size, offset=offset)
+            if form == "primal":
+                system = build_primal_system(lin, retain, forget, ridge=ridge, residual=residual,
+                                             chunk=settings.chunk_size, batch_size=problem.batch_size, offset=offset)
+                kernel = system.form
+            else:
+                system, kernel = build_system(
+                    lin, retain, forget, ridge=ridge, residual=residual, kernel=settings.kernel,
+                    chunk=settings.chunk_size, jacobian_memory_mb=settings.jacobian_memory_mb,
+                    batch_size=problem.batch_size, offset=offset)
         with problem.stage("solve", timings):
-            delta = system.delta()
             w_lin_retain = w0_block + system.retain_displacement()
+            w_lin_all = w0_block + system.data_displacement()
+            delta = w_lin_retain - w_lin_all  # delta = w_lin(Dr) - w_lin(D)
         with problem.stage("update", timings):
-            w_lin_all = w_lin_retain - delta  # delta = w_lin(Dr) - w_lin(D)
             e = w_block - w_lin_all          # the trapezium's leg: w(D) - w_lin(D)
             scale = RESCALES[settings.rescale](delta, e)
             block.add_to_model(model, scale * delta)
@@ -356,7 +520,8 @@ class NTKScrub(RemovalMethod):
                       "regulariser": settings.regulariser,
                       "centre": "0 (weight decay)" if settings.regulariser == "decay" else "w0"},
             "loss": task.loss, "ce_residual": settings.ce_residual if task.loss == "cross_entropy" else None,
-            "kernel": {"strategy": kernel, "size": int(system.theta.shape[0]), "outputs": outputs},
+            "form": form,
+            "kernel": {"strategy": kernel, "size": size, "outputs": outputs},
             "rescale": settings.rescale, "scale": scale,
             "norms": {"delta_w": dn, "e": en, "e_definition": "w(D) - w_lin(D)",
                       "cos_delta_e": float(delta @ e) / (dn * en) if dn * en > 0 else 0.0,
