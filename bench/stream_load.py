@@ -3,12 +3,21 @@
     .venv/bin/python -m bench.stream_load                 # FMNIST, 60,000 images, N = 1000 requests
     .venv/bin/python -m bench.stream_load --kills 5       # the same, SIGKILLing the service 5 times
     .venv/bin/python -m bench.stream_load --quick         # 6,000 images, 120 requests (a few minutes)
+    .venv/bin/python -m bench.stream_load --dataset r8    # MiniLM R8, 5,485 documents, N = 1000
 
 Model: bench/forgetting.py's Fashion-MNIST setup as one network (preset ``random-conv-mlp``): the
 seeded random conv trunk (frozen, trained on nothing) + the MLP head 1152 -> 128 -> 10 trained with
 the same recipe on the cached trunk features (``bench.forgetting.load_data`` / ``train_head``),
 imported as version 0 of a version store. Data source: ``fashion-mnist`` (all 60,000 training
 images; ``--quick``: a seeded 6,000, the others marked removed in the card before the run).
+``--dataset r8``: bench/forgetting.py's Reuters R8 setup: the real pre-trained all-MiniLM-L6-v2
+encoder, frozen, its mean-pooled outputs computed once and cached (``bench.forgetting.load_data``,
+384 features of the full training split, 5,485 stories, and the test split), and the MLP head
+384 -> 256 -> 8 trained with the same recipe on them. The served model is that head (preset
+``mlp``) over the cached encoder outputs, written as a Parquet data source (``parquet``, one
+384-float list column ``x``; checked equal to the cache): the encoder is never run by the
+service, the from-scratch removal or Retrain, so all three compare the trainable head alone, as
+bench/forgetting.py does for R8 (``--quick``: 1,200 stories, 64 tokens).
 
 Run: the real service (``python -m jobs.cli stream serve``) on 127.0.0.1 with ``fast_path``
 enabled (``FAST_PATH``; method lfoci-newton on the output layer, anchored target, epsilon inf);
@@ -29,7 +38,7 @@ Drift: the last published output layer against (a) one from-scratch lfoci-newton
 removed samples from version 0 (anchored, converged tightly) and (b) the exact anchored optimum of
 D_r (a refreshed ``DecisionLayerStream``); the recorded drift bounds and the threshold.
 
-Writes bench/results/stream_load[_quick][_kills].json (atomically).
+Writes bench/results/stream_load[_r8][_quick][_kills].json (atomically).
 """
 from __future__ import annotations
 
@@ -63,6 +72,8 @@ from bench.forgetting import DATASETS, head_options, load_data, recipe_for, trai
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
 MODEL = "fmnist-cnn"
+MODELS = {"fmnist": MODEL, "r8": "r8-minilm"}
+DATASET_NAMES = {"fmnist": "fashion-mnist", "r8": "reuters-r8 (frozen all-MiniLM-L6-v2 features)"}
 LAYER = ["3.weight", "3.bias"]
 TOKEN_ENV = "UNLEARN_BENCH_TOKEN"
 # the method the service runs (and the from-scratch comparison): lfoci-newton on the output layer
@@ -116,7 +127,66 @@ def build_store(workdir: Path, quick: bool) -> dict[str, Any]:
     with store.lock(MODEL, create=True):
         store.import_model_dir(MODEL, model_dir)
     return {"root": root, "data": data, "head": head, "task": task, "recipe": recipe, "options": options,
-            "train_seconds": train_seconds, "n": len(data.train), "network_gap": gap}
+            "train_seconds": train_seconds, "n": len(data.train), "network_gap": gap, "model": MODEL,
+            "preset": "random-conv-mlp"}
+
+
+def write_feature_parquet(path: Path, split: Any) -> Path:
+    """Cached features of one split as Parquet: sample_id, label and x (a list of float32)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.checkpoint import atomic_write_bytes
+
+    x = split.columns["x"].reshape(len(split), -1).to(torch.float32).numpy()
+    table = pa.table({"sample_id": pa.array(split.sample_ids.numpy()), "label": pa.array(split.columns["y"].numpy()),
+                      "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    return path
+
+
+def build_store_r8(workdir: Path, quick: bool) -> dict[str, Any]:
+    """bench/forgetting.py's R8 head on cached MiniLM features; the features as a Parquet source
+    (checked equal to the cache); the head imported as v0 of a version store."""
+    from pipeline.data import load_source
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
+    from pipeline.store.versions import VersionStore
+
+    model_name = MODELS["r8"]
+    data = load_data("r8", quick, workdir)
+    options = head_options(data, "r8", None)
+    recipe = recipe_for("r8", 0, None)
+    head, task, train_seconds = train_head(options, recipe, data.train)
+    tag = "-quick" if quick else ""
+    files = {"train": str(write_feature_parquet(workdir / f"r8-features-train{tag}.parquet", data.train)),
+             "test": str(write_feature_parquet(workdir / f"r8-features-test{tag}.parquet", data.test))}
+    source = {"path": files, "features": ["x"]}
+    splits = load_source("parquet", source)
+    gap = 0.0
+    for name, cached in (("train", data.train), ("test", data.test)):
+        got = splits[name]
+        assert torch.equal(got.sample_ids, cached.sample_ids) and torch.equal(got.columns["y"], cached.columns["y"]), name
+        gap = max(gap, float((got.columns["x"] - cached.columns["x"].reshape(len(cached), -1)).abs().max()))
+    assert gap == 0.0, f"the Parquet features differ from the cache ({gap})"
+    card = ModelCard(preset="mlp", options=options, data=DataRef(source="parquet", options=source),
+                     training=TrainingRecord(weight_decay=recipe.weight_decay, n=len(data.train), epochs=recipe.epochs,
+                                             lr=recipe.lr, batch_size=recipe.batch_size, optimizer="sgd", seed=0,
+                                             removed_ids=[]))
+    root = workdir / f"store-r8{tag}"
+    if root.exists():
+        import shutil
+
+        shutil.rmtree(root)
+    model_dir = workdir / f"model-r8{tag}-v0"
+    write_model_dir(model_dir, {k: v.detach() for k, v in head.state_dict().items()}, card)
+    store = VersionStore(root, create=True)
+    with store.lock(model_name, create=True):
+        store.import_model_dir(model_name, model_dir)
+    return {"root": root, "data": data, "head": head, "task": task, "recipe": recipe, "options": options,
+            "train_seconds": train_seconds, "n": len(data.train), "network_gap": gap, "model": model_name,
+            "preset": "mlp", "features": data.cache}
 
 
 # ---- the service ----------------------------------------------------------------------------------
@@ -316,7 +386,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def audit_exactly_once(root: Path, ledger: Path, bodies: dict[str, dict[str, Any]], acknowledged: list[str],
-                       n0: int, removed0: set[int]) -> dict[str, Any]:
+                       n0: int, removed0: set[int], model: str = MODEL) -> dict[str, Any]:
     """Every acknowledged request applied exactly once: in the ledger, in the manifests on
     CURRENT's chain, in the final card. Raises AssertionError naming the first violation."""
     from pipeline.models.card import read_card
@@ -335,19 +405,19 @@ def audit_exactly_once(root: Path, ledger: Path, bodies: dict[str, dict[str, Any
     twice = [r for r, c in in_batches.items() if c != 1]
     assert not twice, f"requests in more than one applied batch: {twice[:5]}"
     vs = VersionStore(root)
-    current = vs.current(MODEL)
-    chain = vs.ancestors(MODEL, current)
+    current = vs.current(model)
+    chain = vs.ancestors(model, current)
     seen: dict[str, int] = {}
     samples: list[int] = []
     for v in chain:
-        meta = vs.manifest(MODEL, v).get("batch") or {}
+        meta = vs.manifest(model, v).get("batch") or {}
         for rid in meta.get("request_ids", []):
             seen[rid] = seen.get(rid, 0) + 1
         samples += meta.get("sample_ids", [])
     assert sorted(seen) == sorted(acknowledged) and set(seen.values()) <= {1}, "manifests on the chain disagree"
     assert len(samples) == len(set(samples)), "a sample was removed twice"
     expected = {i for rid in acknowledged for i in bodies[rid]["sample_ids"]}
-    card = read_card(vs.open_verified(MODEL, current).path)
+    card = read_card(vs.open_verified(model, current).path)
     assert set(card.training.removed_ids) == expected | removed0, "the final card's removed ids differ"
     assert card.training.n == n0 - len(expected)
     return {"acknowledged": len(acknowledged), "applied_exactly_once": len(acknowledged), "chain_versions": len(chain),
@@ -388,7 +458,7 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
     from pipeline.streaming import DecisionLayerStream, StreamSettings
 
     vs = VersionStore(root)
-    served, _, _ = load_model_dir(vs.open_verified(MODEL).path)
+    served, _, _ = load_model_dir(vs.open_verified(setup["model"]).path)
     theta_served = head_block(served)
     head, data, lam = copy.deepcopy(setup["head"]), setup["data"], setup["recipe"].weight_decay
     theta0 = head_block(head)
@@ -411,7 +481,7 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
     moved = float(torch.linalg.vector_norm(exact - theta0))
     fast = [r["fast_path"] for r in records]
     return {
-        "what": "||theta|| of the output layer (1,290 entries); exact = the anchored optimum of D_r (refreshed state, "
+        "what": f"||theta|| of the output layer ({int(head_block(setup['head']).numel()):,} entries); exact = the anchored optimum of D_r (refreshed state, "
                 "converged to 1e-11); from_scratch = one lfoci-newton removal of all removed samples from version 0 "
                 "(anchored, converged to 1e-9 relative)",
         "removal_moved_the_layer_by": moved,
@@ -445,14 +515,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     workdir = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    setup = build_store(workdir, args.quick)
+    setup = (build_store_r8 if args.dataset == "r8" else build_store)(workdir, args.quick)
+    model_name = setup["model"]
     root = setup["root"]
     token = os.environ.get(TOKEN_ENV) or os.urandom(16).hex()
     os.environ[TOKEN_ENV] = token
     port_file = workdir / "port"
     config = workdir / "service.yaml"
     config.write_text(yaml.safe_dump({
-        "model": {"store": str(root), "name": MODEL},
+        "model": {"store": str(root), "name": model_name},
         "method": {"name": "lfoci-newton", "settings": METHOD_SETTINGS}, "seed": 0,
         "limits": {"budget": {"epsilon": 1000.0, "allow_non_private": True}, "retain_accuracy_margin": 0.05},
         "host": "127.0.0.1", "port": 0, "port_file": str(port_file),
@@ -478,15 +549,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.models.card import load_model_dir, read_card
     from pipeline.store.versions import VersionStore
 
-    removed0 = set(read_card(VersionStore(root).version_dir(MODEL, 0)).training.removed_ids)
-    audit = audit_exactly_once(root, ledger, by_id, load["acknowledged"], setup["n"], removed0)
+    removed0 = set(read_card(VersionStore(root).version_dir(model_name, 0)).training.removed_ids)
+    audit = audit_exactly_once(root, ledger, by_id, load["acknowledged"], setup["n"], removed0, model_name)
     latencies = [(datetime.fromisoformat(r["updated_at"]) - datetime.fromisoformat(r["received_at"])).total_seconds()
                  for r in rows if r["request_id"] in by_id]
     first = min(datetime.fromisoformat(r["received_at"]) for r in rows)
     last = max(datetime.fromisoformat(r["updated_at"]) for r in rows)
     span = (last - first).total_seconds()
     vs = VersionStore(root)
-    records = [vs.manifest(MODEL, v)["record"] for v in vs.ancestors(MODEL, vs.current(MODEL)) if v > 0]
+    records = [vs.manifest(model_name, v)["record"] for v in vs.ancestors(model_name, vs.current(model_name)) if v > 0]
     fast = [r["fast_path"] for r in records]
     paths = {p: sum(f["path"] == p for f in fast) for p in ("fast", "refresh")}
     fast_seconds = [f["seconds"] for f in fast if f["path"] == "fast"]
@@ -495,20 +566,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     requested = set(ids)
     spare = next(int(i) for i in data.train.sample_ids.tolist() if int(i) not in requested)
-    comparison = from_scratch_runs(setup, vs.open_verified(MODEL).path, spare)
+    comparison = from_scratch_runs(setup, vs.open_verified(model_name).path, spare)
     removed = sorted({i for b in bodies for i in b["sample_ids"]})
     retrain, retrained = retrain_seconds(setup, removed)
     drift = drift_report(setup, root, removed, records)
-    served, _, _ = load_model_dir(vs.open_verified(MODEL).path)
+    served, _, _ = load_model_dir(vs.open_verified(model_name).path)
     test_x, test_y = data.test.columns["x"], data.test.columns["y"]
     head_served = copy.deepcopy(setup["head"])
     head_served[3].load_state_dict(served[3].state_dict())
     lat = percentiles(latencies)
     p50_fast = lat["p50"]
     result = {
-        "benchmark": "stream_load", "quick": args.quick, "dataset": "fashion-mnist",
+        "benchmark": "stream_load", "quick": args.quick, "dataset": DATASET_NAMES[args.dataset],
         "n_train": setup["n"], "requests": args.requests, "clients": args.clients, "kills_asked": args.kills,
-        "model": {"preset": "random-conv-mlp", "head": setup["options"], "decision_layer": LAYER,
+        "model": {"preset": setup["preset"], "head": setup["options"], "frozen_features": setup.get("features"), "decision_layer": LAYER,
                   "head_training_seconds": setup["train_seconds"], "network_vs_cached_head_max_gap": setup["network_gap"]},
         "service": {"method_settings": METHOD_SETTINGS, "fast_path": FAST_PATH, "batching": BATCHING,
                     "start_seconds": service.starts, "sigterm_stop_seconds": stop_seconds},
@@ -552,21 +623,27 @@ def write_json(result: dict[str, Any], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=sorted(MODELS), default="fmnist",
+                        help="fmnist: the CNN on 60,000 images; r8: the MiniLM R8 head on cached encoder outputs")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK['train_limit']} images, {QUICK['requests']} requests")
     parser.add_argument("--requests", type=int, default=None, help="single-subject requests (default 1000; quick 120)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--kills", type=int, default=0, help="SIGKILL and restart the service this many times")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds the load may take at most")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench" / "stream_load")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="default runs/bench/stream_load (r8: runs/bench/stream_load_r8)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.workdir is None:
+        args.workdir = ROOT / "runs" / "bench" / ("stream_load_r8" if args.dataset == "r8" else "stream_load")
+    args.workdir = args.workdir.resolve()  # the service config's paths are resolved from its own folder
     if args.requests is None:
         args.requests = QUICK["requests"] if args.quick else 1000
     if args.requests < 1 or args.clients < 1 or args.kills < 0:
         parser.error("--requests and --clients must be >= 1, --kills >= 0")
     result = run(args)
-    name = "stream_load" + ("_quick" if args.quick else "") + ("_kills" if args.kills else "")
+    name = "stream_load" + ("_r8" if args.dataset == "r8" else "") + ("_quick" if args.quick else "") + ("_kills" if args.kills else "")
     path = write_json(result, args.out or RESULTS_DIR / f"{name}.json")
     print(json.dumps({k: result[k] for k in ("latency_ack_to_applied_s", "throughput", "paths", "floor")}, indent=1,
                      default=str))

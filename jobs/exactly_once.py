@@ -161,6 +161,9 @@ class ExactlyOnce:
         self._remover = remover
         self._measure = measure  # verification metrics (default: removal_metrics, passes over the data)
         self._split_on_error = False
+        # version -> its removal's release (None: not a removal); versions are immutable once
+        # published (never overwritten or deleted), so each manifest is read once, not per batch
+        self._releases: dict[int, PrivacyRelease | None] = {}
         store.register_ledger(model, ledger.path)
 
     # -- follow a rollback ----------------------------------------------------------------------
@@ -249,7 +252,7 @@ class ExactlyOnce:
         try:
             metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
             release = release_of_record(run.record)
-            history = [self._manifest_release(m) for m in self.store.removal_manifests(self.model)]
+            history = self._release_history()
             decision = check_budget(history, release, self.limits.budget)
         except TRANSIENT_ERRORS:
             raise
@@ -301,6 +304,19 @@ class ExactlyOnce:
                          seed=batch.seed, stage_hook=hook, **hooks)
             run.record["distributed"] = describe()
         return run
+
+    def _release_history(self) -> list[PrivacyRelease]:
+        """The release of every published removal (rolled back or not: a release stays released),
+        in version order, as ``store.removal_manifests`` gives them; each manifest read once."""
+        out: list[PrivacyRelease] = []
+        for v in self.store.versions(self.model):
+            if v not in self._releases:
+                manifest = self.store.manifest(self.model, v)
+                self._releases[v] = self._manifest_release(manifest) if manifest.get("kind") == "removal" else None
+            release = self._releases[v]
+            if release is not None:
+                out.append(release)
+        return out
 
     @staticmethod
     def _manifest_release(manifest: dict[str, Any]) -> PrivacyRelease:

@@ -12,11 +12,14 @@ one exact pass. After a published fast removal the state continues from the publ
 (its float64 theta is reset to them), so it always describes exactly the version it serves.
 
 Verification metrics (``metrics``: the keys of ``pipeline.evaluate.removal_metrics``) come from
-the cached layer inputs: accuracies of the parent and the new weights on the batch, the
-cumulative forget set, the retained set and the test split, one matrix product each. A version
-counts as verified exact (``record["fast_path"]["verified_exact"]``) only when its refresh
-converged; every version carries the exact residual of its weights as published (dtype-cast),
-``published_residual``, and ``published_distance_bound`` = that / lambda.
+the cached layer inputs: the predictions of the parent and of the new weights on the whole split
+(one matrix product each) and on the test split, read off for the batch, the cumulative forget
+set and the retained set. A version counts as verified exact (``record["fast_path"]["verified_exact"]``)
+only when its refresh converged; every version carries the exact residual of its weights as
+published (dtype-cast), ``published_residual``, and ``published_distance_bound`` = that / lambda.
+The state rounds a fast step to the model's dtype before measuring its drift (``publish_dtype``),
+so after a fast step that measure is already the published residual of exactly these weights
+(checked by equality; a refresh's weights get their own exact pass).
 """
 from __future__ import annotations
 
@@ -74,6 +77,7 @@ class _Held:
     x_all: Tensor                   # layer inputs of every sample of the split (for cumulative sets)
     y_all: Tensor
     position: dict[int, int]
+    in_state: Tensor                # row of x_all of each of the state's rows
 
 
 class WarmStreamRemover:
@@ -89,6 +93,9 @@ class WarmStreamRemover:
         self.held: _Held | None = None
         self.builds = 0
         self._before: Tensor | None = None   # theta of the parent of the last run (for metrics)
+        # (theta, right on the whole split, right on the test split) of the last metrics call: the
+        # next batch's parent is usually that version, so its "before" needs no second product
+        self._last_correct: tuple[Tensor, Tensor | None, Tensor | None] | None = None
 
     # -- building and checking -------------------------------------------------------------
     def _matches(self, directory: Path) -> bool:
@@ -114,9 +121,10 @@ class WarmStreamRemover:
         model, task, card = load_model_dir(directory)
         model.eval()
         train = training_set(card, model)
+        block_dtype = model.state_dict()[self.parameters[0]].dtype
         state, prefix = DecisionLayerStream.from_model(model, task, train, self.parameters, card.training.weight_decay,
                                                        anchor=self.anchor, settings=self.stream_settings,
-                                                       batch_size=self.batch_size)
+                                                       batch_size=self.batch_size, publish_dtype=block_dtype)
         from pipeline.data import load_source
 
         splits = load_source(card.data.source, card.data.options)
@@ -140,11 +148,12 @@ class WarmStreamRemover:
             x_all[rest] = layer_inputs(full.take(torch.nonzero(rest).squeeze(1)))
         # the state converged at the build (anchor none) may already have moved the weights: the
         # first removal's parent is still this directory, so "before" metrics use its weights
+        self._last_correct = None  # predictions were of the old cached inputs
         self.held = _Held(directory, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                          frozenset(int(i) for i in card.training.removed_ids), model.state_dict()[self.parameters[0]].dtype,
+                          frozenset(int(i) for i in card.training.removed_ids), block_dtype,
                           layer_inputs(test) if test is not None else None,
                           test.columns["y"] if test is not None else None,
-                          x_all, full.columns["y"], position)
+                          x_all, full.columns["y"], position, in_state)
         self.state = state
         self.builds += 1
         record = {"directory": str(directory), "seconds": time.perf_counter() - started, **state.build_record,
@@ -180,8 +189,13 @@ class WarmStreamRemover:
         # the state now stands for the new version: its weights as published (dtype-cast); the
         # checks are of those weights: ||grad F_R(theta_pub) - a|| exactly (one O(n K d) pass),
         # and ||theta_pub - theta*_R|| <= that / lambda (lambda-strong convexity)
-        state.theta = torch.cat([new_state[w_name].reshape(-1), new_state[b_name]]).to(torch.float64)
-        published = float(torch.linalg.vector_norm(state.exact_gradient() - state.anchor))
+        published_theta = torch.cat([new_state[w_name].reshape(-1), new_state[b_name]]).to(torch.float64)
+        if step.path == "fast" and step.residual_measured is not None and torch.equal(published_theta, state.theta):
+            published, published_from = step.residual_measured, "drift measure (the same weights)"
+        else:
+            state.theta = published_theta
+            published = float(torch.linalg.vector_norm(state.exact_gradient() - state.anchor))
+            published_from = "exact pass at the published weights"
         refresh_converged = bool(step.refresh["converged"]) if step.refresh is not None else None
         self.held.removed = frozenset(new_card.training.removed_ids)
         from pipeline.methods.base import parse_settings
@@ -195,6 +209,7 @@ class WarmStreamRemover:
                           "verified_exact": bool(refresh_converged),
                           "refresh_converged": refresh_converged,
                           "published_residual": published, "published_distance_bound": published / state.lam,
+                          "published_residual_from": published_from,
                           "state": state.describe(), "built": built},
             "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor))},
             "step_norm": step.step_norm,
@@ -204,13 +219,20 @@ class WarmStreamRemover:
         return RemovalRun(new_state, new_card, record)
 
     # -- verification from the cached inputs ---------------------------------------------------
-    def _accuracy(self, theta: Tensor, x: Tensor | None, y: Tensor | None) -> float | None:
+    def _correct(self, theta: Tensor, x: Tensor | None, y: Tensor | None) -> Tensor | None:
+        """Whether the layer with ``theta`` classifies each row of ``x`` right (None without rows)."""
         if x is None or y is None or len(y) == 0:
             return None
         assert self.state is not None
         k, d = self.state.k, self.state.d
-        logits = x @ theta[: k * d].reshape(k, d).T + theta[k * d:]
-        return float((logits.argmax(dim=1) == y).double().mean())
+        logits = torch.addmm(theta[k * d:], x, theta[: k * d].reshape(k, d).T)
+        return logits.argmax(dim=1) == y
+
+    @staticmethod
+    def _share(correct: Tensor | None, rows: Tensor | None) -> float | None:
+        if correct is None or rows is None or int(rows.numel()) == 0 or (rows.dtype == torch.bool and not bool(rows.any())):
+            return None
+        return float(correct[rows].double().mean())
 
     def metrics(self, parent_dir: str | Path, run: RemovalRun, sample_ids: Sequence[int],
                 cumulative_ids: Sequence[int] = ()) -> dict[str, Any]:
@@ -218,20 +240,25 @@ class WarmStreamRemover:
         assert self.state is not None and self.held is not None and self._before is not None
         held, after, before = self.held, self.state.theta, self._before
 
-        def subset(ids: Sequence[int]) -> tuple[Tensor | None, Tensor | None]:
-            if not ids:
-                return None, None
-            pos = torch.tensor([held.position[int(i)] for i in ids])
-            return held.x_all[pos], held.y_all[pos]
+        def rows(ids: Sequence[int]) -> Tensor | None:
+            return torch.tensor([held.position[int(i)] for i in ids], dtype=torch.long) if ids else None
 
-        retain_pos = torch.tensor([held.position[int(i)] for i in self.state.retained_ids().tolist()])
-        sets = {"forget": subset(sample_ids), "cumulative_forget": subset(cumulative_ids),
-                "retain": (held.x_all[retain_pos], held.y_all[retain_pos]), "test": (held.test_x, held.test_y)}
+        retain = torch.zeros(len(held.y_all), dtype=torch.bool)
+        retain[held.in_state[self.state.retained]] = True
+        sets = {"forget": rows(sample_ids), "cumulative_forget": rows(cumulative_ids), "retain": retain}
         out: dict[str, Any] = {"n_train": run.card.training.n, "n_removed_total": len(run.card.training.removed_ids),
                                "batch_samples": len(sample_ids), "measured_on": "cached decision-layer inputs"}
-        for name, (x, y) in sets.items():
-            out[f"{name}_accuracy"] = self._accuracy(after, x, y)
-            out[f"{name}_accuracy_before"] = self._accuracy(before, x, y)
+        last = self._last_correct
+        for suffix, theta in (("", after), ("_before", before)):
+            if suffix and last is not None and torch.equal(last[0], theta):
+                correct, test = last[1], last[2]
+            else:
+                correct, test = self._correct(theta, held.x_all, held.y_all), self._correct(theta, held.test_x, held.test_y)
+            if not suffix:
+                self._last_correct = (theta.clone(), correct, test)
+            for name, r in sets.items():
+                out[f"{name}_accuracy{suffix}"] = self._share(correct, r)
+            out[f"test_accuracy{suffix}"] = None if test is None else float(test.double().mean())
         b, a = out["retain_accuracy_before"], out["retain_accuracy"]
         out["retain_accuracy_drop"] = None if b is None or a is None else b - a
         return out

@@ -41,6 +41,14 @@ O(1)) or the exact residual ||grad F_R(theta) - a|| on the cached inputs (``grad
 O(n K d) product, 1/(K (d+1)) of a curvature pass; the a-priori bound is recorded either way);
 ``distance_bound`` = drift / lambda. Each removal returns a ``StreamStep`` saying which path it
 took.
+
+``publish_dtype`` (e.g. float32 for a float32 model): a fast step's weights are rounded to it
+before the drift is measured, so the state holds, and the drift measure is of, the weights as they
+will be published (the residual of the rounded weights, one pass, not one before and one after
+rounding). A refresh's result is left in float64.
+
+The exact gradient runs over every cached row with the removed rows weighted 0 (no copy of the
+retained rows per call).
 """
 from __future__ import annotations
 
@@ -131,7 +139,8 @@ class DecisionLayerStream:
 
     def __init__(self, x: Tensor, y: Tensor, sample_ids: Tensor, weight: Tensor, bias: Tensor, weight_decay: float,
                  *, anchor: str = "training_residual", label_smoothing: float = 0.0,
-                 settings: StreamSettings | None = None, converge_at_build: bool | None = None) -> None:
+                 settings: StreamSettings | None = None, converge_at_build: bool | None = None,
+                 publish_dtype: torch.dtype | None = None) -> None:
         if anchor not in ("none", "training_residual"):
             raise ValueError(f"anchor must be 'none' or 'training_residual' (got {anchor!r})")
         if not weight_decay > 0:
@@ -141,6 +150,7 @@ class DecisionLayerStream:
             raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                              f"bias {tuple(bias.shape)}")
         self.settings = settings or StreamSettings()
+        self.publish_dtype = None if publish_dtype in (None, torch.float64) else publish_dtype
         self.x = x.detach().to("cpu", torch.float64).contiguous()
         self.y = y.detach().to("cpu", torch.long)
         self.sample_ids = sample_ids.detach().to("cpu", torch.long)
@@ -174,7 +184,8 @@ class DecisionLayerStream:
     @classmethod
     def from_model(cls, model: nn.Module, task: Task, train: SampleSet, parameters: Sequence[str],
                    weight_decay: float, *, anchor: str = "training_residual", settings: StreamSettings | None = None,
-                   batch_size: int = 4096) -> tuple["DecisionLayerStream", nn.Module | None]:
+                   batch_size: int = 4096, publish_dtype: torch.dtype | None = None,
+                   ) -> tuple["DecisionLayerStream", nn.Module | None]:
         """The state of ``model``'s decision layer named by ``parameters`` (its weight and bias);
         returns it and the frozen prefix (None when the layer is the whole model), which maps
         inputs to the layer's inputs. Raises ``ValueError`` naming the fix when the block is not
@@ -200,7 +211,7 @@ class DecisionLayerStream:
         x = data.columns["x"].reshape(len(data), -1)
         smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
         state = cls(x, data.columns["y"], data.sample_ids, layer.weight, layer.bias, weight_decay, anchor=anchor,
-                    label_smoothing=smoothing, settings=settings)
+                    label_smoothing=smoothing, settings=settings, publish_dtype=publish_dtype)
         return state, (None if prefix is None else model[:prefix.start])
 
     # -- closed forms ------------------------------------------------------------------------
@@ -212,10 +223,12 @@ class DecisionLayerStream:
         t[torch.arange(len(y)), y] += 1.0 - self.smoothing
         return p, t
 
-    def _gradient_sum(self, x: Tensor, y: Tensor, theta: Tensor) -> Tensor:
-        """sum_i (p_i - t_i) (kron) x~_i in block order (loss only, no ridge)."""
+    def _gradient_sum(self, x: Tensor, y: Tensor, theta: Tensor, weights: Tensor | None = None) -> Tensor:
+        """sum_i w_i (p_i - t_i) (kron) x~_i in block order (loss only, no ridge; w_i = 1 by default)."""
         p, t = self._probs_targets(x, y, theta)
         r = p - t
+        if weights is not None:
+            r.mul_(weights.to(r.dtype)[:, None])
         return torch.cat([(r.T @ x).reshape(-1), r.sum(dim=0)])
 
     def _hessian_factor(self, x: Tensor, y: Tensor, theta: Tensor) -> Tensor:
@@ -256,8 +269,7 @@ class DecisionLayerStream:
     def exact_gradient(self, theta: Tensor | None = None) -> Tensor:
         """grad F_R(theta), a full pass (for refreshes, tests and audits)."""
         theta = self.theta if theta is None else theta
-        x, y = self.x[self.retained], self.y[self.retained]
-        return self._gradient_sum(x, y, theta) / self.n + self.lam * theta
+        return self._gradient_sum(self.x, self.y, theta, self.retained) / self.n + self.lam * theta
 
     def drift_constant(self) -> float:
         """C_R = (3 / (2 n_R)) sum_R ||x~_i||^3."""
@@ -267,6 +279,10 @@ class DecisionLayerStream:
         """Bound on ||grad F_R(theta) - g^_R(theta)||: C_R ||theta - theta_ref||^2."""
         assert self._ref is not None
         return self.drift_constant() * float(torch.linalg.vector_norm(self.theta - self._ref.theta)) ** 2
+
+    def publishable(self, theta: Tensor) -> Tensor:
+        """``theta`` rounded to ``publish_dtype`` (as float64); unchanged without one."""
+        return theta if self.publish_dtype is None else theta.to(self.publish_dtype).to(torch.float64)
 
     @property
     def weight(self) -> Tensor:
@@ -370,7 +386,7 @@ class DecisionLayerStream:
         # the fast step: the minimiser of the quadratic model of F_R - <a, theta>
         residual = self.tracked_gradient() - self.anchor
         delta, solver = self._solve(self.system(), residual)
-        self.theta = self.theta - delta
+        self.theta = self.publishable(self.theta - delta)
         tracked = float(torch.linalg.vector_norm(self.tracked_gradient() - self.anchor))
         bound = self.gradient_error_bound() + tracked
         measured = (float(torch.linalg.vector_norm(self.exact_gradient() - self.anchor))
@@ -394,4 +410,5 @@ class DecisionLayerStream:
                 "removed": self.total_removed, "refreshes": self.refreshes, "anchor": self.anchor_kind,
                 "anchor_norm": float(torch.linalg.vector_norm(self.anchor)), "weight_decay": self.lam,
                 "settings": asdict(self.settings), "drift_constant": self.drift_constant(),
+                "publish_dtype": None if self.publish_dtype is None else str(self.publish_dtype).removeprefix("torch."),
                 "removals_since_refresh": self.removals_since_refresh}

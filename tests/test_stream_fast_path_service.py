@@ -127,6 +127,11 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     lam = card0.training.weight_decay
     assert error <= records[-1]["fast_path"]["published_distance_bound"] + oracle_refresh["residual_after"] / lam
     assert all(r["fast_path"]["refresh_converged"] in (None, True) for r in records)
+    # a fast step's published residual is its drift measure, taken at the rounded (published) weights:
+    # the exact residual of exactly these weights
+    assert records[-1]["fast_path"]["published_residual_from"].startswith("drift measure")
+    assert records[-1]["fast_path"]["published_residual"] == pytest.approx(
+        float(torch.linalg.vector_norm(oracle.exact_gradient(published) - oracle.anchor)), rel=1e-9)
 
     # verification from the cached layer inputs: the same accuracies as full passes of the model
     from pipeline.data import load_source
@@ -140,6 +145,10 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
         vs.version_dir(MODEL, 8))[2])), abs=1e-6)
     assert last["test_accuracy"] == pytest.approx(accuracy_share(model, task, splits["test"]), abs=1e-6)
     assert last["forget_accuracy"] == pytest.approx(accuracy_share(model, task, forget), abs=1e-6)
+    model7, _, card7 = load_model_dir(vs.version_dir(MODEL, 7))  # the parent: "before" (reused predictions)
+    assert last["test_accuracy_before"] == pytest.approx(accuracy_share(model7, task, splits["test"]), abs=1e-6)
+    assert last["retain_accuracy_before"] == pytest.approx(accuracy_share(model7, task, training_set(load_model_dir(
+        vs.version_dir(MODEL, 8))[2])), abs=1e-6)
 
     # restart: the state is rebuilt from the current version (8)
     err = _serve_one(config, port_file, store, "g0", ids[8])
