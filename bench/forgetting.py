@@ -118,9 +118,10 @@ SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model fami
 # Mixed-Linear (Golatkar et al. 2021) is a different model: core = the frozen features + the head's
 # hidden layer at its seeded initialisation (trained on no sample), user weights = the output layer
 # of the linearised head, MSE on one-hot targets. Its forgetting is compared with retraining the user
-# weights on D_r (exactness) and, like every row, with the network's Retrain (Avg. Gap).
-MIXED_LINEAR = {"settings": {"user_last_modules": 1, "cg_rtol": 1e-10},
-                "scenarios": ("class", "subject"), "forget_sets": 1}
+# weights on D_r (exactness) and, like every row, with the network's Retrain (Avg. Gap). The removal
+# uses the prepared sums of D (pipeline.mixed_linear_prepared: computed once per trained user
+# weights, reported apart as ml preparation); ml-retrain is the CG solve on D_r from zero.
+MIXED_LINEAR = {"settings": {"user_last_modules": 1, "cg_rtol": 1e-10}}
 
 DATASETS: dict[str, dict[str, Any]] = {
     "fmnist": {
@@ -391,7 +392,7 @@ def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: C
     out: dict[str, Any] = {"seed": seed, "m": len(ids), "n": len(train), "classes": classes,
                            "forget_ids": ids if len(ids) <= 100 else {"count": len(ids), "first": ids[:20]},
                            "rows": rows, "records": records}
-    if scenario in MIXED_LINEAR["scenarios"] and seed < MIXED_LINEAR["forget_sets"] and ctx.mixed_linear_on:
+    if ctx.mixed_linear_on:
         tick("mixed-linear")
         try:
             ml = mixed_linear_rows(ctx, sets, positions, wd, seed, rows["retrain"], retrain_s)
@@ -431,6 +432,7 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     from pipeline.linearized import LinearizedModel
     from pipeline.methods import RemovalProblem, get_method
     from pipeline.methods.mixed_linear import UserWeights, train_user_weights, user_block
+    from pipeline.mixed_linear_prepared import PreparedUserSums
     from pipeline.recipe import initial_model
 
     method = get_method("mixed-linear")
@@ -442,15 +444,17 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
         lin = LinearizedModel(core, task, block)
         t = time.perf_counter()
         trained = train_user_weights(lin, _float64(ctx.data.train), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
+        seconds = time.perf_counter() - t
+        sums = PreparedUserSums.prepare(lin, _float64(ctx.data.train), wd, batch_size=EVAL_BATCH)
         ctx.mixed_linear = {"core": core, "lin": lin, "block": block, "w": trained.user_weights,
-                            "seconds": time.perf_counter() - t, "record": trained.record}
+                            "seconds": seconds, "record": trained.record, "sums": sums}
     ml = ctx.mixed_linear
     t = time.perf_counter()
     exact = train_user_weights(ml["lin"], _float64(sets.retain), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
     retrain_s = time.perf_counter() - t
     problem = RemovalProblem(ml["core"], ctx.task, _float64(ctx.data.train), positions, wd, seed=seed, batch_size=EVAL_BATCH,
                              extras={"user_weights": UserWeights(ml["w"].clone(), wd, ctx.data.train.sample_ids.tolist()),
-                                     "user_block": ml["block"]})
+                                     "user_block": ml["block"], "prepared_user_sums": ml["sums"]})
     t = time.perf_counter()
     outcome = method.run(problem, parsed)
     forget_s = time.perf_counter() - t
@@ -464,12 +468,16 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     for name in ("ml-original", "mixed-linear"):
         rows[name]["AvgGap_vs_ml_retrain"] = avg_gap(rows[name], rows["ml-retrain"])
     rows["mixed-linear"]["ratio"] = retrain_s / forget_s if forget_s > 0 else None
+    preparation = ml["sums"].seconds
+    rows["mixed-linear"]["preparation_seconds"] = preparation
+    rows["mixed-linear"]["ratio_with_preparation"] = retrain_s / (forget_s + preparation)
     base = float(torch.linalg.vector_norm(ml["w"] - exact.user_weights)) or 1.0
     return {
         "rows": rows, "user_dim": ml["block"].numel, "train_on_D_seconds": ml["seconds"],
         "relative_distance_to_exact_retrain": float(torch.linalg.vector_norm(forgotten - exact.user_weights)) / base,
         "absolute_distance_to_exact_retrain": float(torch.linalg.vector_norm(forgotten - exact.user_weights)),
         "ratio_ml_retrain_over_forget": retrain_s / forget_s if forget_s > 0 else None,
+        "preparation_seconds": preparation, "path": outcome.record.get("path"),
         "ratio_network_retrain_over_forget": network_retrain_s / forget_s if forget_s > 0 else None,
         "forget_record": _jsonable({k: v for k, v in outcome.record.items() if k != "user_block"}),
     }
@@ -680,8 +688,7 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
         ctx.train_seconds.append(seconds)
 
     per_set = 2 + len(ctx.methods)
-    total = len(scenarios) * seeds * per_set + (len(set(scenarios) & set(MIXED_LINEAR["scenarios"])) * min(
-        seeds, MIXED_LINEAR["forget_sets"]) if ctx.mixed_linear_on else 0) + sum(
+    total = len(scenarios) * seeds * (per_set + (1 if ctx.mixed_linear_on else 0)) + sum(
         (shadows - 1) * (1 + len(ctx.methods)) for sc in scenarios if sc in ULIRA_SCENARIOS and shadows)
     result: dict[str, Any] = {
         "benchmark": "forgetting", "dataset": dataset, "dataset_title": TITLES[dataset], "quick": quick,
@@ -691,7 +698,9 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
         "mixed_linear": {**MIXED_LINEAR, "enabled": ctx.mixed_linear_on,
                          "model": "core = frozen features + the head's hidden layer at its seeded initialisation "
                                   "(trained on no sample); user weights = the linearised output layer, MSE on "
-                                  "one-hot targets, trained and forgotten by exact Newton steps (CG)"},
+                                  "one-hot targets, trained by an exact Newton step (CG); forgotten by the exact "
+                                  "Newton step from the prepared sums X~^T X~, X~^T (Y - F_c) of D minus the "
+                                  "forgotten rows' (pipeline.mixed_linear_prepared)"},
         "train_seconds": ctx.train_seconds, "scenarios": {},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),

@@ -60,6 +60,7 @@ from pipeline.curvature import LinearOperator, SolveInfo, conjugate_gradient
 from pipeline.data.sampleset import SampleSet
 from pipeline.linearized import BatchProducts, LinearizedModel, batch_products, output_targets
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
+from pipeline.mixed_linear_prepared import PreparedUserSums
 from pipeline.param_block import ParamBlock
 from pipeline.privacy.noise import secret_standard_normal
 from pipeline.privacy.release import Guarantee, PrivacyRelease
@@ -382,7 +383,9 @@ class MixedLinear(RemovalMethod):
     """``problem.model`` holds the core weights w_c and ``problem.train`` the user data D.
     ``problem.extras``: ``"user_weights"`` (required: a ``UserWeights`` bound to lambda and to
     exactly the ids of ``problem.train``, as trained by ``train_user_weights``); optional
-    ``"user_block"`` (a ParamBlock overriding the settings). The outcome's ``new_parameters``
+    ``"user_block"`` (a ParamBlock overriding the settings) and ``"prepared_user_sums"`` (a
+    ``PreparedUserSums`` of the same lambda and data, for an output-layer user block: the exact
+    step in closed form without a pass over D_r; replaced by the sums of D_r). The outcome's ``new_parameters``
     holds the new user weights under ``USER_WEIGHT_PREFIX + name`` (full parameter shapes);
     ``extras["user_weights"]`` is replaced by the new ``UserWeights`` (flat vector, bound to
     the retained ids). The core weights are not changed."""
@@ -406,18 +409,43 @@ class MixedLinear(RemovalMethod):
         block = problem.extras.get("user_block") or user_block(
             model, settings.user_parameters or None, settings.user_last_modules)
         w_u = user_vector(block, user.weights)
+        prepared = problem.extras.get("prepared_user_sums")
+        if prepared is not None and not isinstance(prepared, PreparedUserSums):
+            raise TypeError("problem.extras['prepared_user_sums'] must be a PreparedUserSums "
+                            "(pipeline.mixed_linear_prepared.PreparedUserSums.prepare)")
+        if prepared is not None:
+            prepared.check(problem.weight_decay, problem.train.sample_ids.tolist())
         with eval_mode_restored(model), problem.stage("forget", timings):
             lin = LinearizedModel(model, problem.task, block)
-            result = forget_user_data(
-                lin, w_u, problem.retain, problem.weight_decay, sigma=settings.sigma,
-                rtol=settings.cg_rtol, max_iter=settings.cg_max_iter, batch_size=problem.batch_size)
-        retained = problem.retain.sample_ids.tolist()
+            if prepared is not None:  # exact in closed form from the prepared sums (no pass over D_r)
+                result = _forget_prepared(prepared, lin, w_u, problem, settings.sigma)
+            else:
+                result = forget_user_data(
+                    lin, w_u, problem.retain, problem.weight_decay, sigma=settings.sigma,
+                    rtol=settings.cg_rtol, max_iter=settings.cg_max_iter, batch_size=problem.batch_size)
+        keep = torch.ones(len(problem.train), dtype=torch.bool)
+        keep[problem.forget_positions] = False
+        retained = problem.train.sample_ids[keep].tolist()  # (not problem.retain: no copy of the retained data)
         problem.extras["user_weights"] = UserWeights(result.user_weights, problem.weight_decay, retained)
         state = user_state(block, model, result.user_weights)
         new_parameters = {USER_WEIGHT_PREFIX + k: v for k, v in state.items()}
         record = {"user_block": block.describe() if block.numel <= 100_000 else len(block.parts),
                   "forgotten": problem.m, **result.record, "timings": timings}
         return RemovalOutcome(new_parameters, record, release=_release(settings.sigma))
+
+
+def _forget_prepared(prepared: PreparedUserSums, lin: LinearizedModel, w_u: Tensor, problem: RemovalProblem,
+                     sigma: float) -> MixedLinearResult:
+    """The exact Newton step of L_Dr from the prepared sums (``pipeline.mixed_linear_prepared``),
+    plus the secret noise; the sums of D_r replace ``problem.extras["prepared_user_sums"]``."""
+    started = time.perf_counter()
+    w, retained, record = prepared.forget(lin, w_u, problem.forget, batch_size=problem.batch_size)
+    noise = sigma * secret_standard_normal(w.numel()) if sigma > 0 else torch.zeros_like(w)
+    problem.extras["prepared_user_sums"] = retained
+    record.update({"weight_decay": problem.weight_decay, "noise": {"sigma": sigma, "source": "os-csprng" if sigma > 0
+                                                                   else None},
+                   "noise_norm": _norm(noise), "seconds": time.perf_counter() - started})
+    return MixedLinearResult(w + noise, None, record)
 
 
 # -- the data-parallel job of one rank ----------------------------------------------------------

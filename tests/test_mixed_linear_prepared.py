@@ -1,0 +1,128 @@
+"""Prepared Mixed-Linear forgetting (output-layer user block, closed-form sums) against a dense
+float64 oracle, the CG path and retraining (pipeline/mixed_linear_prepared.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.linearized import LinearizedModel
+from pipeline.methods import get_method
+from pipeline.methods.base import RemovalProblem
+from pipeline.methods.mixed_linear import (
+    UserWeights, UserWeightsBindingError, forget_user_data, train_user_weights, user_block,
+)
+from pipeline.mixed_linear_prepared import PreparedUserSums
+from pipeline.tasks import DenseInputTask
+from pipeline.training import fit_lbfgs
+from tests.kit import digits64
+from tests.scrub_helpers import one_thread, rel  # noqa: F401  (fixture)
+from tests.test_mixed_linear import dense_oracle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAMBDA = 1e-2
+RTOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def case():
+    """Core MLP fitted loosely on 300 core digits; the user block is its output layer (16 x 10 + 10);
+    400 other digits are the user data; user weights trained on them by CG."""
+    data = digits64()["train"]
+    core_data, user = data.take(torch.arange(0, 300)), data.take(torch.arange(300, 700))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    fit_lbfgs(model, DenseInputTask(loss="cross_entropy"), core_data, 1e-3, max_steps=3, tolerance=1e-6)
+    model.eval()
+    task = DenseInputTask(loss="mse")
+    block = user_block(model, last_modules=1)
+    lin = LinearizedModel(model, task, block)
+    w = train_user_weights(lin, user, LAMBDA, rtol=RTOL).user_weights
+    return model, task, block, lin, user, w
+
+
+def test_sums_give_the_exact_gradient_of_the_user_objective(case):
+    """grad L_D from the prepared sums = the JVP/VJP gradient at any w_u (1e-10)."""
+    from pipeline.methods.mixed_linear import UserObjective
+
+    _, _, _, lin, user, w = case
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA, batch_size=97)
+    assert sums.count == 400 and sums.gram.shape == (17, 17) and sums.cross.shape == (17, 10)
+    probe = torch.randn(lin.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = UserObjective(lin, user, LAMBDA).gradient(probe)
+    assert rel(sums.gradient(probe), expected) <= 1e-10
+    assert float(torch.linalg.vector_norm(sums.gradient(w))) <= 1e-9 * float(torch.linalg.vector_norm(expected))
+
+
+def test_prepared_forget_equals_retraining_the_cg_path_and_the_dense_oracle(case):
+    _, _, _, lin, user, w = case
+    forget_pos = torch.arange(0, 400, 7)  # 58 samples
+    retain = user.without(forget_pos)
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
+    new, retained_sums, record = sums.forget(lin, w, user.take(forget_pos))
+    oracle = dense_oracle(lin, retain)
+    retrained = train_user_weights(lin, retain, LAMBDA, rtol=RTOL).user_weights
+    by_cg = forget_user_data(lin, w, retain, LAMBDA, rtol=RTOL).user_weights
+    assert rel(w, oracle) > 1e-2  # the request mattered
+    assert rel(new, oracle) <= 1e-9
+    assert rel(new, retrained) <= 1e-9
+    assert rel(new, by_cg) <= 1e-9
+    assert record["path"] == "prepared-kronecker" and record["samples_retained"] == 342
+    assert record["retain_gradient_norm_after"] <= 1e-12 * record["retain_gradient_norm_before"]
+    # the returned sums are those of D_r, exactly as if prepared there
+    fresh = PreparedUserSums.prepare(lin, retain, LAMBDA)
+    assert retained_sums.count == 342 and retained_sums.sample_ids == fresh.sample_ids
+    assert rel(retained_sums.gram, fresh.gram) <= 1e-12 and rel(retained_sums.cross, fresh.cross) <= 1e-12
+
+
+def test_a_stale_sample_count_would_miss_the_retrained_weights(case):
+    """The 2/(N_r K) of the retained objective matters: the same step with D's count N fails."""
+    _, _, _, lin, user, w = case
+    forget_pos = torch.arange(0, 400, 7)
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
+    good, retained, _ = sums.forget(lin, w, user.take(forget_pos))
+    stale = dataclasses.replace(retained, count=400)
+    wrong = w - stale._flat(torch.linalg.solve(  # Theta - g A^{-1} with A, g built on N instead of N_r
+        (2.0 / (400 * 10)) * stale.gram + LAMBDA * torch.eye(17, dtype=torch.float64),
+        stale._theta(stale.gradient(w)).T).T)
+    oracle = dense_oracle(lin, user.without(forget_pos))
+    assert rel(good, oracle) <= 1e-9
+    assert rel(wrong, oracle) > 1e-3
+
+
+def test_method_uses_the_sums_composes_and_keeps_the_binding(case):
+    model, task, block, lin, user, w = case
+    method = get_method("mixed-linear")
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
+    extras = {"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()), "user_block": block,
+              "prepared_user_sums": sums}
+    first = torch.arange(0, 400, 9)
+    outcome = method.run(RemovalProblem(model, task, user, first, LAMBDA, extras=extras), method.Settings())
+    assert outcome.record["path"] == "prepared-kronecker"
+    # a second request against what the first left (user data D \ U1), with the sums it returned
+    rest = user.without(first)
+    second_ids = rest.sample_ids[torch.arange(0, len(rest), 11)].tolist()
+    second = rest.positions_of(second_ids)
+    outcome2 = method.run(RemovalProblem(model, task, rest, second, LAMBDA, extras=extras), method.Settings())
+    final = extras["user_weights"].weights
+    oracle = dense_oracle(lin, rest.without(second))
+    assert rel(final, oracle) <= 1e-9
+    assert outcome2.record["samples_retained"] == len(rest) - len(second)
+    # sums of another lambda, or of other data, are refused before anything changes
+    for bad in (dataclasses.replace(sums, weight_decay=2 * LAMBDA),
+                dataclasses.replace(sums, sample_ids=frozenset(list(sums.sample_ids)[1:]))):
+        problem = RemovalProblem(model, task, user, first, LAMBDA,
+                                 extras={"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()),
+                                         "user_block": block, "prepared_user_sums": bad})
+        with pytest.raises(UserWeightsBindingError, match="prepare them again"):
+            method.run(problem, method.Settings())
+        assert torch.equal(problem.extras["user_weights"].weights, w)
+
+
+def test_other_blocks_are_refused_with_the_fix(case):
+    model, task, _, _, user, _ = case
+    both = LinearizedModel(model, task, user_block(model, last_modules=2))
+    with pytest.raises(ValueError, match="whole last Linear layer"):
+        PreparedUserSums.prepare(both, user, LAMBDA)
