@@ -29,7 +29,7 @@ def smoke_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     from pipeline.methods import METHODS
-    from bench.forgetting import MIXED_LINEAR, SCENARIOS, SKIP_METHODS, VARIANT_ROWS
+    from bench.forgetting import SCENARIOS, SKIP_METHODS, VARIANT_ROWS
 
     expected = {"original", "retrain", "retrain-reseed"} | {m for m in METHODS if m not in SKIP_METHODS} | set(VARIANT_ROWS)
     assert "newton-head" in expected
@@ -38,10 +38,10 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
     assert list(smoke_result["scenarios"]) == list(SCENARIOS)
     for scenario, block in smoke_result["scenarios"].items():
         for run in block["runs"]:
-            with_ml = scenario in MIXED_LINEAR["scenarios"]
-            assert set(run["rows"]) == expected | (ml_rows if with_ml else set()), scenario
-            if with_ml:  # exact forgetting of the user weights (issue 12: to 1e-5)
-                assert run["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-5
+            assert set(run["rows"]) == expected | ml_rows, scenario
+            # exact forgetting of the user weights (issue 12: to 1e-5), from the prepared sums
+            assert run["mixed_linear"]["relative_distance_to_exact_retrain"] < 1e-5
+            assert run["mixed_linear"]["path"] == "prepared-kronecker"
             for name, row in run["rows"].items():
                 assert "error" not in row and "not_applicable" not in row, (scenario, name, row)
                 if "needs_retrain" in row:  # the method refused (RemovalNotServed): recorded with its reason
