@@ -491,7 +491,10 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
         "exact_refresh": {k: refreshed[k] for k in ("newton_steps", "residual_after", "converged")},
         "served_exact_gradient_residual": float(torch.linalg.vector_norm(state.exact_gradient(theta_served) - state.anchor)),
         "max_recorded_gradient_error_bound": max(f["gradient_error_bound"] for f in fast),
-        "max_recorded_distance_bound": max(f["distance_bound"] for f in fast),
+        # a step's drift is measured before the refresh it may trigger: the largest of those, and the
+        # largest bound of a version as published (after its refresh, at the dtype-cast weights)
+        "max_fast_step_distance_bound_before_refresh": max(f["distance_bound"] for f in fast),
+        "max_published_distance_bound": max(f["published_distance_bound"] for f in fast),
         "threshold": {"drift_threshold": FAST_PATH["drift_threshold"],
                       "distance": FAST_PATH["drift_threshold"] / lam},
         "from_scratch_all_seconds": scratch_seconds,
