@@ -20,11 +20,14 @@ forgotten rows' own. A removal is then the exact Newton step of the method,
 
 at O(m d^2 + d^3 + K d^2) with no pass over the retained data; it equals retraining the user
 weights on D_r up to float64 rounding. ``PreparedUserSums`` is bound, like ``UserWeights``, to
-the weight decay and the exact sample ids it was summed over, and a removal returns the sums of
-D_r, so sequential requests compose.
+the weight decay and the exact sample ids it was summed over, and also to the core (a SHA-256 of
+its parameters and buffers: phi and F_c depend on them); a removal returns the sums of D_r, so
+sequential requests compose. Sums are taken in eval mode (dropout off, batch-norm statistics
+fixed), in preparation and removal alike, so G_D - G_U is G of D_r.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -37,6 +40,7 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.linear_curvature import _block_order
 from pipeline.linearized import LinearizedModel, output_targets
 from pipeline.param_block import ParamBlock
+from pipeline.probe import eval_mode_restored
 
 __all__ = ["PreparedUserSums", "output_user_layer"]
 
@@ -64,18 +68,29 @@ def _rows(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, outputs: int,
     cross = torch.zeros(d1, outputs, dtype=torch.float64)
     seen: list[Tensor] = []
     handle = layer.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
-    try:
-        for batch in data.batches(batch_size):
-            seen.clear()
-            f_c = lin.base_outputs(batch).to("cpu", torch.float64)
-            x = seen[0].reshape(f_c.shape[0], -1).to("cpu", torch.float64)
-            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
-            y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
-            gram += x.T @ x
-            cross += x.T @ (y - f_c)
-    finally:
-        handle.remove()
+    with eval_mode_restored(lin.model):
+        try:
+            for batch in data.batches(batch_size):
+                seen.clear()
+                f_c = lin.base_outputs(batch).to("cpu", torch.float64)
+                x = seen[0].reshape(f_c.shape[0], -1).to("cpu", torch.float64)
+                x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
+                y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
+                gram += x.T @ x
+                cross += x.T @ (y - f_c)
+        finally:
+            handle.remove()
     return gram, cross
+
+
+def core_fingerprint(model: nn.Module) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the core's parameters and buffers."""
+    digest = hashlib.sha256()
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        data = t.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class PreparedUserSums:
     weight_decay: float
     sample_ids: frozenset[int]
     order: Tensor
+    core: str = ""
     seconds: float = 0.0
 
     @classmethod
@@ -108,12 +124,16 @@ class PreparedUserSums:
         names = {n: ("weight" if p is layer.weight else "bias") for n, p in lin.model.named_parameters()
                  if p is layer.weight or p is layer.bias}
         return cls(gram, cross, len(data), k, float(weight_decay), frozenset(int(i) for i in data.sample_ids.tolist()),
-                   _block_order(lin.block, names, k, d), time.perf_counter() - started)
+                   _block_order(lin.block, names, k, d), core_fingerprint(lin.model), time.perf_counter() - started)
 
-    def check(self, weight_decay: float, sample_ids: Sequence[int]) -> None:
-        """Refuse sums of another lambda or other data (``UserWeightsBindingError``)."""
+    def check(self, weight_decay: float, sample_ids: Sequence[int], model: nn.Module) -> None:
+        """Refuse sums of another lambda, other data or another core (``UserWeightsBindingError``)."""
         from pipeline.methods.mixed_linear import UserWeightsBindingError
 
+        if self.core != core_fingerprint(model):
+            raise UserWeightsBindingError(
+                "the prepared user sums were taken with another core (its parameters or buffers differ from this "
+                "model's): prepare them again with this core")
         if not math.isclose(self.weight_decay, weight_decay, rel_tol=1e-12, abs_tol=0.0):
             raise UserWeightsBindingError(
                 f"the prepared user sums are of weight decay {self.weight_decay!r}, this forget uses {weight_decay!r}: "
@@ -134,6 +154,8 @@ class PreparedUserSums:
     def gradient(self, w_u: Tensor) -> Tensor:
         """grad L_S(w_u) in block order, from the sums (exact up to float64 rounding)."""
         theta = self._theta(w_u)
+        if self.count == 0:  # no data left: L = (lambda/2)||w_u||^2
+            return self._flat(self.weight_decay * theta)
         scale = 2.0 / (self.count * self.outputs)
         return self._flat(scale * (theta @ self.gram - self.cross.T) + self.weight_decay * theta)
 
@@ -152,9 +174,12 @@ class PreparedUserSums:
         g_u, c_u = _rows(lin, layer, forget, self.outputs, batch_size)
         retained = replace(self, gram=self.gram - g_u, cross=self.cross - c_u, count=self.count - len(forget),
                            sample_ids=self.sample_ids - ids)
-        if retained.count == 0:
-            raise ValueError("forgetting every user sample leaves no objective: the user weights are then 0 "
-                             "(pipeline.methods.mixed_linear.forget_all_user_data)")
+        if retained.count == 0:  # no data term is left: the minimiser of (lambda/2)||w_u||^2 is 0
+            record = {"path": "prepared-kronecker", "samples_retained": 0, "outputs": retained.outputs,
+                      "forgot_all_user_data": True,
+                      "step_norm": float(torch.linalg.vector_norm(w_u.to("cpu", torch.float64))),
+                      "seconds": time.perf_counter() - started}
+            return torch.zeros(w_u.numel(), dtype=torch.float64), retained, record
         theta = self._theta(w_u)
         scale = 2.0 / (retained.count * retained.outputs)
         eye = torch.eye(retained.gram.shape[0], dtype=torch.float64)

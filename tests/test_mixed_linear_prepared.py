@@ -12,7 +12,7 @@ from pipeline.linearized import LinearizedModel
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
 from pipeline.methods.mixed_linear import (
-    UserWeights, UserWeightsBindingError, forget_user_data, train_user_weights, user_block,
+    UserWeights, UserWeightsBindingError, forget_all_user_data, forget_user_data, train_user_weights, user_block,
 )
 from pipeline.mixed_linear_prepared import PreparedUserSums
 from pipeline.tasks import DenseInputTask
@@ -110,9 +110,10 @@ def test_method_uses_the_sums_composes_and_keeps_the_binding(case):
     oracle = dense_oracle(lin, rest.without(second))
     assert rel(final, oracle) <= 1e-9
     assert outcome2.record["samples_retained"] == len(rest) - len(second)
-    # sums of another lambda, or of other data, are refused before anything changes
+    # sums of another lambda, of other data, or taken with another core are refused before anything changes
     for bad in (dataclasses.replace(sums, weight_decay=2 * LAMBDA),
-                dataclasses.replace(sums, sample_ids=frozenset(list(sums.sample_ids)[1:]))):
+                dataclasses.replace(sums, sample_ids=frozenset(list(sums.sample_ids)[1:])),
+                dataclasses.replace(sums, core=sums.core[::-1])):
         problem = RemovalProblem(model, task, user, first, LAMBDA,
                                  extras={"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()),
                                          "user_block": block, "prepared_user_sums": bad})
@@ -126,3 +127,77 @@ def test_other_blocks_are_refused_with_the_fix(case):
     both = LinearizedModel(model, task, user_block(model, last_modules=2))
     with pytest.raises(ValueError, match="whole last Linear layer"):
         PreparedUserSums.prepare(both, user, LAMBDA)
+
+
+def test_sums_of_a_changed_core_are_refused(case):
+    """phi and F_c depend on the core: one weight changed after preparing makes the sums stale."""
+    model, task, block, lin, user, w = case
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
+    method = get_method("mixed-linear")
+    with torch.no_grad():
+        model[1].weight[0, 0] += 1e-6
+    try:
+        problem = RemovalProblem(model, task, user, torch.arange(3), LAMBDA,
+                                 extras={"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()),
+                                         "user_block": block, "prepared_user_sums": sums})
+        with pytest.raises(UserWeightsBindingError, match="another core"):
+            method.run(problem, method.Settings())
+        assert torch.equal(problem.extras["user_weights"].weights, w)
+    finally:
+        with torch.no_grad():
+            model[1].weight[0, 0] -= 1e-6
+
+
+def test_sums_are_taken_in_eval_mode():
+    """A core with dropout left in train mode: the sums equal those of the eval-mode core (and the
+    mode is restored), so G_D - G_U is G of D_r whatever mode the caller left."""
+    data = digits64()["train"].take(torch.arange(0, 200))
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 10)).double()
+    lin = LinearizedModel(model, DenseInputTask(loss="mse"), user_block(model, last_modules=1))
+    model.train()
+    in_train = PreparedUserSums.prepare(lin, data, LAMBDA)
+    assert model.training
+    model.eval()
+    in_eval = PreparedUserSums.prepare(lin, data, LAMBDA)
+    assert torch.equal(in_train.gram, in_eval.gram) and torch.equal(in_train.cross, in_eval.cross)
+
+
+def test_forgetting_every_user_sample_gives_zero_weights(case):
+    """No data term left: the minimiser of (lambda/2)||w_u||^2 is 0, as on the CG path."""
+    _, _, _, lin, user, w = case
+    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
+    new, retained, record = sums.forget(lin, w, user)
+    assert torch.count_nonzero(new) == 0 and retained.count == 0 and not retained.sample_ids
+    assert record["forgot_all_user_data"] and record["samples_retained"] == 0
+    assert torch.equal(retained.gradient(w), LAMBDA * w)
+    assert torch.equal(new, forget_all_user_data(w))  # the CG path's answer for an empty D_r
+
+
+def test_noise_is_added_secret_and_kept_out_of_the_returned_sums(case):
+    """sigma > 0: the published weights are the exact step plus N(0, sigma^2 I) from the OS source
+    (two runs differ; the deviation's norm is about sigma sqrt(dim)); the record carries no
+    noise vector or seed; the returned sums are the noise-free sums of D_r."""
+    model, task, block, lin, user, w = case
+    method = get_method("mixed-linear")
+    forget = torch.arange(0, 400, 13)
+    exact = dense_oracle(lin, user.without(forget))
+    sigma = 1e-2
+    published, sums_after = [], []
+    for _ in range(2):
+        extras = {"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()), "user_block": block,
+                  "prepared_user_sums": PreparedUserSums.prepare(lin, user, LAMBDA)}
+        outcome = method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras=extras),
+                             method.Settings(sigma=sigma))
+        assert outcome.record["path"] == "prepared-kronecker"
+        assert outcome.record["noise"] == {"sigma": sigma, "source": "os-csprng"}
+        assert not any("seed" in str(k) for k in outcome.record["noise"])
+        published.append(extras["user_weights"].weights.clone())
+        sums_after.append(extras["prepared_user_sums"])
+    deviation = float(torch.linalg.vector_norm(published[0] - exact))
+    expected = sigma * lin.dim ** 0.5
+    assert 0.7 * expected <= deviation <= 1.3 * expected
+    assert rel(published[0], published[1]) > 1e-3  # fresh noise each time, not a function of the inputs
+    fresh = PreparedUserSums.prepare(lin, user.without(forget), LAMBDA)
+    for retained in sums_after:
+        assert rel(retained.gram, fresh.gram) <= 1e-12 and rel(retained.cross, fresh.cross) <= 1e-12

@@ -309,3 +309,21 @@ def test_a_system_above_max_system_is_refused_with_the_fix(mlp_case):
     with pytest.raises(ValueError, match=r"kernel form\) would factor a 900 x 900 system.*max_system"):
         method.run(problem, method.Settings(max_system=500))
     assert torch.equal(flat_params(problem.model), flat_params(trained))  # nothing changed
+
+
+def test_auto_form_picks_the_smaller_system():
+    """auto: primal when its system ((d+1) for an output Linear block, |P| otherwise) is smaller
+    than the kernel form's N K, else kernel."""
+    from pipeline.methods.ntk_scrub import choose_form
+    from pipeline.methods.mixed_linear import user_block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    task = DenseInputTask(loss="cross_entropy")
+    head = LinearizedModel(model, task, user_block(model, last_modules=1))  # d + 1 = 17
+    assert choose_form(head, 100, 10, "auto") == "primal"  # 17 < 1,000
+    assert choose_form(head, 1, 10, "auto") == "kernel"  # 10 < 17
+    both = LinearizedModel(model, task, user_block(model, last_modules=2))  # |P| = 1,210
+    assert choose_form(both, 100, 10, "auto") == "kernel"  # 1,000 < 1,210
+    assert choose_form(both, 200, 10, "auto") == "primal"
+    assert choose_form(both, 200, 10, "kernel") == "kernel"

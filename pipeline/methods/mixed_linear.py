@@ -414,7 +414,7 @@ class MixedLinear(RemovalMethod):
             raise TypeError("problem.extras['prepared_user_sums'] must be a PreparedUserSums "
                             "(pipeline.mixed_linear_prepared.PreparedUserSums.prepare)")
         if prepared is not None:
-            prepared.check(problem.weight_decay, problem.train.sample_ids.tolist())
+            prepared.check(problem.weight_decay, problem.train.sample_ids.tolist(), model)
         with eval_mode_restored(model), problem.stage("forget", timings):
             lin = LinearizedModel(model, problem.task, block)
             if prepared is not None:  # exact in closed form from the prepared sums (no pass over D_r)

@@ -383,13 +383,13 @@ def build_primal_system(lin: LinearizedModel, retain: SampleSet, forget: SampleS
 
 
 def choose_form(lin: LinearizedModel, n: int, outputs: int, form: str) -> str:
-    """auto: the primal form for an output Linear block (its system is (d+1) x (d+1)) or when
-    |P| < N K (the smaller system); else the kernel form."""
+    """auto: the smaller system: primal when its size ((d+1) for an output Linear block, |P|
+    otherwise) is below the kernel form's N K; else the kernel form."""
     if form != "auto":
         return form
-    if output_linear(lin.model, lin.block) is not None or lin.dim < n * outputs:
-        return "primal"
-    return "kernel"
+    layer = output_linear(lin.model, lin.block)
+    primal_size = layer.in_features + 1 if layer is not None else lin.dim
+    return "primal" if primal_size < n * outputs else "kernel"
 
 
 # -- rescaling ----------------------------------------------------------------------------------
