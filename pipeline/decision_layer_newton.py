@@ -13,6 +13,9 @@ Options of the products: ``curvature_rows`` (a seeded subsample of R: a subsampl
 Byrd et al. 2011; the gradient and F stay exact, so the minimiser is the same, only the path
 changes) and ``curvature_dtype`` (float32 products for a float32 model: CG is then asked for no
 more than 100 eps_32 relative residual). Gradients, values and weights are float64 always.
+``keep`` (a mask over the rows of ``x``) makes R the kept rows of a larger prepared X~ (D's, with
+the forgotten rows masked out of every sum) so that no copy of R is made per removal; ``xt`` is
+X~^T when the caller holds it already (contiguous).
 
 H is the exact Hessian of F at the current theta (the same matrix as
 ``pipeline.linear_curvature.linear_cross_entropy_hessian`` of R), applied without ever being
@@ -55,18 +58,30 @@ class SoftmaxLayerObjective:
     reference: Tensor
     curvature_rows: Tensor | None = None
     curvature_dtype: torch.dtype = torch.float64
+    keep: Tensor | None = None
+    xt: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.x.dtype != torch.float64:
             self.x = self.x.to(torch.float64)
         self.targets = self.targets.to(torch.float64)
-        self.n = int(self.x.shape[0])
+        self.mask = None if self.keep is None else self.keep.to(torch.float64)[:, None]
+        self.n = int(self.x.shape[0]) if self.keep is None else int(self.keep.sum())
         if self.n == 0:
             raise ValueError("the retained set is empty: nothing to fit the decision layer on")
+        if self.keep is not None and self.curvature_rows is not None and not bool(self.keep[self.curvature_rows].all()):
+            raise ValueError("curvature_rows must be kept rows (rows of R)")
         self.passes = 0.0  # passes over X~ (each costs O(n_r K (d+1))); a subsample counts its share
-        x_curv = self.x if self.curvature_rows is None else self.x[self.curvature_rows]
-        self.x_curv = x_curv.to(self.curvature_dtype)
-        self.xt = self.x.T.contiguous()  # X~^T A as a plain product: ~30% faster than A^T X~ in float64
+        if self.curvature_rows is not None:
+            self.x_curv = self.x[self.curvature_rows].to(self.curvature_dtype)
+        elif self.keep is not None:
+            self.x_curv = self.x[self.keep].to(self.curvature_dtype)
+        else:
+            self.x_curv = self.x.to(self.curvature_dtype)
+        self.curv_index = self.curvature_rows if self.curvature_rows is not None else \
+            (None if self.keep is None else torch.nonzero(self.keep).squeeze(1))
+        if self.xt is None:  # X~^T A as a plain product: ~30% faster than A^T X~ in float64
+            self.xt = self.x.T.contiguous()
         # relative accuracy a CG solve can ask of these products
         self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 \
             else 100 * torch.finfo(self.curvature_dtype).eps
@@ -77,22 +92,24 @@ class SoftmaxLayerObjective:
 
     def value(self, theta: Tensor, z: Tensor) -> float:
         """F(theta) from the logits z = X~ theta^T."""
-        loss = (torch.logsumexp(z, dim=1) - (self.targets * z).sum(dim=1)).sum() / self.n
+        per_row = torch.logsumexp(z, dim=1) - (self.targets * z).sum(dim=1)
+        loss = (per_row if self.mask is None else per_row * self.mask[:, 0]).sum() / self.n
         return float(loss + 0.5 * self.weight_decay * (theta * theta).sum()
                      - (self.anchor * (theta - self.reference)).sum())
 
     def gradient(self, theta: Tensor, p: Tensor) -> Tensor:
         """grad F from the probabilities P at theta."""
         self.passes += 1
-        return (self.xt @ (p - self.targets)).T / self.n + self.weight_decay * theta - self.anchor
+        residual = p - self.targets if self.mask is None else (p - self.targets) * self.mask
+        return (self.xt @ residual).T / self.n + self.weight_decay * theta - self.anchor
 
     def hessian_product(self, p: Tensor, v: Tensor) -> Tensor:
         """H V at the weights whose probabilities are ``p``; V in the (K, d+1) layout. With
         ``curvature_rows`` the loss part is the mean over those rows only (a subsampled Hessian:
         the gradient and the objective stay exact, so the minimiser is the same)."""
         x = self.x_curv
-        if self.curvature_rows is not None:
-            p = p[self.curvature_rows]
+        if self.curv_index is not None:
+            p = p[self.curv_index]
         p = p.to(x.dtype)
         self.passes += 2 * x.shape[0] / self.n
         dz = x @ v.to(x.dtype).T
@@ -107,6 +124,8 @@ def kronecker_preconditioner(objective: SoftmaxLayerObjective, p: Tensor,
                              gram: tuple[Tensor, Tensor]) -> Preconditioner:
     """V -> (A (x) G + lambda I)^{-1} V with A = mean_R M(x) at probabilities ``p`` and
     ``gram`` = the eigen-decomposition (values, vectors) of G = X~^T X~ / n_r."""
+    if objective.keep is not None:
+        p = p[objective.keep]
     a = torch.diag(p.mean(dim=0)) - p.T @ p / objective.n
     s_a, u_a = torch.linalg.eigh(a)
     s_g, u_g = gram

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from pipeline.curvature import LinearOperator
 from pipeline.frozen_prefix import PrefixCache
+from pipeline.memory import MemoryBudget
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
@@ -160,6 +161,13 @@ class LinearCrossEntropyHessian(LinearOperator):
         return self.matrix
 
 
+def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None) -> bool:
+    """True when X~ (n x (d+1), float64) and its transpose fit in a quarter of the budget."""
+    from pipeline.memory import current_budget
+
+    return 2 * n * (d + 1) * 8 <= (budget or current_budget()).bytes / 4
+
+
 @dataclass
 class WarmCurvature:
     """H_P(D) (mean, lambda I included) of a block at the weights it was computed at."""
@@ -173,6 +181,11 @@ class WarmCurvature:
     matrix: Tensor           # (numel, numel) float64
     seconds: float
     inverse: Tensor | None = None  # matrix^{-1} (from its Cholesky factor): the preconditioner of later systems
+    # X~ = (x, 1) of D at the decision layer, float64, and its transpose (both contiguous): the
+    # matrix-free Newton of later removals masks the forgotten rows instead of copying D_r each time.
+    # Kept only when both fit in a quarter of the memory budget (``inputs_within``).
+    inputs: Tensor | None = None
+    inputs_t: Tensor | None = None
 
     @classmethod
     def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
@@ -190,10 +203,16 @@ class WarmCurvature:
         matrix = op.to_dense()
         chol, status = torch.linalg.cholesky_ex(matrix)
         params = {k: v.detach() for k, v in model.named_parameters()}
+        inputs = inputs_t = None
+        layer = closed_form_layer(suffix, task, block)
+        if layer is not None and layer.bias is not None and inputs_within(len(data), layer.in_features):
+            inputs = torch.ones(len(data), layer.in_features + 1, dtype=torch.float64)
+            inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
+            inputs_t = inputs.T.contiguous()
         return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,
                    train.sample_ids.clone(), weight_decay, matrix, time.perf_counter() - started,
-                   torch.cholesky_inverse(chol) if int(status) == 0 else None)
+                   torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t)
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

@@ -498,20 +498,33 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         out[order] = v.to(torch.float64)
         return out.reshape(k, d + 1)
 
-    x = torch.ones(len(retain), d + 1, dtype=torch.float64)  # x~ = (x, 1), one copy
-    x[:, :d] = retain.columns["x"].reshape(len(retain), d)
     smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
-    targets = (1 - smoothing) * nn.functional.one_hot(retain.columns["y"].long(), k).to(torch.float64) + smoothing / k
+    keep = xt = None
+    if warm is not None and warm.inputs is not None and warm.inputs.shape == (len(work.train), d + 1):
+        # the prepared X~ of D (and X~^T), the forgotten rows masked: no copy of D_r per removal
+        x, xt = warm.inputs, warm.inputs_t
+        keep = torch.ones(len(work.train), dtype=torch.bool)
+        keep[work.forget_positions] = False
+        labels = work.train.columns["y"]
+        inputs_note = "prepared X~ of D, forgotten rows masked"
+    else:
+        x = torch.ones(len(retain), d + 1, dtype=torch.float64)  # x~ = (x, 1), one copy
+        x[:, :d] = retain.columns["x"].reshape(len(retain), d)
+        labels = retain.columns["y"]
+        inputs_note = "copy of D_r"
+    targets = (1 - smoothing) * nn.functional.one_hot(labels.long(), k).to(torch.float64) + smoothing / k
     w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
     theta0 = to_theta(w_start)
     rows = None
     if settings.curvature_samples is not None and settings.curvature_samples < len(retain):
         gen = work.generator(RandomStream.CURVATURE_SUBSAMPLE)
         rows = torch.randperm(len(retain), generator=gen)[: settings.curvature_samples].sort().values
+        if keep is not None:  # the same retained samples, as rows of D
+            rows = torch.nonzero(keep).squeeze(1)[rows]
     # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
     product_dtype = torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) \
         else torch.float64
-    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype)
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype, keep, xt)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
     if choice == "auto":
@@ -527,7 +540,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
                 "relative_residual": h["cg_relative_residual"]} for h in result.history]
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
                 "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
-                "curvature_rows": len(retain) if rows is None else len(rows)}]
+                "curvature_rows": len(retain) if rows is None else len(rows), "inputs": inputs_note}]
     if not result.converged:
         raise RemovalNotServed(
             f"matrix-free Newton did not reach ||grad|| <= {tol:.3g} in {settings.newton_max_steps} steps "
