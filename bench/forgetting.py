@@ -603,6 +603,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         methods += [m for m in result["scenarios"][sc]["summary"] if m not in ("retrain", "ml-retrain") and m not in methods]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / max(1, len(methods))
+    palette = plt.get_cmap("tab20")  # one distinct colour per row (up to 20)
+    colours = [palette(j % 20) for j in range(len(methods))]
     for j, method in enumerate(methods):
         means, stds = [], []
         for sc in scenarios:
@@ -610,7 +612,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
             means.append(agg["mean"] if agg else np.nan)
             stds.append(agg["std"] if agg else 0.0)
         xs = np.arange(len(scenarios)) + (j - (len(methods) - 1) / 2) * width
-        ax.bar(xs, means, width, yerr=stds, label=method, color=f"C{j % 10}")
+        ax.bar(xs, means, width, yerr=stds, label=method, color=colours[j])
     ax.set_xticks(range(len(scenarios)))
     ax.set_xticklabels(scenarios)
     ax.set_ylabel("Avg. Gap to Retrain (lower is better)")
@@ -620,7 +622,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         for sc in scenarios:
             s = result["scenarios"][sc]["summary"].get(method, {})
             if "AvgGap" in s and "ratio" in s:
-                bx.scatter(s["ratio"]["mean"], s["AvgGap"]["mean"], color=f"C{j % 10}", s=18,
+                bx.scatter(s["ratio"]["mean"], s["AvgGap"]["mean"], color=colours[j], s=18,
                            marker="osD^"[scenarios.index(sc) % 4])
     bx.set_xscale("log")
     bx.axvline(20, color="grey", ls=":", lw=1)
@@ -719,8 +721,9 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
             result["scenarios"][scenario] = {"runs": runs, "summary": aggregate(runs)}
     result["preparation"] = {
         "what": "rows " + ", ".join(sorted(WARM_ROWS)) + ": the output layer's curvature H_P(D) at each original's "
-                "weights (closed form over the cached hidden features), computed once per trained model and kept "
-                "for its removals; ratio_with_preparation charges it to one removal",
+                "weights (closed form over the cached hidden features) and its inverse, with X~ of D in float64 "
+                "(pipeline.linear_curvature.WarmCurvature), computed once per trained model and kept for its "
+                "removals; ratio_with_preparation charges it to one removal",
         "seconds": {str(k): v.seconds for k, v in sorted(ctx.warm.items())}}
     result["wall_seconds"] = time.perf_counter() - started
     return _jsonable(result)
