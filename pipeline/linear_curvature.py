@@ -186,6 +186,9 @@ class WarmCurvature:
     # Kept only when both fit in a quarter of the memory budget (``inputs_within``).
     inputs: Tensor | None = None
     inputs_t: Tensor | None = None
+    # grad_P L_D at these weights (mean over D, lambda w_P included): a removal then passes over
+    # its m forgotten samples only, grad L_{D\U} = (n grad L_D - g_U) / (n - m)
+    training_gradient: Tensor | None = None
 
     @classmethod
     def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
@@ -203,6 +206,11 @@ class WarmCurvature:
         matrix = op.to_dense()
         chol, status = torch.linalg.cholesky_ex(matrix)
         params = {k: v.detach() for k, v in model.named_parameters()}
+        from pipeline.curvature import block_gradient
+
+        with eval_mode_restored(model):
+            training_gradient = block_gradient(suffix, task, data, block, weight_decay, reduction="mean",
+                                               batch_size=batch_size)
         inputs = inputs_t = None
         layer = closed_form_layer(suffix, task, block)
         if layer is not None and layer.bias is not None and inputs_within(len(data), layer.in_features):
@@ -212,7 +220,8 @@ class WarmCurvature:
         return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,
                    train.sample_ids.clone(), weight_decay, matrix, time.perf_counter() - started,
-                   torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t)
+                   torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
+                   training_gradient)
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

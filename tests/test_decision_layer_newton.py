@@ -404,3 +404,28 @@ def test_matrix_free_on_the_prepared_inputs_equals_the_copy_of_the_retained_set(
         moved = float(torch.linalg.vector_norm(flat(copy_) - flat(sgd_mlp)))
         assert moved > 1e-3
         assert float(torch.linalg.vector_norm(flat(masked) - flat(copy_))) <= 1e-6 * moved  # both within rtol 1e-7
+
+
+def test_prepared_training_gradient_replaces_the_pass_over_the_retained_set(sgd_mlp, digits):
+    """WarmCurvature holds grad_P L_D at its weights; a removal takes grad L_{D\\U} =
+    (n grad L_D - g_U) / (n - m) from it (a pass over U only) and lands where the pass over D \\ U
+    does (same Newton path); a wrong n or a missing lambda term in the identity would not."""
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    expected = block_gradient(sgd_mlp, softmax_task(), digits, block, LAMBDA, reduction="mean")
+    assert float(torch.linalg.vector_norm(warm.training_gradient - expected)) <= 1e-12 * float(
+        torch.linalg.vector_norm(expected))
+    n, m = len(digits), len(FORGET)
+    g_u = block_gradient(sgd_mlp, softmax_task(), digits.take(torch.as_tensor(FORGET)), block, LAMBDA, reduction="sum")
+    retained = head_gradient(sgd_mlp, digits, FORGET)
+    assert float(torch.linalg.vector_norm((n * warm.training_gradient - g_u) / (n - m) - retained)) <= 1e-12
+    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=40,
+                  newton_rtol=1e-8, newton_atol=1e-12)
+    prepared, rec_p = run(sgd_mlp, digits, FORGET, warm=warm, **common)
+    passed, rec_q = run(sgd_mlp, digits, FORGET, warm=dataclasses.replace(warm, training_gradient=None), **common)
+    assert rec_p["curvature"]["retained_gradient"].startswith("prepared")
+    assert rec_q["curvature"]["retained_gradient"].startswith("a pass")
+    assert [h["iterations"] for h in rec_p["newton"]["history"]] == [h["iterations"] for h in rec_q["newton"]["history"]]
+    moved = float(torch.linalg.vector_norm(flat(passed) - flat(sgd_mlp)))
+    assert moved > 1e-3
+    assert float(torch.linalg.vector_norm(flat(prepared) - flat(passed))) <= 1e-7 * moved

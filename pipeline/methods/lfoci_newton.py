@@ -303,7 +303,12 @@ class LFociNewton(RemovalMethod):
 
         with problem.stage("gradients", timings):
             g_forget = block_gradient(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
-            g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+            if warm is not None and warm.training_gradient is not None:
+                # grad L_{D\U} = (n grad L_D - g_U) / (n - m) from the prepared grad L_D at these weights:
+                # only the m forgotten samples are passed over
+                g = (n * warm.training_gradient - g_forget) / (n - m)
+            else:
+                g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
             share = choice.get("forget_gradient_share")
             if share is None:
                 share = 1.0 if full_block else block_share(
@@ -340,6 +345,9 @@ class LFociNewton(RemovalMethod):
             factory = LinearCrossEntropyHessian
         curvature_notes: dict[str, Any] = {"operator": getattr(factory, "__name__", type(factory).__name__),
                                            "warm_first_step": warm is not None,
+                                           "retained_gradient": "prepared grad L_D minus the forgotten samples'"
+                                           if warm is not None and warm.training_gradient is not None
+                                           else "a pass over D \\ U",
                                            "refresh": settings.curvature_refresh}
         chord: _Chord | _WarmChord | None = None
         dense = block.numel <= settings.dense_max
