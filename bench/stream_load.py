@@ -65,6 +65,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.forgetting import DATASETS, head_options, load_data, recipe_for, train_head  # noqa: E402
@@ -87,12 +88,33 @@ QUICK = {"requests": 120, "train_limit": 6000}
 
 
 # ---- the model in a version store -------------------------------------------------------------
+def import_as_v0(root: Path, model_dir: Path, model_name: str, net: nn.Module, preset: str,
+                 options: dict[str, Any], data_ref: Any, recipe: Any, n: int, removed: list[int]) -> Path:
+    """Write ``net`` as a model directory (card from the SGD ``recipe``) and import it as v0 of a
+    fresh version store at ``root`` (an earlier store there is replaced)."""
+    import shutil
+
+    from pipeline.models.card import ModelCard, TrainingRecord, write_model_dir
+    from pipeline.store.versions import VersionStore
+
+    card = ModelCard(preset=preset, options=options, data=data_ref,
+                     training=TrainingRecord(weight_decay=recipe.weight_decay, n=n, epochs=recipe.epochs, lr=recipe.lr,
+                                             batch_size=recipe.batch_size, optimizer="sgd", seed=0,
+                                             removed_ids=removed))
+    if root.exists():
+        shutil.rmtree(root)
+    write_model_dir(model_dir, {k: v.detach() for k, v in net.state_dict().items()}, card)
+    store = VersionStore(root, create=True)
+    with store.lock(model_name, create=True):
+        store.import_model_dir(model_name, model_dir)
+    return root
+
+
 def build_store(workdir: Path, quick: bool) -> dict[str, Any]:
     """Train the head on cached trunk features, assemble the one-network model, import it as v0."""
     from pipeline.data import load_source
-    from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
+    from pipeline.models.card import DataRef
     from pipeline.models.registry import build
-    from pipeline.store.versions import VersionStore
 
     data = load_data("fmnist", quick, workdir)
     options = head_options(data, "fmnist", None)
@@ -112,20 +134,9 @@ def build_store(workdir: Path, quick: bool) -> dict[str, Any]:
     assert gap < 1e-4, f"the assembled network does not reproduce the head on cached features ({gap})"
     all_ids = set(images.sample_ids.tolist())
     removed = sorted(all_ids - set(data.train.sample_ids.tolist()))  # --quick: outside the subset
-    card = ModelCard(preset="random-conv-mlp", options=net_options, data=DataRef(source="fashion-mnist"),
-                     training=TrainingRecord(weight_decay=recipe.weight_decay, n=len(data.train), epochs=recipe.epochs,
-                                             lr=recipe.lr, batch_size=recipe.batch_size, optimizer="sgd", seed=0,
-                                             removed_ids=removed))
-    root = workdir / ("store-quick" if quick else "store")
-    if root.exists():
-        import shutil
-
-        shutil.rmtree(root)
-    model_dir = workdir / "model-v0"
-    write_model_dir(model_dir, {k: v.detach() for k, v in net.state_dict().items()}, card)
-    store = VersionStore(root, create=True)
-    with store.lock(MODEL, create=True):
-        store.import_model_dir(MODEL, model_dir)
+    root = import_as_v0(workdir / ("store-quick" if quick else "store"), workdir / "model-v0", MODEL, net,
+                        "random-conv-mlp", net_options, DataRef(source="fashion-mnist"), recipe, len(data.train),
+                        removed)
     return {"root": root, "data": data, "head": head, "task": task, "recipe": recipe, "options": options,
             "train_seconds": train_seconds, "n": len(data.train), "network_gap": gap, "model": MODEL,
             "preset": "random-conv-mlp"}
@@ -151,8 +162,7 @@ def build_store_r8(workdir: Path, quick: bool) -> dict[str, Any]:
     """bench/forgetting.py's R8 head on cached MiniLM features; the features as a Parquet source
     (checked equal to the cache); the head imported as v0 of a version store."""
     from pipeline.data import load_source
-    from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
-    from pipeline.store.versions import VersionStore
+    from pipeline.models.card import DataRef
 
     model_name = MODELS["r8"]
     data = load_data("r8", quick, workdir)
@@ -170,20 +180,8 @@ def build_store_r8(workdir: Path, quick: bool) -> dict[str, Any]:
         assert torch.equal(got.sample_ids, cached.sample_ids) and torch.equal(got.columns["y"], cached.columns["y"]), name
         gap = max(gap, float((got.columns["x"] - cached.columns["x"].reshape(len(cached), -1)).abs().max()))
     assert gap == 0.0, f"the Parquet features differ from the cache ({gap})"
-    card = ModelCard(preset="mlp", options=options, data=DataRef(source="parquet", options=source),
-                     training=TrainingRecord(weight_decay=recipe.weight_decay, n=len(data.train), epochs=recipe.epochs,
-                                             lr=recipe.lr, batch_size=recipe.batch_size, optimizer="sgd", seed=0,
-                                             removed_ids=[]))
-    root = workdir / f"store-r8{tag}"
-    if root.exists():
-        import shutil
-
-        shutil.rmtree(root)
-    model_dir = workdir / f"model-r8{tag}-v0"
-    write_model_dir(model_dir, {k: v.detach() for k, v in head.state_dict().items()}, card)
-    store = VersionStore(root, create=True)
-    with store.lock(model_name, create=True):
-        store.import_model_dir(model_name, model_dir)
+    root = import_as_v0(workdir / f"store-r8{tag}", workdir / f"model-r8{tag}-v0", model_name, head, "mlp", options,
+                        DataRef(source="parquet", options=source), recipe, len(data.train), [])
     return {"root": root, "data": data, "head": head, "task": task, "recipe": recipe, "options": options,
             "train_seconds": train_seconds, "n": len(data.train), "network_gap": gap, "model": model_name,
             "preset": "mlp", "features": data.cache}

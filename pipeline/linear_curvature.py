@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from pipeline.curvature import LinearOperator
 from pipeline.frozen_prefix import PrefixCache
-from pipeline.memory import MemoryBudget
+from pipeline.memory import MemoryBudget, current_budget
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
@@ -163,8 +163,6 @@ class LinearCrossEntropyHessian(LinearOperator):
 
 def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None) -> bool:
     """True when X~ (n x (d+1), float64) and its transpose fit in a quarter of the budget."""
-    from pipeline.memory import current_budget
-
     return 2 * n * (d + 1) * 8 <= (budget or current_budget()).bytes / 4
 
 

@@ -185,3 +185,30 @@ def output_targets(y: Tensor, outputs: int, dtype: torch.dtype) -> Tensor:
     if not torch.is_floating_point(y) and y.dim() == 1:
         return nn.functional.one_hot(y.long(), outputs).to(dtype)
     return y.to(dtype).reshape(y.shape[0], outputs)
+
+
+def output_linear(model: nn.Module, block: ParamBlock) -> nn.Linear | None:
+    """The last module of a Sequential when it is a Linear with a bias and the block is exactly
+    its whole weight and bias (then J(x) = I_K (x) x~^T, x~ = (the layer's input, 1), at any base
+    point); else None."""
+    if not isinstance(model, nn.Sequential) or len(model) == 0 or not isinstance(model[-1], nn.Linear):
+        return None
+    layer = model[-1]
+    if layer.bias is None:
+        return None
+    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
+    if {part.name for part in block.parts} != names or any(part.rows is not None for part in block.parts):
+        return None
+    return layer
+
+
+def outputs_and_inputs(lin: LinearizedModel, layer: nn.Linear, batch: Batch) -> tuple[Tensor, Tensor]:
+    """(f(x; w_b), x~ = (input of ``layer``, 1) in float64 on the CPU) in one base-point pass."""
+    seen: list[Tensor] = []
+    handle = layer.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
+    try:
+        f0 = lin.base_outputs(batch)
+    finally:
+        handle.remove()
+    x = seen[0].reshape(f0.shape[0], -1).to("cpu", torch.float64)
+    return f0, torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)

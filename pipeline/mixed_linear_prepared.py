@@ -38,25 +38,11 @@ from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.linear_curvature import _block_order
-from pipeline.linearized import LinearizedModel, output_targets
+from pipeline.linearized import LinearizedModel, output_linear, output_targets, outputs_and_inputs
 from pipeline.param_block import ParamBlock
 from pipeline.probe import eval_mode_restored
 
-__all__ = ["PreparedUserSums", "output_user_layer"]
-
-
-def output_user_layer(model: nn.Module, block: ParamBlock) -> nn.Linear | None:
-    """The last module of a Sequential core when it is a Linear with a bias and the user block is
-    exactly its whole weight and bias; else None (the prepared form does not apply)."""
-    if not isinstance(model, nn.Sequential) or len(model) == 0 or not isinstance(model[-1], nn.Linear):
-        return None
-    layer = model[-1]
-    if layer.bias is None:
-        return None
-    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
-    if {part.name for part in block.parts} != names or any(part.rows is not None for part in block.parts):
-        return None
-    return layer
+__all__ = ["PreparedUserSums"]
 
 
 def _rows(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, outputs: int,
@@ -66,20 +52,12 @@ def _rows(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, outputs: int,
     d1 = layer.in_features + 1
     gram = torch.zeros(d1, d1, dtype=torch.float64)
     cross = torch.zeros(d1, outputs, dtype=torch.float64)
-    seen: list[Tensor] = []
-    handle = layer.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
     with eval_mode_restored(lin.model):
-        try:
-            for batch in data.batches(batch_size):
-                seen.clear()
-                f_c = lin.base_outputs(batch).to("cpu", torch.float64)
-                x = seen[0].reshape(f_c.shape[0], -1).to("cpu", torch.float64)
-                x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
-                y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
-                gram += x.T @ x
-                cross += x.T @ (y - f_c)
-        finally:
-            handle.remove()
+        for batch in data.batches(batch_size):
+            f_c, x = outputs_and_inputs(lin, layer, batch)
+            y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
+            gram += x.T @ x
+            cross += x.T @ (y - f_c.to("cpu", torch.float64))
     return gram, cross
 
 
@@ -114,7 +92,7 @@ class PreparedUserSums:
                 batch_size: int = 1024) -> "PreparedUserSums":
         """One pass over the user data D; raises ``ValueError`` when the user block is not the
         core's output Linear layer."""
-        layer = output_user_layer(lin.model, lin.block)
+        layer = output_linear(lin.model, lin.block)
         if layer is None:
             raise ValueError("prepared Mixed-Linear sums need the user block to be the whole last Linear layer (with a "
                              "bias) of a Sequential core (user_last_modules: 1); other blocks forget by CG")
@@ -163,7 +141,7 @@ class PreparedUserSums:
                batch_size: int = 1024) -> tuple[Tensor, "PreparedUserSums", dict[str, Any]]:
         """The exact Newton step of L_{S \\ U} from ``w_u`` (module docstring): (new w_u, the sums of
         S \\ U, record). ``forget`` must be samples of S."""
-        layer = output_user_layer(lin.model, lin.block)
+        layer = output_linear(lin.model, lin.block)
         if layer is None:
             raise ValueError("the prepared sums belong to an output-layer user block; this block is another")
         ids = {int(i) for i in forget.sample_ids.tolist()}

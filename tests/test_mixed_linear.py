@@ -29,16 +29,21 @@ LAMBDA = 1e-2
 RTOL = 1e-12
 
 
-@pytest.fixture(scope="module")
-def setup():
-    """Core MLP trained (loosely) on 300 core digits; 400 other digits are the user data."""
+def fitted_core() -> tuple[nn.Sequential, DenseInputTask, SampleSet]:
+    """Core MLP 64-16-10 trained (loosely) on 300 core digits, eval mode; 400 other digits are
+    the user data; the user objective's task (MSE)."""
     data = digits64()["train"]
     core_data, user = data.take(torch.arange(0, 300)), data.take(torch.arange(300, 700))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
     fit_lbfgs(model, DenseInputTask(loss="cross_entropy"), core_data, 1e-3, max_steps=3, tolerance=1e-6)
     model.eval()
-    task = DenseInputTask(loss="mse")
+    return model, DenseInputTask(loss="mse"), user
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, task, user = fitted_core()
     block = user_block(model, last_modules=2)  # both Linear layers: 1,210 user weights
     lin = LinearizedModel(model, task, block)
     return model, task, block, lin, user

@@ -16,10 +16,9 @@ from pipeline.methods.mixed_linear import (
 )
 from pipeline.mixed_linear_prepared import PreparedUserSums
 from pipeline.tasks import DenseInputTask
-from pipeline.training import fit_lbfgs
 from tests.kit import digits64
 from tests.scrub_helpers import one_thread, rel  # noqa: F401  (fixture)
-from tests.test_mixed_linear import dense_oracle
+from tests.test_mixed_linear import dense_oracle, fitted_core
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAMBDA = 1e-2
@@ -30,13 +29,7 @@ RTOL = 1e-12
 def case():
     """Core MLP fitted loosely on 300 core digits; the user block is its output layer (16 x 10 + 10);
     400 other digits are the user data; user weights trained on them by CG."""
-    data = digits64()["train"]
-    core_data, user = data.take(torch.arange(0, 300)), data.take(torch.arange(300, 700))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
-    fit_lbfgs(model, DenseInputTask(loss="cross_entropy"), core_data, 1e-3, max_steps=3, tolerance=1e-6)
-    model.eval()
-    task = DenseInputTask(loss="mse")
+    model, task, user = fitted_core()
     block = user_block(model, last_modules=1)
     lin = LinearizedModel(model, task, block)
     w = train_user_weights(lin, user, LAMBDA, rtol=RTOL).user_weights

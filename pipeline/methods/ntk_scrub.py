@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.linear_curvature import _block_order
-from pipeline.linearized import LinearizedModel, output_targets
+from pipeline.linearized import LinearizedModel, output_linear, output_targets, outputs_and_inputs
 from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
@@ -298,32 +298,6 @@ class PrimalSystem:
         return int(self.gram_retain.shape[0])
 
 
-def output_linear(model: nn.Module, block: ParamBlock) -> nn.Linear | None:
-    """The last module of a Sequential when it is a Linear with a bias and the block is exactly
-    its whole weight and bias (then J0(x) = I_K (x) x~^T for any base point); else None."""
-    if not isinstance(model, nn.Sequential) or len(model) == 0 or not isinstance(model[-1], nn.Linear):
-        return None
-    layer = model[-1]
-    if layer.bias is None:
-        return None
-    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
-    if {part.name for part in block.parts} != names or any(part.rows is not None for part in block.parts):
-        return None
-    return layer
-
-
-def _outputs_and_inputs(lin: LinearizedModel, layer: nn.Linear, batch: Any) -> tuple[Tensor, Tensor]:
-    """(f(x; w0), x~ = (input of ``layer``, 1)) in one pass at the base point, float64."""
-    seen: list[Tensor] = []
-    handle = layer.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
-    try:
-        f0 = lin.base_outputs(batch)
-    finally:
-        handle.remove()
-    x = seen[0].reshape(f0.shape[0], -1).to("cpu", torch.float64)
-    return f0, torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
-
-
 def _kronecker_pieces(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, residual: Residual,
                       offset_rows: Tensor | None, batch_size: int) -> tuple[Tensor, Tensor]:
     """(X~^T X~, X~^T R') over ``data``: R' = r0 + X~ D^T with D = the offset in (K, d+1) rows."""
@@ -331,7 +305,7 @@ def _kronecker_pieces(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, r
     gram = torch.zeros(d1, d1, dtype=torch.float64)
     b = torch.zeros(d1, layer.out_features, dtype=torch.float64)
     for batch in data.batches(batch_size):
-        f0, x = _outputs_and_inputs(lin, layer, batch)
+        f0, x = outputs_and_inputs(lin, layer, batch)
         r = residual(f0, batch["y"]).to("cpu", torch.float64)
         if offset_rows is not None:
             r = r + x @ offset_rows.T
