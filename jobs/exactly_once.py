@@ -435,8 +435,13 @@ def rollback(store: VersionStore, model: str, version: int, reason: str, ledger_
         old = store.current(model)
         moved: list[str] = []
         if version == old:
+            last = store.pointer(model)["history"][-1]
             for ledger in ledgers:
-                moved += follow_rollbacks(store, ledger, model)
+                followed = follow_rollbacks(store, ledger, model)
+                if followed and last["kind"] == "rollback":  # the interrupted run never recorded it
+                    ledger.record_event(model, "rollback", None, {"from": last["from"], "to": version,
+                                                                  "reason": last["reason"], "finished_after_kill": True})
+                moved += followed
             if not moved:
                 raise VersionStoreError(f"rollback target {version} is not older than the current version {old}; "
                                         "name an older version")

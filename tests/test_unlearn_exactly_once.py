@@ -91,6 +91,8 @@ def test_interrupted_rollback_is_finished_by_naming_the_same_version(tmp_path, r
     again = CliRunner().invoke(jobs.versions.command, ["rollback", "--store", str(root), "--model", MODEL, "0", "--reason", "x"])
     assert again.exit_code == 0, again.output
     assert _rows(root / "ledger.sqlite3")[0]["state"] == "needs_retrain"
+    rollbacks = [json.loads(e["detail"]) for e in _rows(root / "ledger.sqlite3", "events") if e["kind"] == "rollback"]
+    assert rollbacks == [{"from": 1, "to": 0, "reason": "x", "finished_after_kill": True}]
 
 
 # -- 14.2 --------------------------------------------------------------------------------------
