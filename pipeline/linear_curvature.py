@@ -21,7 +21,7 @@ which is then exact, not an approximation; at any other weights or data it is no
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -187,6 +187,8 @@ class WarmCurvature:
     # grad_P L_D at these weights (mean over D, lambda w_P included): a removal then passes over
     # its m forgotten samples only, grad L_{D\U} = (n grad L_D - g_U) / (n - m)
     training_gradient: Tensor | None = None
+    # ``inverse`` in the decision layer's own layout and the products' precision (``layer_inverse``)
+    layer_inverses: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
@@ -220,6 +222,20 @@ class WarmCurvature:
                    train.sample_ids.clone(), weight_decay, matrix, time.perf_counter() - started,
                    torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
                    training_gradient)
+
+    def layer_inverse(self, order: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """``inverse`` permuted into the layer's (class, input-with-bias) layout and cast to
+        ``dtype`` (``pipeline.decision_layer_newton.layer_ordered``): made on first use, then kept
+        for every later removal from these weights (one copy per layout and precision)."""
+        if self.inverse is None:
+            return None
+        from pipeline.decision_layer_newton import layer_ordered
+
+        key = (tuple(order.tolist()), dtype)
+        if key not in self.layer_inverses:
+            self.layer_inverses.clear()  # one layout is used per model; keep only the latest
+            self.layer_inverses[key] = layer_ordered(self.inverse, order, dtype)
+        return self.layer_inverses[key]
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

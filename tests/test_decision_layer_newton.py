@@ -429,3 +429,42 @@ def test_prepared_training_gradient_replaces_the_pass_over_the_retained_set(sgd_
     moved = float(torch.linalg.vector_norm(flat(passed) - flat(sgd_mlp)))
     assert moved > 1e-3
     assert float(torch.linalg.vector_norm(flat(prepared) - flat(passed))) <= 1e-7 * moved
+
+
+def test_layer_ordered_warm_inverse_is_the_block_inverse_in_the_layer_layout(sgd_mlp, digits):
+    """The warm H_P(D)^{-1} the matrix-free Newton preconditions with is permuted once into the
+    layer's (class, input-with-bias) layout and kept in the products' precision: applied to V it
+    gives the block-ordered inverse's product (float64 exactly, float32 to its rounding), is
+    symmetric, and is made once per layout and precision."""
+    from pipeline.decision_layer_newton import dense_preconditioner
+
+    layer = sgd_mlp[3]
+    k, d = layer.out_features, layer.in_features
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    # block order: the weight (k x d, row-major), then the bias (k); layer order: class * (d + 1) + input
+    order = torch.cat([(torch.arange(k)[:, None] * (d + 1) + torch.arange(d)[None, :]).reshape(-1),
+                       torch.arange(k) * (d + 1) + d])
+    v = torch.randn(k, d + 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = (warm.inverse @ v.reshape(-1)[order])                   # in block order
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        inverse = warm.layer_inverse(order, dtype)
+        assert inverse.dtype == dtype and torch.equal(inverse, inverse.T)
+        got = dense_preconditioner(inverse, (k, d + 1))(v).reshape(-1)[order]
+        assert float(torch.linalg.vector_norm(got - expected)) <= rtol * float(torch.linalg.vector_norm(expected))
+        assert warm.layer_inverse(order, dtype) is inverse               # kept, not rebuilt
+    # a wrong layout (the block order taken as the layer's) is a different operator
+    wrong = dense_preconditioner(warm.inverse, (k, d + 1))(v).reshape(-1)[order]
+    assert float(torch.linalg.vector_norm(wrong - expected)) > 0.1 * float(torch.linalg.vector_norm(expected))
+
+
+def test_gradient_share_diagnostic_can_be_left_out_without_changing_the_removal(sgd_mlp, digits):
+    """record_gradient_share: false skips the whole-model forget gradient (a diagnostic only): the
+    record says None, and the weights are the same as with it."""
+    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=40,
+                  newton_rtol=1e-7, newton_atol=1e-12)
+    with_share, rec_a = run(sgd_mlp, digits, FORGET, **common)
+    without, rec_b = run(sgd_mlp, digits, FORGET, record_gradient_share=False, **common)
+    assert 0.0 < rec_a["gradient_share"]["forget_in_block"] < 1.0
+    assert rec_b["gradient_share"]["forget_in_block"] is None
+    assert torch.equal(flat(with_share), flat(without))

@@ -91,6 +91,10 @@ class LFociNewtonSettings(MethodSettings):
     forget_gradient_share: float = Field(
         0.5, ge=0, le=1, description="lfoci: add slices by forget-gradient norm until the block holds this share "
                                      "of ||sum_U grad f|| (0 = off)")
+    record_gradient_share: bool = Field(
+        True, description="parameters: record the block's share ||g_P(U)|| / ||g(U)|| of the forget gradient (a "
+                          "diagnostic: one backward pass of the forget samples through the whole model; lfoci "
+                          "always has it, all is 1)")
     block_numel_max: int = Field(200_000, gt=0, description="lfoci: the gradient-share additions stop at this size")
     perturbations: int = Field(1000, gt=1, description="m_p perturbed passes of the forget batch")
     perturb_sigma: float = Field(0.1, ge=0, description="std of input noise (dense inputs)")
@@ -310,7 +314,7 @@ class LFociNewton(RemovalMethod):
             else:
                 g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
             share = choice.get("forget_gradient_share")
-            if share is None:
+            if share is None and (full_block or settings.record_gradient_share):
                 share = 1.0 if full_block else block_share(
                     forget_gradient_rows(problem),
                     {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
@@ -452,7 +456,7 @@ class LFociNewton(RemovalMethod):
             },
             "gradient_share": {
                 "retained_removed": reduction,  # 1 - ||residual after|| / before (pre-noise)
-                "forget_in_block": share,       # ||g_P(U)|| / ||g(U)||
+                "forget_in_block": share,       # ||g_P(U)|| / ||g(U)|| (None: record_gradient_share off)
             },
             "step_norm": _norm(w_solved - w_start),
             "noise_norm": _norm(noise),
@@ -538,7 +542,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
     if choice == "auto":
         preconditioner = "none"
         if warm is not None and warm.inverse is not None:
-            preconditioner = dense_preconditioner(warm.inverse, order, (k, d + 1))
+            preconditioner = dense_preconditioner(warm.layer_inverse(order, product_dtype), (k, d + 1))
             choice = "warm H_P(D)^-1"
     result = newton_minimise(objective, theta0, tol=tol, max_steps=settings.newton_max_steps,
                              preconditioner=preconditioner, forcing=settings.newton_forcing,
