@@ -92,10 +92,16 @@ class SoftmaxLayerObjective:
 
     def value(self, theta: Tensor, z: Tensor) -> float:
         """F(theta) from the logits z = X~ theta^T."""
-        per_row = torch.logsumexp(z, dim=1) - (self.targets * z).sum(dim=1)
+        return self.evaluate(theta, z)[0]
+
+    def evaluate(self, theta: Tensor, z: Tensor) -> tuple[float, Tensor]:
+        """(F(theta), logsumexp of each row of z): P = exp(z - lse) then costs one exp (a third
+        of a row-wise softmax over K columns)."""
+        lse = torch.logsumexp(z, dim=1)
+        per_row = lse - (self.targets * z).sum(dim=1)
         loss = (per_row if self.mask is None else per_row * self.mask[:, 0]).sum() / self.n
         return float(loss + 0.5 * self.weight_decay * (theta * theta).sum()
-                     - (self.anchor * (theta - self.reference)).sum())
+                     - (self.anchor * (theta - self.reference)).sum()), lse
 
     def gradient(self, theta: Tensor, p: Tensor) -> Tensor:
         """grad F from the probabilities P at theta."""
@@ -212,8 +218,8 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         raise ValueError(f"preconditioner '{preconditioner}' is unknown; choose 'kronecker', 'none' or pass a callable")
     theta = theta.to(torch.float64).clone()
     z = objective.logits(theta)
-    p = torch.softmax(z, dim=1)
-    f = objective.value(theta, z)
+    f, lse = objective.evaluate(theta, z)
+    p = torch.exp(z - lse[:, None])  # softmax(z)
     g = objective.gradient(theta, p)
     g0 = gnorm = float(torch.linalg.vector_norm(g))
     gram = gram_eigen(objective) if preconditioner == "kronecker" else None
@@ -238,7 +244,7 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         t = 1.0
         for _ in range(max_backtracks + 1):
             z_try = z - t * dz
-            f_try = objective.value(theta - t * direction, z_try)
+            f_try, lse_try = objective.evaluate(theta - t * direction, z_try)
             if f_try <= f - 1e-4 * t * slope:
                 break
             t *= 0.5
@@ -250,7 +256,7 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
             break
         theta = theta - t * direction
         z, f = z_try, f_try
-        p = torch.softmax(z, dim=1)
+        p = torch.exp(z - lse_try[:, None])
         g = objective.gradient(theta, p)
         gnorm = float(torch.linalg.vector_norm(g))
         history.append({"step": step, "gradient_norm": gnorm, "step_length": t, "cg_iterations": iterations,
