@@ -33,6 +33,8 @@ Preconditioners (no preparation unless given):
              M = diag(p) - p p^T), G = X~^T X~ / n_r (once): the Kronecker-factored average of
              the exact blocks, inverted through the eigenvectors of A and G.
   dense      a given symmetric positive definite inverse (e.g. the warm H_P(D)^{-1} at the start).
+Either may be recycled (``recycle``): the CG directions of the earlier Newton systems and their
+Hessian products update it by limited-memory BFGS before each new system.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SoftmaxLayerObjective", "NewtonResult", "kronecker_preconditioner", "dense_preconditioner", "layer_ordered",
-           "newton_minimise"]
+           "recycled_preconditioner", "newton_minimise"]
 
 
 @dataclass
@@ -184,10 +186,14 @@ class NewtonResult:
     passes: float = 0.0
 
 
+Pair = tuple[Tensor, Tensor, float]  # (s, H s, s^T H s): one CG direction and its curvature
+
+
 def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Preconditioner, rtol: float,
-         max_iter: int) -> tuple[Tensor, int, float]:
+         max_iter: int, pairs: list[Pair] | None = None) -> tuple[Tensor, int, float]:
     """Preconditioned CG on H x = b to ||H x - b|| <= rtol ||b|| (or max_iter); (x, iterations,
-    relative residual). H and the preconditioner are symmetric positive definite here."""
+    relative residual). H and the preconditioner are symmetric positive definite here. Each
+    direction d and its product H d are appended to ``pairs`` when given."""
     x = torch.zeros_like(b)
     r = b.clone()
     bnorm = float(torch.linalg.vector_norm(b)) or 1.0
@@ -198,7 +204,10 @@ def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Precondit
     rel = 1.0
     for it in range(1, max_iter + 1):
         hd = product(d)
-        alpha = rz / float((d * hd).sum())
+        dhd = float((d * hd).sum())
+        if pairs is not None:
+            pairs.append((d.clone(), hd, dhd))
+        alpha = rz / dhd
         x += alpha * d
         r -= alpha * hd
         rel = float(torch.linalg.vector_norm(r)) / bnorm
@@ -211,11 +220,42 @@ def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Precondit
     return x, it, rel
 
 
+def recycled_preconditioner(base: Preconditioner, pairs: list[Pair]) -> Preconditioner:
+    """The limited-memory BFGS update of ``base`` (an SPD inverse) by the pairs (s_i, y_i = H_i s_i)
+    that earlier CG solves produced (Morales & Nocedal, SIAM J. Optim. 2000, automatic
+    preconditioning): the two-loop recursion
+
+        q <- v;  for i newest..oldest: a_i = s_i^T q / s_i^T y_i,  q <- q - a_i y_i
+        r <- base(q); for i oldest..newest: b_i = y_i^T r / s_i^T y_i, r <- r + (a_i - b_i) s_i
+
+    SPD whenever every s_i^T y_i > 0 (H_i SPD), so the next CG stays a CG. It carries into the
+    next Newton system the directions where base^-1 and the Hessian disagreed (for a forgotten
+    class: its rows' curvature, gone from D \\ U but still in H_P(D))."""
+    if not pairs:
+        return base
+
+    def apply(v: Tensor) -> Tensor:
+        q = v.clone()
+        alphas: list[float] = []
+        for s, y, sy in reversed(pairs):
+            a = float((s * q).sum()) / sy
+            alphas.append(a)
+            q -= a * y
+        r = base(q)
+        for (s, y, sy), a in zip(pairs, reversed(alphas)):
+            r += (a - float((y * r).sum()) / sy) * s
+        return r
+
+    return apply
+
+
 def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: float, max_steps: int,
                     preconditioner: str | Preconditioner = "kronecker", forcing: float = 0.5,
-                    max_cg: int = 200, max_backtracks: int = 30) -> NewtonResult:
+                    max_cg: int = 200, max_backtracks: int = 30, recycle: int = 0) -> NewtonResult:
     """Minimise F from ``theta`` by inexact Newton-PCG with Armijo backtracking (module
-    docstring) until ||grad F|| <= tol or ``max_steps`` steps."""
+    docstring) until ||grad F|| <= tol or ``max_steps`` steps. ``recycle`` > 0: each system's
+    preconditioner is updated by the last ``recycle`` CG pairs of the earlier systems
+    (``recycled_preconditioner``)."""
     if preconditioner not in ("kronecker", "none") and not callable(preconditioner):
         raise ValueError(f"preconditioner '{preconditioner}' is unknown; choose 'kronecker', 'none' or pass a callable")
     theta = theta.to(torch.float64).clone()
@@ -226,6 +266,7 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
     g0 = gnorm = float(torch.linalg.vector_norm(g))
     gram = gram_eigen(objective) if preconditioner == "kronecker" else None
     history: list[dict[str, float]] = []
+    pairs: list[Pair] = []
     for step in range(1, max_steps + 1):
         if gnorm <= tol:
             break
@@ -237,10 +278,14 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
                 return v
         else:
             precondition = preconditioner  # type: ignore[assignment]
+        if recycle > 0:
+            precondition = recycled_preconditioner(precondition, pairs[-recycle:])
         eta = min(forcing, math.sqrt(gnorm / g0) if g0 > 0 else forcing)
         p_now = p
         direction, iterations, rel = _pcg(lambda v: objective.hessian_product(p_now, v), g, precondition,
-                                          max(eta, tol / (2 * gnorm), objective.product_rtol), max_cg)
+                                          max(eta, tol / (2 * gnorm), objective.product_rtol), max_cg,
+                                          pairs if recycle > 0 else None)
+        pairs = pairs[-recycle:]
         slope = float((g * direction).sum())
         dz = objective.logits(direction)
         # below F's rounding the Armijo test cannot see a decrease: there the full step is taken

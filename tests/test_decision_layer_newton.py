@@ -305,7 +305,8 @@ def test_matrix_free_equals_converged_newton_where_that_converges(sgd_mlp, digit
                       newton_preconditioner=preconditioner)
     assert rec_n["newton"]["converged"] and rec_f["newton"]["converged"]
     expected = {"auto": "warm H_P(D)^-1", "kronecker": "kronecker", "none": "none"}[preconditioner]
-    assert rec_f["curvature"]["solvers"][0]["preconditioner"] == expected
+    assert rec_f["curvature"]["solvers"][0]["preconditioner"] == \
+        f"{expected}, updated by the last 40 CG pairs (L-BFGS)"
     moved = float(torch.linalg.vector_norm(flat(newton) - flat(sgd_mlp)))
     assert float(torch.linalg.vector_norm(flat(newton) - flat(free))) <= 1e-7 * max(1.0, moved)
 
@@ -468,3 +469,49 @@ def test_gradient_share_diagnostic_can_be_left_out_without_changing_the_removal(
     assert 0.0 < rec_a["gradient_share"]["forget_in_block"] < 1.0
     assert rec_b["gradient_share"]["forget_in_block"] is None
     assert torch.equal(flat(with_share), flat(without))
+
+
+def test_recycled_preconditioner_is_the_lbfgs_update_of_its_base():
+    """The CG pairs (s, H s) of one solve update a base inverse by L-BFGS: SPD, the secant equation
+    P(H s) = s holds for the newest pair, and a full set of H-conjugate pairs reproduces H^-1
+    whatever the base (a wrong sign or a missing rho in the two loops breaks all three)."""
+    from pipeline.decision_layer_newton import _pcg, recycled_preconditioner
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(12, 12, generator=gen, dtype=torch.float64)
+    h = a @ a.T + 0.5 * torch.eye(12, dtype=torch.float64)
+    b = torch.randn(12, generator=gen, dtype=torch.float64)
+
+    def base(v):
+        return 0.3 * v
+
+    pairs = []
+    _pcg(lambda v: h @ v, b, base, 1e-14, 12, pairs)
+    assert len(pairs) == 12 and all(sy > 0 for _, _, sy in pairs)
+    full = recycled_preconditioner(base, pairs)
+    p_full = torch.stack([full(e) for e in torch.eye(12, dtype=torch.float64)], 1)
+    assert float(torch.linalg.matrix_norm(p_full - torch.linalg.inv(h))) <= 1e-8 * float(torch.linalg.matrix_norm(
+        torch.linalg.inv(h)))
+    few = recycled_preconditioner(base, pairs[:4])
+    s, y, _ = pairs[3]
+    assert float(torch.linalg.vector_norm(few(y) - s)) <= 1e-10 * float(torch.linalg.vector_norm(s))
+    p_few = torch.stack([few(e) for e in torch.eye(12, dtype=torch.float64)], 1)
+    assert float(torch.linalg.matrix_norm(p_few - p_few.T)) <= 1e-10 and float(torch.linalg.eigvalsh(p_few).min()) > 0
+    assert recycled_preconditioner(base, []) is base
+
+
+def test_recycled_newton_reaches_the_same_class_forgetting_minimiser(sgd_mlp, digits):
+    """newton_recycle changes the preconditioner of the later Newton systems, not the point: with
+    and without it the matrix-free Newton ends at the same minimiser (a class forgotten)."""
+    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=60,
+                  newton_rtol=1e-9, newton_atol=1e-13)
+    plain, rec_p = run(sgd_mlp, digits, class_positions(digits), warm=warm, newton_recycle=0, **common)
+    recycled, rec_r = run(sgd_mlp, digits, class_positions(digits), warm=warm, **common)
+    assert rec_p["newton"]["converged"] and rec_r["newton"]["converged"]
+    assert "L-BFGS" in rec_r["curvature"]["solvers"][0]["preconditioner"]
+    assert "L-BFGS" not in rec_p["curvature"]["solvers"][0]["preconditioner"]
+    moved = float(torch.linalg.vector_norm(flat(plain) - flat(sgd_mlp)))
+    assert moved > 1.0
+    assert float(torch.linalg.vector_norm(flat(recycled) - flat(plain))) <= 1e-6 * moved

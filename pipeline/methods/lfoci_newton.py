@@ -142,6 +142,10 @@ class LFociNewtonSettings(MethodSettings):
     newton_forcing: float = Field(
         0.5, gt=0, lt=1, description="matrix_free: each Newton system solved to relative residual "
                                      "min(newton_forcing, sqrt(||grad|| / ||grad_0||)) (inexact Newton)")
+    newton_recycle: int = Field(
+        40, ge=0, description="matrix_free: the last this many CG directions of the earlier Newton systems (with "
+                              "their Hessian products) update the preconditioner by limited-memory BFGS "
+                              "(Morales & Nocedal 2000); 0 = off")
     newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
     newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
     newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
@@ -546,10 +550,13 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
             choice = "warm H_P(D)^-1"
     result = newton_minimise(objective, theta0, tol=tol, max_steps=settings.newton_max_steps,
                              preconditioner=preconditioner, forcing=settings.newton_forcing,
-                             max_cg=settings.cg_max_iter or 200, max_backtracks=settings.max_backtracks)
+                             max_cg=settings.cg_max_iter or 200, max_backtracks=settings.max_backtracks,
+                             recycle=settings.newton_recycle)
     history = [{"step": h["step"], "residual_norm_after": h["gradient_norm"], "step_length": h["step_length"],
                 "damping": 0.0, "solver": "pcg-matrix-free", "iterations": h["cg_iterations"],
                 "relative_residual": h["cg_relative_residual"]} for h in result.history]
+    if settings.newton_recycle:
+        choice = f"{choice}, updated by the last {settings.newton_recycle} CG pairs (L-BFGS)"
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
                 "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
                 "curvature_rows": len(retain) if rows is None else len(rows), "inputs": inputs_note}]
