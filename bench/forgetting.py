@@ -98,7 +98,8 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
 # at the start, over cached hidden features (pipeline/frozen_prefix.py), by Newton's method with
 # the exact curvature at the current weights applied matrix-free (curvature_refresh: matrix_free,
 # pipeline/decision_layer_newton.py; Hessian products on 16,384 retained samples, PCG preconditioned
-# with the original's prepared H_P(D)^-1) until ||grad - r0|| <= 1e-3 of its start, else refused.
+# with the original's prepared H_P(D)^-1, updated by L-BFGS from the CG pairs of the earlier Newton
+# systems) until ||grad - r0|| <= 1e-3 of its start, else refused.
 # The rows of a class with no retained sample get no anchor (anchor_absent_classes: false): with the
 # anchor kept there the converged head left class 7 of FMNIST 42 % recognised (Avg. Gap 7.4 +- 10.1
 # over 3 classes); the plain optimum (anchor none) everywhere forgot every class (0.2) but was worse
