@@ -34,7 +34,7 @@ from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Task
 
-__all__ = ["closed_form_layer", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
+__all__ = ["closed_form_layer", "products_dtype", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
 
 
 def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Linear | None:
@@ -161,6 +161,12 @@ class LinearCrossEntropyHessian(LinearOperator):
         return self.matrix
 
 
+def products_dtype(layer: nn.Linear) -> torch.dtype:
+    """Precision of the matrix-free Hessian products for ``layer``: the layer's own for float32
+    (or narrower) weights, float64 otherwise."""
+    return torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
+
+
 def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None) -> bool:
     """True when X~ (n x (d+1), float64) and its transpose fit in a quarter of the budget."""
     return 2 * n * (d + 1) * 8 <= (budget or current_budget()).bytes / 4
@@ -217,11 +223,15 @@ class WarmCurvature:
             inputs = torch.ones(len(data), layer.in_features + 1, dtype=torch.float64)
             inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
             inputs_t = inputs.T.contiguous()
-        return cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
+        warm = cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,
-                   train.sample_ids.clone(), weight_decay, matrix, time.perf_counter() - started,
+                   train.sample_ids.clone(), weight_decay, matrix, 0.0,
                    torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
                    training_gradient)
+        if layer is not None:  # the matrix-free Newton's preconditioner, ready for the first removal
+            warm.layer_inverse(op.order, products_dtype(layer))
+        warm.seconds = time.perf_counter() - started
+        return warm
 
     def layer_inverse(self, order: Tensor, dtype: torch.dtype) -> Tensor | None:
         """``inverse`` permuted into the layer's (class, input-with-bias) layout and cast to

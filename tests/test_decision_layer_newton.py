@@ -446,6 +446,11 @@ def test_layer_ordered_warm_inverse_is_the_block_inverse_in_the_layer_layout(sgd
     # block order: the weight (k x d, row-major), then the bias (k); layer order: class * (d + 1) + input
     order = torch.cat([(torch.arange(k)[:, None] * (d + 1) + torch.arange(d)[None, :]).reshape(-1),
                        torch.arange(k) * (d + 1) + d])
+    from pipeline.linear_curvature import products_dtype
+
+    # made by the preparation (its seconds), in the products' precision: the first removal finds it
+    assert [key[1] for key in warm.layer_inverses] == [products_dtype(layer)]
+    assert torch.equal(next(iter(warm.layer_inverses.values())), warm.layer_inverse(order, products_dtype(layer)))
     v = torch.randn(k, d + 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     expected = (warm.inverse @ v.reshape(-1)[order])                   # in block order
     for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):

@@ -68,7 +68,8 @@ from pipeline.methods.base import (
 )
 from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
 from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise
-from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer
+from pipeline.linear_curvature import (LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer,
+                                       products_dtype)
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
@@ -538,8 +539,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         if keep is not None:  # the same retained samples, as rows of D
             rows = torch.nonzero(keep).squeeze(1)[rows]
     # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
-    product_dtype = torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) \
-        else torch.float64
+    product_dtype = products_dtype(layer)
     objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype, keep, xt)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
