@@ -94,6 +94,21 @@ def _run_and_kill_in_work(argv: list[str], ledger: Path, rng: random.Random) -> 
     return _kill_or_result(proc, argv)
 
 
+def _run_and_kill_after_pointer_move(argv: list[str], pointer: Path, delay: float
+                                     ) -> tuple[bool, subprocess.CompletedProcess | None]:
+    """Start ``argv`` and SIGKILL it ``delay`` seconds after the version pointer file changes (a
+    writer moved CURRENT), or let it end if it never moves it."""
+    before = pointer.read_bytes()
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    while proc.poll() is None and pointer.read_bytes() == before and time.monotonic() - start < 120:
+        time.sleep(0.001)
+    deadline = time.monotonic() + delay
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return _kill_or_result(proc, argv)
+
+
 def _kill_or_result(proc: subprocess.Popen, argv: list[str]) -> tuple[bool, subprocess.CompletedProcess | None]:
     """SIGKILL ``proc`` if it still runs: (True, None); else (False, its result)."""
     if proc.poll() is None:
@@ -218,7 +233,10 @@ def test_random_kills_of_a_campaign_then_of_a_rollback(tmp_path, tmp_path_factor
     roll = unlearn_argv("versions", "rollback", "--store", str(store), "--model", MODEL, str(target), "--reason", "audit")
     rollback_kills = 0
     for attempt in range(30):
-        killed, result = _run_and_maybe_kill(roll, rng.uniform(0.8, 3.5) if rollback_kills < 2 else 600)
+        if rollback_kills == 0:  # 0-30 ms after it moved CURRENT: in or just past the window before the ledger follows
+            killed, result = _run_and_kill_after_pointer_move(roll, store / MODEL / "CURRENT", rng.uniform(0.0, 0.03))
+        else:
+            killed, result = _run_and_maybe_kill(roll, rng.uniform(0.8, 3.5) if rollback_kills < 2 else 600)
         audit(store, ledger, final=False)
         if not killed:
             assert result.returncode == 0 or "not older than the current version" in result.stderr, result.stderr
