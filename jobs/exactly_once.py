@@ -426,6 +426,17 @@ def ledgers_for(store: VersionStore, model: str, explicit: str | Path | None) ->
     return paths
 
 
+def _record_rollback(ledger: Ledger, model: str, move: dict[str, Any], **extra: Any) -> None:
+    """The ledger's ``rollback`` event of one pointer move (the CURRENT history entry), keyed by
+    the move's time: a rerun finishing a killed rollback records it once, whether or not the
+    killed run got as far as recording it."""
+    key = f"rollback@{move['at']}"
+    if any(e["key"] == key for e in ledger.events(model)):
+        return
+    ledger.record_event(model, "rollback", key, {"from": move["from"], "to": move["version"], "reason": move["reason"],
+                                                 **extra})
+
+
 def rollback(store: VersionStore, model: str, version: int, reason: str, ledger_paths: Sequence[Path]) -> tuple[int, int, list[str]]:
     """Inside ``store.lock(model)``: open and validate every ledger, then move CURRENT, then record
     the rollback and follow it in each ledger. Rolling back to the version that is already current
@@ -438,9 +449,8 @@ def rollback(store: VersionStore, model: str, version: int, reason: str, ledger_
             last = store.pointer(model)["history"][-1]
             for ledger in ledgers:
                 followed = follow_rollbacks(store, ledger, model)
-                if followed and last["kind"] == "rollback":  # the interrupted run never recorded it
-                    ledger.record_event(model, "rollback", None, {"from": last["from"], "to": version,
-                                                                  "reason": last["reason"], "finished_after_kill": True})
+                if followed and last["kind"] == "rollback":  # a kill may have come before the event
+                    _record_rollback(ledger, model, last, finished_after_kill=True)
                 moved += followed
             if not moved:
                 raise VersionStoreError(f"rollback target {version} is not older than the current version {old}; "
@@ -448,8 +458,10 @@ def rollback(store: VersionStore, model: str, version: int, reason: str, ledger_
             return old, version, moved
         store.rollback(model, version, reason)
         crash_point("rollback_moved")
+        move = store.pointer(model)["history"][-1]
         for ledger in ledgers:
-            ledger.record_event(model, "rollback", None, {"from": old, "to": version, "reason": reason})
+            _record_rollback(ledger, model, move)
+            crash_point("rollback_recorded")
             moved += follow_rollbacks(store, ledger, model)
         return old, version, moved
     finally:

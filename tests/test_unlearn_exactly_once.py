@@ -95,6 +95,21 @@ def test_interrupted_rollback_is_finished_by_naming_the_same_version(tmp_path, r
     assert rollbacks == [{"from": 1, "to": 0, "reason": "x", "finished_after_kill": True}]
 
 
+def test_rollback_killed_after_its_event_is_finished_without_a_second_event(tmp_path, root):
+    """Killed after recording the rollback, before the ledger followed it: the rerun follows it and
+    the ledger holds the one event of that pointer move."""
+    _run(_spec(tmp_path, root, "c", [IDS[0:2]]))
+    rolled = run_cli("versions", "rollback", "--store", str(root), "--model", MODEL, "0", "--reason", "x",
+                     env={"UNLEARN_CRASH_AT": "rollback_recorded:1"})
+    assert rolled.returncode == -signal.SIGKILL and _current(root) == 0
+    assert _rows(root / "ledger.sqlite3")[0]["state"] == "applied"
+    again = CliRunner().invoke(jobs.versions.command, ["rollback", "--store", str(root), "--model", MODEL, "0", "--reason", "x"])
+    assert again.exit_code == 0, again.output
+    assert _rows(root / "ledger.sqlite3")[0]["state"] == "needs_retrain"
+    rollbacks = [json.loads(e["detail"]) for e in _rows(root / "ledger.sqlite3", "events") if e["kind"] == "rollback"]
+    assert rollbacks == [{"from": 1, "to": 0, "reason": "x"}]
+
+
 # -- 14.2 --------------------------------------------------------------------------------------
 def test_a_published_batch_is_recognised_by_its_content_never_by_its_key(tmp_path, root):
     _run(_spec(tmp_path, root, "c", [[IDS[0]]], prefix="first-"))
