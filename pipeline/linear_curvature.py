@@ -193,8 +193,10 @@ class WarmCurvature:
     # grad_P L_D at these weights (mean over D, lambda w_P included): a removal then passes over
     # its m forgotten samples only, grad L_{D\U} = (n grad L_D - g_U) / (n - m)
     training_gradient: Tensor | None = None
-    # ``inverse`` in the decision layer's own layout and the products' precision (``layer_inverse``)
-    layer_inverses: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # ``inverse`` in the decision layer's own layout and the products' precision, with the block
+    # order and dtype it was made for (``layer_inverse``)
+    layer_inverse_cache: "tuple[Tensor, torch.dtype, Tensor] | None" = field(default=None, init=False, repr=False,
+                                                                             compare=False)
 
     @classmethod
     def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
@@ -241,11 +243,10 @@ class WarmCurvature:
             return None
         from pipeline.decision_layer_newton import layer_ordered
 
-        key = (tuple(order.tolist()), dtype)
-        if key not in self.layer_inverses:
-            self.layer_inverses.clear()  # one layout is used per model; keep only the latest
-            self.layer_inverses[key] = layer_ordered(self.inverse, order, dtype)
-        return self.layer_inverses[key]
+        cached = self.layer_inverse_cache
+        if cached is None or cached[1] != dtype or not torch.equal(cached[0], order):
+            cached = self.layer_inverse_cache = (order.clone(), dtype, layer_ordered(self.inverse, order, dtype))
+        return cached[2]
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

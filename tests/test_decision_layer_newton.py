@@ -449,8 +449,9 @@ def test_layer_ordered_warm_inverse_is_the_block_inverse_in_the_layer_layout(sgd
     from pipeline.linear_curvature import products_dtype
 
     # made by the preparation (its seconds), in the products' precision: the first removal finds it
-    assert [key[1] for key in warm.layer_inverses] == [products_dtype(layer)]
-    assert torch.equal(next(iter(warm.layer_inverses.values())), warm.layer_inverse(order, products_dtype(layer)))
+    made = warm.layer_inverse_cache
+    assert made is not None and made[1] == products_dtype(layer) and torch.equal(made[0], order)
+    assert warm.layer_inverse(order, products_dtype(layer)) is made[2]
     v = torch.randn(k, d + 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     expected = (warm.inverse @ v.reshape(-1)[order])                   # in block order
     for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
