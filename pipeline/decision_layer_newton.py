@@ -206,7 +206,7 @@ def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Precondit
         hd = product(d)
         dhd = float((d * hd).sum())
         if pairs is not None:
-            pairs.append((d.clone(), hd, dhd))
+            pairs.append((d, hd, dhd))  # d is rebound, never changed in place
         alpha = rz / dhd
         x += alpha * d
         r -= alpha * hd
