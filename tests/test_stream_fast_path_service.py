@@ -16,7 +16,7 @@ from pipeline.models.card import load_model_dir
 from pipeline.removal import training_set
 from pipeline.store.versions import VersionStore
 from pipeline.streaming import DecisionLayerStream, StreamSettings
-from tests.test_unlearn_random_kills import TOKEN, _env, _ledger, _rng, _serve, _wait_port, audit
+from tests.test_unlearn_random_kills import TOKEN, _env, _ledger, _rng, _serve, _wait_port, audit, wait_applied
 from tests.unlearn_store_support import REPO, cached_model_dir, http_json, make_store, train_ids, unlearn_argv, write_yaml
 
 MODEL = "digits"
@@ -41,19 +41,6 @@ def _config(tmp_path, store, **fast):
     return config, port_file
 
 
-def _wait_applied(store, ids: set[str], timeout: float = 120) -> dict[str, str]:
-    """Poll the ledger until ``ids`` are applied (the store is audited once the service stopped:
-    CURRENT and the ledger read while a batch lands can disagree for a moment)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {r["request_id"]: r["state"] for r in _ledger(store / "ledger.sqlite3")[0]}
-        if all(states.get(r) == "applied" for r in ids):
-            return states
-        assert not {states.get(r) for r in ids} & {"needs_retrain", "failed"}, states
-        assert time.monotonic() < deadline, states
-        time.sleep(0.1)
-
-
 def _records(store) -> list[dict]:
     vs = VersionStore(store)
     return [vs.manifest(MODEL, v)["record"] for v in vs.versions(MODEL) if v > 0 and vs.manifest(MODEL, v).get("record")]
@@ -74,7 +61,7 @@ def _serve_one(config, port_file, store, request_id: str, sample: int) -> str:
         code, _ = http_json(port, "POST", "/v1/requests", {"request_id": request_id, "subject": "x",
                                                            "sample_ids": [sample]}, HEADERS)
         assert code == 202
-        _wait_applied(store, {request_id})
+        wait_applied(store / "ledger.sqlite3", {request_id})
         return _stop(proc)
     finally:
         if proc.poll() is None:
@@ -92,7 +79,7 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
             code, body = http_json(port, "POST", "/v1/requests", {"request_id": f"f{k}", "subject": "x",
                                                                    "sample_ids": [ids[k]]}, HEADERS)
             assert code == 202, body
-            _wait_applied(store, {f"f{k}"})
+            wait_applied(store / "ledger.sqlite3", {f"f{k}"})
         err = _stop(proc)
     finally:
         if proc.poll() is None:
@@ -202,7 +189,7 @@ def test_random_kills_of_the_fast_path_service(tmp_path, tmp_path_factory):
     proc, _ = _serve(config, port_file)
     try:
         _wait_port(proc, port_file)
-        _wait_applied(store, acknowledged)
+        wait_applied(store / "ledger.sqlite3", acknowledged)
         _stop(proc)
     finally:
         if proc.poll() is None:
