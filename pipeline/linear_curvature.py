@@ -167,9 +167,10 @@ def products_dtype(layer: nn.Linear) -> torch.dtype:
     return torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
 
 
-def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None) -> bool:
-    """True when X~ (n x (d+1), float64) and its transpose fit in a quarter of the budget."""
-    return 2 * n * (d + 1) * 8 <= (budget or current_budget()).bytes / 4
+def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None, itemsize: int = 8) -> bool:
+    """True when X~ (n x (d+1), ``itemsize`` bytes per entry) and its transpose fit in a quarter
+    of the budget."""
+    return 2 * n * (d + 1) * itemsize <= (budget or current_budget()).bytes / 4
 
 
 @dataclass
@@ -185,7 +186,8 @@ class WarmCurvature:
     matrix: Tensor           # (numel, numel) float64
     seconds: float
     inverse: Tensor | None = None  # matrix^{-1} (from its Cholesky factor): the preconditioner of later systems
-    # X~ = (x, 1) of D at the decision layer, float64, and its transpose (both contiguous): the
+    # X~ = (x, 1) of D at the decision layer in the products' precision (``products_dtype``: float32
+    # for a float32 model, whose features are exact in it) and its transpose (both contiguous): the
     # matrix-free Newton of later removals masks the forgotten rows instead of copying D_r each time.
     # Kept only when both fit in a quarter of the memory budget (``inputs_within``).
     inputs: Tensor | None = None
@@ -221,8 +223,10 @@ class WarmCurvature:
                                                batch_size=batch_size)
         inputs = inputs_t = None
         layer = closed_form_layer(suffix, task, block)
-        if layer is not None and layer.bias is not None and inputs_within(len(data), layer.in_features):
-            inputs = torch.ones(len(data), layer.in_features + 1, dtype=torch.float64)
+        dtype = None if layer is None else products_dtype(layer)
+        if layer is not None and layer.bias is not None and \
+                inputs_within(len(data), layer.in_features, itemsize=torch.finfo(dtype).bits // 8):
+            inputs = torch.ones(len(data), layer.in_features + 1, dtype=dtype)
             inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
             inputs_t = inputs.T.contiguous()
         warm = cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),

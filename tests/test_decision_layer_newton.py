@@ -246,8 +246,8 @@ def test_matrix_free_objective_matches_autograd():
 
     gen = torch.Generator().manual_seed(3)
     n, d, k, s = 40, 5, 4, 0.1
-    x = torch.cat([torch.randn(n, d, generator=gen, dtype=torch.float64), torch.ones(n, 1, dtype=torch.float64)], 1)
-    y = torch.randint(0, k, (n,), generator=gen)
+    x = torch.cat([torch.randn(n, d, generator=gen), torch.ones(n, 1)], 1).double()  # exact in float32, as a
+    y = torch.randint(0, k, (n,), generator=gen)                                      # float32 model's features
     targets = (1 - s) * nn.functional.one_hot(y, k).double() + s / k
     anchor, ref = torch.randn(k, d + 1, generator=gen, dtype=torch.float64), torch.randn(k, d + 1, generator=gen,
                                                                                          dtype=torch.float64)
@@ -260,14 +260,29 @@ def test_matrix_free_objective_matches_autograd():
                 - (anchor * (t - ref)).sum())
 
     z = obj.logits(theta.detach())
-    p = torch.softmax(z, dim=1)
+    assert z.shape == (k, n)  # class-major
+    p = torch.softmax(z, dim=0)
     assert abs(obj.value(theta.detach(), z) - float(f(theta))) <= 1e-12
     grad = torch.autograd.grad(f(theta), theta)[0]
     assert float((obj.gradient(theta.detach(), p) - grad).abs().max()) <= 1e-12
+    assert obj.gradient_floor(p) == 0.0
     v = torch.randn(k, d + 1, generator=gen, dtype=torch.float64)
     hv = torch.autograd.functional.hvp(f, theta.detach(), v)[1]
     got = obj.hessian_product(p, v)
     assert float((got - hv).abs().max()) <= 1e-11 * float(hv.abs().max())
+
+    # float32 inputs: float32 passes, their gradient within its stated rounding floor of the exact one
+    # (and that floor far below the gradient), the same after the switch to float64 passes
+    obj32 = SoftmaxLayerObjective(x.float(), targets, 0.07, anchor, ref)
+    z32 = obj32.logits(theta.detach())
+    p32 = torch.softmax(z32, dim=0)
+    floor = obj32.gradient_floor(p32)
+    err = float(torch.linalg.vector_norm(obj32.gradient(theta.detach(), p32) - grad))
+    assert 0 < err <= floor <= 1e-5 * float(torch.linalg.vector_norm(grad)), (err, floor)
+    obj32.to_float64()
+    assert obj32.pass_dtype == torch.float64 and obj32.gradient_floor(p) == 0.0
+    assert float((obj32.gradient(theta.detach(), torch.softmax(obj32.logits(theta.detach()), 0)) - grad).abs().max()) \
+        <= 1e-12
 
 
 def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stops_short(sgd_mlp, digits):
@@ -521,3 +536,38 @@ def test_recycled_newton_reaches_the_same_class_forgetting_minimiser(sgd_mlp, di
     moved = float(torch.linalg.vector_norm(flat(plain) - flat(sgd_mlp)))
     assert moved > 1.0
     assert float(torch.linalg.vector_norm(flat(recycled) - flat(plain))) <= 1e-6 * moved
+
+
+def test_float32_passes_reach_the_float64_minimiser_and_hand_over_where_they_cannot_resolve_the_tolerance():
+    """Float32 inputs run the passes in float32 while their gradient can resolve the tolerance
+    (the same minimiser as float64 passes, to that tolerance), and hand the rest to float64 passes
+    where the tolerance is below their rounding floor (then the float64 point, to 1e-12)."""
+    from pipeline.decision_layer_newton import SoftmaxLayerObjective, newton_minimise
+
+    gen = torch.Generator().manual_seed(5)
+    n, d, k, lam = 3000, 20, 5, 1e-3
+    x = torch.cat([torch.relu(torch.randn(n, d, generator=gen)), torch.ones(n, 1)], 1)  # exact in float32
+    y = torch.randint(0, k, (n,), generator=gen)
+    y[: n // 2] = (x[: n // 2, :k]).argmax(1)  # half of the labels learnable, half noise: a real fit
+    targets = nn.functional.one_hot(y, k).double()
+    zero = torch.zeros(k, d + 1, dtype=torch.float64)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[::7] = False  # forgotten rows masked out
+
+    def solve(inputs, tol):
+        objective = SoftmaxLayerObjective(inputs, targets, lam, zero, zero, keep=keep)
+        return newton_minimise(objective, zero, tol=tol, max_steps=60, preconditioner="kronecker"), objective
+
+    exact, _ = solve(x.double(), 1e-13)
+    assert exact.converged and exact.float64_from == 0 and exact.pass_dtype == "float64"
+    loose, obj = solve(x, 1e-5)
+    assert loose.converged and loose.pass_dtype == "float32" and loose.float64_from is None
+    assert 0 < loose.gradient_floor <= 1e-6  # the floor it was trusted to, far below the tolerance
+    h_min = lam  # F is lambda-strongly convex: ||theta - theta*|| <= ||grad F|| / lambda
+    gap = float(torch.linalg.vector_norm(loose.theta - exact.theta))
+    assert gap <= (1e-5 + loose.gradient_floor) / h_min, gap
+    assert gap >= 1e-9  # float32 passes did not land on the float64 point by accident (not float64 in disguise)
+    tight, obj = solve(x, 1e-11)
+    assert tight.converged and tight.float64_from is not None and tight.float64_from >= 1
+    assert tight.pass_dtype == "float64" and obj.pass_dtype == torch.float64
+    assert float(torch.linalg.vector_norm(tight.theta - exact.theta)) <= 1e-11 / h_min

@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field, field_validator
 from torch import nn
 
+from pipeline.data.sampleset import SampleSet
 from pipeline.curvature import (
     BlockHessian, Combination, DenseOperator, RemovalNotServed, SolveInfo, UnsolvedSystemError, block_gradient,
     preconditioned_conjugate_gradient, solve_newton_system,
@@ -308,7 +309,15 @@ class LFociNewton(RemovalMethod):
             with problem.stage("prefix_cache", timings):
                 prefix = cache_frozen_prefix(model, task, problem.train, block, bs)
         work = problem if prefix is None else replace(problem, model=prefix.suffix, train=prefix.train)
-        forget, retain = work.forget, work.retain
+        forget = work.forget
+        retained: list[SampleSet] = []
+
+        def retain_set() -> SampleSet:
+            """D \\ U of ``work``, taken on first use (a matrix-free removal from the prepared X~ never
+            needs it: a copy of n - m rows it would make only to read their labels)."""
+            if not retained:
+                retained.append(work.retain)
+            return retained[0]
 
         with problem.stage("gradients", timings):
             g_forget = block_gradient(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
@@ -317,7 +326,7 @@ class LFociNewton(RemovalMethod):
                 # only the m forgotten samples are passed over
                 g = (n * warm.training_gradient - g_forget) / (n - m)
             else:
-                g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
             share = choice.get("forget_gradient_share")
             if share is None and (full_block or settings.record_gradient_share):
                 share = 1.0 if full_block else block_share(
@@ -331,7 +340,7 @@ class LFociNewton(RemovalMethod):
                 and not settings.anchor_absent_classes:
             # a class with no retained sample: its row's residual is the forgotten samples' unfinished
             # fit, which Retrain never has; that row's target is the plain retrained optimum
-            unanchored, entries = _absent_class_entries(work, task, block, retain)
+            unanchored, entries = _absent_class_entries(work, task, block)
             anchor = anchor.clone()
             anchor[entries] = 0.0
         residual = g - anchor
@@ -342,9 +351,10 @@ class LFociNewton(RemovalMethod):
         curv_data, curv_note = work.train, "all training samples"
         subsampled = settings.curvature_samples is not None and settings.curvature_samples < n
         if subsampled:
-            gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
-            pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
-            curv_data = work.train.take(pick)
+            if settings.curvature_refresh != "matrix_free":  # (the matrix-free products draw their own rows)
+                gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
+                pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
+                curv_data = work.train.take(pick)
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
         factory = problem.curvature_factory or BlockHessian
         if settings.closed_form_curvature and problem.curvature_factory is None \
@@ -368,10 +378,10 @@ class LFociNewton(RemovalMethod):
         try:
             if settings.curvature_refresh == "matrix_free":
                 with problem.stage("curvature_and_solve", timings):
-                    history, solvers = _matrix_free_newton(work, task, retain, block, lam, anchor, tol, settings,
-                                                           warm)
+                    history, solvers, verify = _matrix_free_newton(work, task, retain_set, block, lam, anchor, tol,
+                                                                   settings, warm)
                 with problem.stage("verify", timings):  # at the published (rounded) weights
-                    g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                    g = verify()
                 residual = g - anchor
                 norm_g = _norm(residual)
                 curvature_notes["operator"] = "closed-form products at the current weights (matrix-free)"
@@ -397,10 +407,11 @@ class LFociNewton(RemovalMethod):
                             if settings.curvature_refresh == "first_step" and dense:
                                 chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                         solvers.append(dict(info.__dict__))
-                        step_length, f_now = _backtrack(work.model, task, retain, lam, bs, block, direction, residual,
+                        step_length, f_now = _backtrack(work.model, task, retain_set(), lam, bs, block, direction, residual,
                                                         settings.max_backtracks, anchor, w_start, f_now)
                     with problem.stage("verify", timings):
-                        g = block_gradient(work.model, task, retain, block, lam, reduction="mean", batch_size=bs)
+                        g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean",
+                                           batch_size=bs)
                     residual = g - anchor
                     norm_g = _norm(residual)
                     history.append({"step": k + 1, "residual_norm_after": norm_g,
@@ -478,26 +489,32 @@ def _layer_order(model: nn.Module, block, layer: nn.Linear) -> torch.Tensor:
     return _block_order(block, names, layer.out_features, layer.in_features)
 
 
-def _absent_class_entries(work: RemovalProblem, task: Task, block, retain) -> tuple[list[int], torch.Tensor]:
-    """The classes with no retained sample and the block entries of their decision-layer rows
-    (weight row and bias); empty unless the block is the whole last Linear under cross-entropy."""
+def _absent_class_entries(work: RemovalProblem, task: Task, block) -> tuple[list[int], torch.Tensor]:
+    """The classes with no retained sample (counts over D less those over U) and the block
+    entries of their decision-layer rows (weight row and bias); empty unless the block is the
+    whole last Linear under cross-entropy."""
     layer = closed_form_layer(work.model, task, block)
     if layer is None:
         return [], torch.zeros(0, dtype=torch.long)
     k = layer.out_features
-    absent = (torch.bincount(retain.columns["y"].long().reshape(-1), minlength=k)[:k] == 0).nonzero().squeeze(1)
+    labels = work.train.columns["y"].long().reshape(-1)
+    counts = torch.bincount(labels, minlength=k)[:k] - torch.bincount(labels[work.forget_positions], minlength=k)[:k]
+    absent = (counts == 0).nonzero().squeeze(1)
     order = _layer_order(work.model, block, layer)
     entries = torch.isin(order // (layer.in_features + 1), absent).nonzero().squeeze(1)
     return absent.tolist(), entries
 
 
-def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: float, anchor: torch.Tensor,
-                        tol: float, settings: LFociNewtonSettings, warm: "WarmCurvature | None"
-                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[], SampleSet], block, lam: float,
+                        anchor: torch.Tensor, tol: float, settings: LFociNewtonSettings, warm: "WarmCurvature | None"
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Callable[[], torch.Tensor]]:
     """``curvature_refresh: matrix_free``: minimise L_{D\\U}(w) - <anchor, w_P> over the decision
     layer by Newton's method with the exact curvature at the current weights, applied in closed
     form over the cached inputs (``pipeline.decision_layer_newton``); the result is written into
-    the layer. Raises ``RemovalNotServed`` when ||grad|| <= tol is not reached."""
+    the layer. Returns (history, solvers, verify): ``verify()`` is grad_P L_{D\\U} (mean, lambda
+    w_P included) at the weights the layer then holds (rounded to its dtype), in block order, by
+    the same closed form in the passes' last precision. Raises ``RemovalNotServed`` when
+    ||grad|| <= tol is not reached."""
     layer = closed_form_layer(work.model, task, block)
     if layer is None:
         raise ValueError("curvature_refresh: matrix_free needs a block that is the whole last Linear layer under "
@@ -525,7 +542,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         labels = work.train.columns["y"]
         inputs_note = "prepared X~ of D, forgotten rows masked"
     else:
-        x = torch.ones(len(retain), d + 1, dtype=torch.float64)  # x~ = (x, 1), one copy
+        retain = retain_set()
+        x = torch.ones(len(retain), d + 1, dtype=products_dtype(layer))  # x~ = (x, 1), one copy
         x[:, :d] = retain.columns["x"].reshape(len(retain), d)
         labels = retain.columns["y"]
         inputs_note = "copy of D_r"
@@ -533,9 +551,10 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
     w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
     theta0 = to_theta(w_start)
     rows = None
-    if settings.curvature_samples is not None and settings.curvature_samples < len(retain):
+    n_retain = len(work.train) - len(work.forget_positions)
+    if settings.curvature_samples is not None and settings.curvature_samples < n_retain:
         gen = work.generator(RandomStream.CURVATURE_SUBSAMPLE)
-        rows = torch.randperm(len(retain), generator=gen)[: settings.curvature_samples].sort().values
+        rows = torch.randperm(n_retain, generator=gen)[: settings.curvature_samples].sort().values
         if keep is not None:  # the same retained samples, as rows of D
             rows = torch.nonzero(keep).squeeze(1)[rows]
     # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
@@ -559,7 +578,10 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
         choice = f"{choice}, updated by the last {settings.newton_recycle} CG pairs (L-BFGS)"
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
                 "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
-                "curvature_rows": len(retain) if rows is None else len(rows), "inputs": inputs_note}]
+                "pass_dtype": result.pass_dtype if not result.float64_from else
+                f"float32, float64 from step {result.float64_from} (float32 could not resolve the tolerance)",
+                "gradient_rounding_floor": result.gradient_floor,
+                "curvature_rows": n_retain if rows is None else len(rows), "inputs": inputs_note}]
     if not result.converged:
         raise RemovalNotServed(
             f"matrix-free Newton did not reach ||grad|| <= {tol:.3g} in {settings.newton_max_steps} steps "
@@ -568,7 +590,15 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain, block, lam: fl
              result.gradient_norm, "steps": history})
     with torch.no_grad():
         block.add_to_model(work.model, result.theta.reshape(-1)[order] - w_start)
-    return history, solvers
+
+    def verify() -> torch.Tensor:
+        published = to_theta(block.gather({name: p.detach() for name, p in params.items()}))
+        z = objective.logits(published)
+        lse = objective.evaluate(published, z)[1]
+        gradient = objective.gradient(published, torch.exp(z - lse)) + objective.anchor  # (F's anchor term taken off)
+        return gradient.reshape(-1)[order]
+
+    return history, solvers, verify
 
 
 class _Chord:
