@@ -12,11 +12,12 @@ grad_P L_D; r0 = 0 for the plain retrained optimum):
 Options of the products: ``curvature_rows`` (a seeded subsample of R: a subsampled Hessian,
 Byrd et al. 2011; the gradient and F stay exact, so the minimiser is the same, only the path
 changes) and ``curvature_dtype`` (float32 products for a float32 model: CG is then asked for no
-more than 100 eps_32 relative residual). The passes over X~ (logits and gradients) run in X~'s own
-precision: float32 inputs (a float32 model's features, exact in float32) give float32 products
-accumulated into float64 logits, values and gradients; weights are float64 always. A float32
-gradient is trusted only to its rounding floor (``gradient_floor``); where the tolerance asks for
-more, the iteration goes on in float64 (``newton_minimise``).
+more than 100 eps_32 relative residual). The passes over X~ (logits, probabilities, residuals,
+gradients) run in X~'s own precision: float32 inputs (a float32 model's features, exact in float32)
+give float32 passes, with F summed and the gradient returned in float64; weights are float64 always.
+A float32 gradient is trusted only to its rounding floor (``gradient_floor``; measured on
+Fashion-MNIST's head at 0.10-0.16 of it); where the tolerance asks for more, the iteration goes on
+in float64 (``newton_minimise``).
 ``keep`` (a mask over the rows of ``x``) makes R the kept rows of a larger prepared X~ (D's, with
 the forgotten rows masked out of every sum) so that no copy of R is made per removal; ``xt`` is
 X~^T when the caller holds it already (contiguous).
@@ -28,8 +29,8 @@ Newton's method with Armijo backtracking converges to its unique minimiser from 
 each Newton system is solved inexactly by preconditioned conjugate gradients to the forcing
 tolerance eta_k ||grad F|| with eta_k = min(forcing, sqrt(||grad F|| / ||grad F_0||))
 (inexact Newton, Eisenstat & Walker; superlinear near the solution). Where the predicted decrease
-is below F's float64 rounding (64 eps |F|), Armijo cannot tell and the full step is taken when it
-lowers ||grad F||. The iteration stops once
+is below F's rounding (64 eps |F|, eps of the passes' precision), Armijo cannot tell and the full
+step is taken when it lowers ||grad F||. The iteration stops once
 ||grad F|| <= tol; it never claims convergence it did not reach (``converged`` is False).
 
 Preconditioners (no preparation unless given):
@@ -60,7 +61,8 @@ class SoftmaxLayerObjective:
     ``targets`` (n_r, K); ``anchor`` and ``reference`` (K, d+1) in the (class, input-with-bias)
     layout, float64. Logits, probabilities and residuals are held class-major, (K, n_r): every
     pass is then a plain (K x (d+1)) by ((d+1) x n_r) product or its reverse, the fastest layout
-    for float32 (2-3x the row-major float64 passes per byte of X~ on one core)."""
+    for float32 (2-3x the row-major float64 passes on one core); softmax over K columns of a
+    class-major (K, n_r) float32 array costs a twentieth of the row-major one."""
 
     x: Tensor
     targets: Tensor
@@ -71,14 +73,15 @@ class SoftmaxLayerObjective:
     curvature_dtype: torch.dtype = torch.float64
     keep: Tensor | None = None
     xt: Tensor | None = None
+    x_norm: float | None = None  # ||X~||_F over every row of x, when the caller holds it
 
     def __post_init__(self) -> None:
         if self.x.dtype not in (torch.float32, torch.float64):
             self.x = self.x.to(torch.float64)
         if self.xt is not None and self.xt.dtype != self.x.dtype:
             raise ValueError(f"xt is {self.xt.dtype} but x is {self.x.dtype}: give X~ and X~^T in one precision")
-        self.targets_t = self.targets.to(torch.float64).T.contiguous()
-        self.mask = None if self.keep is None else self.keep.to(torch.float64)
+        self.targets_t = self.targets.to(self.x.dtype).T.contiguous()
+        self.mask = None if self.keep is None else self.keep.to(self.x.dtype)
         self.n = int(self.x.shape[0]) if self.keep is None else int(self.keep.sum())
         if self.n == 0:
             raise ValueError("the retained set is empty: nothing to fit the decision layer on")
@@ -96,9 +99,13 @@ class SoftmaxLayerObjective:
             (None if self.keep is None else torch.nonzero(self.keep).squeeze(1))
         if self.xt is None:
             self.xt = self.x.T.contiguous()
-        # ||X~||_F / n_r for the rounding floor of float32 gradients (gradient_floor)
-        # (over every row of x: an upper bound, without a copy of the kept rows)
-        self.x_scale = 0.0 if self.x.dtype == torch.float64 else float(torch.linalg.vector_norm(self.x)) / self.n
+        # ||X~||_F / n_r for the rounding floor of float32 gradients (gradient_floor), over every row of x
+        # (an upper bound, without a copy of the kept rows)
+        if self.x.dtype == torch.float64:
+            self.x_scale = 0.0
+        else:
+            norm = self.x_norm if self.x_norm is not None else float(torch.linalg.vector_norm(self.x, dtype=torch.float64))
+            self.x_scale = norm / self.n
         # relative accuracy a CG solve can ask of these products
         self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 \
             else 100 * torch.finfo(self.curvature_dtype).eps
@@ -112,24 +119,26 @@ class SoftmaxLayerObjective:
         values); the given tensors are left as they were."""
         if self.x.dtype != torch.float64:
             self.x, self.xt, self.x_scale = self.x.to(torch.float64), self.xt.to(torch.float64), 0.0
+            self.targets_t = self.targets.to(torch.float64).T.contiguous()
+            self.mask = None if self.mask is None else self.mask.to(torch.float64)
 
     def logits(self, theta: Tensor) -> Tensor:
-        """Z^T = theta X~^T, (K, n_r), float64 (computed in the passes' precision)."""
+        """Z^T = theta X~^T, (K, n_r), in the passes' precision."""
         self.passes += 1
-        return (theta.to(self.x.dtype) @ self.xt).to(torch.float64)
+        return theta.to(self.x.dtype) @ self.xt
 
     def value(self, theta: Tensor, z: Tensor) -> float:
-        """F(theta) from the logits z = theta X~^T."""
-        return self.evaluate(theta, z)[0]
-
-    def evaluate(self, theta: Tensor, z: Tensor) -> tuple[float, Tensor]:
-        """(F(theta), logsumexp of each sample's logits): P = exp(z - lse) then costs one exp (a
-        third of a softmax over K)."""
-        lse = torch.logsumexp(z, dim=0)
-        per_row = lse - (self.targets_t * z).sum(dim=0)
-        loss = (per_row if self.mask is None else per_row * self.mask).sum() / self.n
+        """F(theta) from the logits z = theta X~^T: per sample in the passes' precision, summed in float64."""
+        per_row = torch.logsumexp(z, dim=0) - (self.targets_t * z).sum(dim=0)
+        loss = (per_row if self.mask is None else per_row * self.mask).sum(dtype=torch.float64) / self.n
         return float(loss + 0.5 * self.weight_decay * (theta * theta).sum()
-                     - (self.anchor * (theta - self.reference)).sum()), lse
+                     - (self.anchor * (theta - self.reference)).sum())
+
+    @staticmethod
+    def probabilities(z: Tensor) -> Tensor:
+        """P^T = softmax of each sample's logits (class-major), from z - max: in float32 the largest
+        probability then carries no rounding of a large logsumexp (exp(z - lse) would: eps_32 |lse|)."""
+        return torch.softmax(z, dim=0)
 
     def residual(self, p: Tensor) -> Tensor:
         """(P - T) o mask, class-major (K, n_r)."""
@@ -139,8 +148,7 @@ class SoftmaxLayerObjective:
     def gradient(self, theta: Tensor, p: Tensor) -> Tensor:
         """grad F from the class-major probabilities P^T at theta (computed in the passes' precision)."""
         self.passes += 1
-        return (self.residual(p).to(self.x.dtype) @ self.x).to(torch.float64) / self.n \
-            + self.weight_decay * theta - self.anchor
+        return (self.residual(p) @ self.x).to(torch.float64) / self.n + self.weight_decay * theta - self.anchor
 
     def gradient_floor(self, p: Tensor) -> float:
         """A bound on the rounding error of ``gradient`` in float32: eps_32 ||P - T||_F ||X~||_F / n_r
@@ -148,7 +156,8 @@ class SoftmaxLayerObjective:
         errors on Fashion-MNIST were a tenth of it); 0 for float64 passes."""
         if self.x.dtype == torch.float64:
             return 0.0
-        return torch.finfo(self.x.dtype).eps * float(torch.linalg.vector_norm(self.residual(p))) * self.x_scale
+        return torch.finfo(self.x.dtype).eps * float(torch.linalg.vector_norm(self.residual(p), dtype=torch.float64)) \
+            * self.x_scale
 
     def curvature_at(self, p: Tensor) -> Callable[[Tensor], Tensor]:
         """V -> H V at the weights whose class-major probabilities are ``p`` (the subsample's rows
@@ -162,7 +171,7 @@ class SoftmaxLayerObjective:
         def product(v: Tensor) -> Tensor:
             self.passes += share
             pdz = pc * (v.to(x.dtype) @ xt)
-            mz = pdz - pc * pdz.sum(dim=0, keepdim=True)
+            mz = torch.addcmul(pdz, pc, pdz.sum(dim=0, keepdim=True), value=-1.0)
             return (mz @ x).to(torch.float64) / rows + self.weight_decay * v
 
         return product
@@ -179,8 +188,7 @@ def kronecker_preconditioner(objective: SoftmaxLayerObjective, p: Tensor,
                              gram: tuple[Tensor, Tensor]) -> Preconditioner:
     """V -> (A (x) G + lambda I)^{-1} V with A = mean_R M(x) at the class-major probabilities
     ``p`` and ``gram`` = the eigen-decomposition (values, vectors) of G = X~^T X~ / n_r."""
-    if objective.keep is not None:
-        p = p[:, objective.keep]
+    p = p.to(torch.float64) if objective.keep is None else p[:, objective.keep].to(torch.float64)
     a = torch.diag(p.mean(dim=1)) - p @ p.T / objective.n
     s_a, u_a = torch.linalg.eigh(a)
     s_g, u_g = gram
@@ -299,11 +307,13 @@ def recycled_preconditioner(base: Preconditioner, pairs: list[Pair]) -> Precondi
 
 def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: float, max_steps: int,
                     preconditioner: str | Preconditioner = "kronecker", forcing: float = 0.5,
-                    max_cg: int = 200, max_backtracks: int = 30, recycle: int = 0) -> NewtonResult:
+                    max_cg: int = 200, max_backtracks: int = 30, recycle: int = 0,
+                    start: tuple[Tensor, Tensor] | None = None) -> NewtonResult:
     """Minimise F from ``theta`` by inexact Newton-PCG with Armijo backtracking (module
     docstring) until ||grad F|| <= tol or ``max_steps`` steps. ``recycle`` > 0: each system's
     preconditioner is updated by the last ``recycle`` CG pairs of the earlier systems
-    (``recycled_preconditioner``).
+    (``recycled_preconditioner``). ``start`` = (logits, grad F) at ``theta`` when the caller
+    holds them (a prepared state): the first two passes are then saved.
 
     Float32 passes (X~ given in float32) carry the iteration while they can resolve it: their
     gradient is within its rounding floor phi (``gradient_floor``) of the exact one, the order by
@@ -316,12 +326,15 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
 
     def state(at: Tensor) -> tuple[Tensor, float, Tensor, Tensor, float]:
         z = objective.logits(at)
-        f, lse = objective.evaluate(at, z)
-        p = torch.exp(z - lse)  # softmax of each sample's logits (class-major)
+        f, p = objective.value(at, z), objective.probabilities(z)
         g = objective.gradient(at, p)
         return z, f, p, g, float(torch.linalg.vector_norm(g))
 
-    z, f, p, g, gnorm = state(theta)
+    if start is None:
+        z, f, p, g, gnorm = state(theta)
+    else:
+        z, g = start[0].to(objective.pass_dtype), start[1].to(torch.float64)
+        f, p, gnorm = objective.value(theta, z), objective.probabilities(z), float(torch.linalg.vector_norm(g))
     g0 = gnorm
     floor = objective.gradient_floor(p)
     float64_from: int | None = None if objective.pass_dtype != torch.float64 else 0
@@ -360,11 +373,11 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         t, g_try = 1.0, None
         for _ in range(max_backtracks + 1):
             z_try = z - t * dz
-            f_try, lse_try = objective.evaluate(theta - t * direction, z_try)
+            f_try = objective.value(theta - t * direction, z_try)
             if f_try <= f - 1e-4 * t * slope:
                 break
             if unresolved and t == 1.0:
-                g_try = objective.gradient(theta - direction, torch.exp(z_try - lse_try))
+                g_try = objective.gradient(theta - direction, objective.probabilities(z_try))
                 if float(torch.linalg.vector_norm(g_try)) < gnorm:
                     break
                 g_try = None
@@ -377,7 +390,7 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
             break
         theta = theta - t * direction
         z, f = z_try, f_try
-        p = torch.exp(z - lse_try)
+        p = objective.probabilities(z)
         g = objective.gradient(theta, p) if g_try is None else g_try
         gnorm = float(torch.linalg.vector_norm(g))
         history.append({"step": step, "gradient_norm": gnorm, "step_length": t, "cg_iterations": iterations,

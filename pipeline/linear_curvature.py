@@ -192,6 +192,10 @@ class WarmCurvature:
     # Kept only when both fit in a quarter of the memory budget (``inputs_within``).
     inputs: Tensor | None = None
     inputs_t: Tensor | None = None
+    # with them: the decision layer's logits theta X~^T on D at these weights (class-major, K x n, the
+    # same precision) and ||X~||_F: a removal's Newton starts from them without a pass over X~
+    logits: Tensor | None = None
+    inputs_norm: float | None = None
     # grad_P L_D at these weights (mean over D, lambda w_P included): a removal then passes over
     # its m forgotten samples only, grad L_{D\U} = (n grad L_D - g_U) / (n - m)
     training_gradient: Tensor | None = None
@@ -221,7 +225,7 @@ class WarmCurvature:
         with eval_mode_restored(model):
             training_gradient = block_gradient(suffix, task, data, block, weight_decay, reduction="mean",
                                                batch_size=batch_size)
-        inputs = inputs_t = None
+        inputs = inputs_t = logits = inputs_norm = None
         layer = closed_form_layer(suffix, task, block)
         dtype = None if layer is None else products_dtype(layer)
         if layer is not None and layer.bias is not None and \
@@ -229,11 +233,13 @@ class WarmCurvature:
             inputs = torch.ones(len(data), layer.in_features + 1, dtype=dtype)
             inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
             inputs_t = inputs.T.contiguous()
+            theta = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1).to(dtype)
+            logits, inputs_norm = theta @ inputs_t, float(torch.linalg.vector_norm(inputs, dtype=torch.float64))
         warm = cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,
                    train.sample_ids.clone(), weight_decay, matrix, 0.0,
                    torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
-                   training_gradient)
+                   logits, inputs_norm, training_gradient)
         if layer is not None:  # the matrix-free Newton's preconditioner, ready for the first removal
             warm.layer_inverse(op.order, products_dtype(layer))
         warm.seconds = time.perf_counter() - started

@@ -378,8 +378,8 @@ class LFociNewton(RemovalMethod):
         try:
             if settings.curvature_refresh == "matrix_free":
                 with problem.stage("curvature_and_solve", timings):
-                    history, solvers, verify = _matrix_free_newton(work, task, retain_set, block, lam, anchor, tol,
-                                                                   settings, warm)
+                    history, solvers, verify = _matrix_free_newton(work, task, retain_set, block, lam, anchor,
+                                                                   residual, tol, settings, warm)
                 with problem.stage("verify", timings):  # at the published (rounded) weights
                     g = verify()
                 residual = g - anchor
@@ -506,8 +506,8 @@ def _absent_class_entries(work: RemovalProblem, task: Task, block) -> tuple[list
 
 
 def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[], SampleSet], block, lam: float,
-                        anchor: torch.Tensor, tol: float, settings: LFociNewtonSettings, warm: "WarmCurvature | None"
-                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Callable[[], torch.Tensor]]:
+                        anchor: torch.Tensor, residual: torch.Tensor, tol: float, settings: LFociNewtonSettings,
+                        warm: "WarmCurvature | None") -> tuple[list[dict[str, Any]], list[dict[str, Any]], Callable[[], torch.Tensor]]:
     """``curvature_refresh: matrix_free``: minimise L_{D\\U}(w) - <anchor, w_P> over the decision
     layer by Newton's method with the exact curvature at the current weights, applied in closed
     form over the cached inputs (``pipeline.decision_layer_newton``); the result is written into
@@ -533,10 +533,11 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
         return out.reshape(k, d + 1)
 
     smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
-    keep = xt = None
+    keep = xt = x_norm = start_logits = None
     if warm is not None and warm.inputs is not None and warm.inputs.shape == (len(work.train), d + 1):
-        # the prepared X~ of D (and X~^T), the forgotten rows masked: no copy of D_r per removal
-        x, xt = warm.inputs, warm.inputs_t
+        # the prepared X~ of D (and X~^T, logits, ||X~||_F), the forgotten rows masked: no copy of D_r
+        # per removal, and no pass over X~ at the start
+        x, xt, x_norm, start_logits = warm.inputs, warm.inputs_t, warm.inputs_norm, warm.logits
         keep = torch.ones(len(work.train), dtype=torch.bool)
         keep[work.forget_positions] = False
         labels = work.train.columns["y"]
@@ -559,7 +560,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
             rows = torch.nonzero(keep).squeeze(1)[rows]
     # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
     product_dtype = products_dtype(layer)
-    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype, keep, xt)
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype, keep, xt, x_norm)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
     if choice == "auto":
@@ -570,7 +571,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
     result = newton_minimise(objective, theta0, tol=tol, max_steps=settings.newton_max_steps,
                              preconditioner=preconditioner, forcing=settings.newton_forcing,
                              max_cg=settings.cg_max_iter or 200, max_backtracks=settings.max_backtracks,
-                             recycle=settings.newton_recycle)
+                             recycle=settings.newton_recycle,
+                             start=None if start_logits is None else (start_logits, to_theta(residual)))
     history = [{"step": h["step"], "residual_norm_after": h["gradient_norm"], "step_length": h["step_length"],
                 "damping": 0.0, "solver": "pcg-matrix-free", "iterations": h["cg_iterations"],
                 "relative_residual": h["cg_relative_residual"]} for h in result.history]
@@ -593,9 +595,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
 
     def verify() -> torch.Tensor:
         published = to_theta(block.gather({name: p.detach() for name, p in params.items()}))
-        z = objective.logits(published)
-        lse = objective.evaluate(published, z)[1]
-        gradient = objective.gradient(published, torch.exp(z - lse)) + objective.anchor  # (F's anchor term taken off)
+        gradient = objective.gradient(published, objective.probabilities(objective.logits(published))) \
+            + objective.anchor  # (F's anchor term taken off)
         return gradient.reshape(-1)[order]
 
     return history, solvers, verify
