@@ -15,12 +15,13 @@ changes) and ``curvature_dtype`` (float32 products for a float32 model: CG is th
 more than 100 eps_32 relative residual). The passes over X~ (logits, probabilities, residuals,
 gradients) run in X~'s own precision: float32 inputs (a float32 model's features, exact in float32)
 give float32 passes, with F summed and the gradient returned in float64; weights are float64 always.
-A float32 gradient is trusted only to its rounding floor (``gradient_floor``; measured on
-Fashion-MNIST's head at 0.10-0.16 of it); where the tolerance asks for more, the iteration goes on
-in float64 (``newton_minimise``).
+A float32 gradient is trusted only to its rounding floor (``gradient_floor``, an estimate: the
+errors measured on Fashion-MNIST's head were 0.10-0.16 of it); where the tolerance asks for more,
+float64 passes certify or finish the iteration (``newton_minimise``).
 ``keep`` (a mask over the rows of ``x``) makes R the kept rows of a larger prepared X~ (D's, with
-the forgotten rows masked out of every sum) so that no copy of R is made per removal; ``xt`` is
-X~^T when the caller holds it already (contiguous).
+the forgotten rows masked out of every sum) so that the passes need no copy of R per removal (the
+curvature rows, a subsample or else R, are copied once with their transpose); ``xt`` is X~^T when
+the caller holds it already (contiguous).
 
 H is the exact Hessian of F at the current theta (the same matrix as
 ``pipeline.linear_curvature.linear_cross_entropy_hessian`` of R), applied without ever being
@@ -76,10 +77,11 @@ class SoftmaxLayerObjective:
     x_norm: float | None = None  # ||X~||_F over every row of x, when the caller holds it
 
     def __post_init__(self) -> None:
-        if self.x.dtype not in (torch.float32, torch.float64):
-            self.x = self.x.to(torch.float64)
         if self.xt is not None and self.xt.dtype != self.x.dtype:
             raise ValueError(f"xt is {self.xt.dtype} but x is {self.x.dtype}: give X~ and X~^T in one precision")
+        if self.x.dtype not in (torch.float32, torch.float64):
+            self.x = self.x.to(torch.float64)
+            self.xt = None if self.xt is None else self.xt.to(torch.float64)
         self.targets_t = self.targets.to(self.x.dtype).T.contiguous()
         self.mask = None if self.keep is None else self.keep.to(self.x.dtype)
         self.n = int(self.x.shape[0]) if self.keep is None else int(self.keep.sum())
@@ -88,20 +90,23 @@ class SoftmaxLayerObjective:
         if self.keep is not None and self.curvature_rows is not None and not bool(self.keep[self.curvature_rows].all()):
             raise ValueError("curvature_rows must be kept rows (rows of R)")
         self.passes = 0.0  # passes over X~ (each costs O(n_r K (d+1))); a subsample counts its share
+        if self.xt is None:
+            self.xt = self.x.T.contiguous()
+        # the curvature rows and their transpose in the products' precision: copies, except where
+        # they are all of X~ in its own precision
         if self.curvature_rows is not None:
             self.x_curv = self.x[self.curvature_rows].to(self.curvature_dtype)
         elif self.keep is not None:
             self.x_curv = self.x[self.keep].to(self.curvature_dtype)
         else:
             self.x_curv = self.x.to(self.curvature_dtype)
-        self.x_curv_t = self.x_curv.T.contiguous()
+        self.x_curv_t = self.xt if self.x_curv is self.x else self.x_curv.T.contiguous()
         self.curv_index = self.curvature_rows if self.curvature_rows is not None else \
             (None if self.keep is None else torch.nonzero(self.keep).squeeze(1))
-        if self.xt is None:
-            self.xt = self.x.T.contiguous()
         # ||X~||_F / n_r for the rounding floor of float32 gradients (gradient_floor), over every row of x
         # (an upper bound, without a copy of the kept rows)
-        if self.x.dtype == torch.float64:
+        self.precise = self.x.dtype == torch.float64
+        if self.precise:
             self.x_scale = 0.0
         else:
             norm = self.x_norm if self.x_norm is not None else float(torch.linalg.vector_norm(self.x, dtype=torch.float64))
@@ -110,21 +115,29 @@ class SoftmaxLayerObjective:
         self.product_rtol = 0.0 if self.curvature_dtype == torch.float64 \
             else 100 * torch.finfo(self.curvature_dtype).eps
 
+    PRECISE_CHUNK = 8192  # rows of float32 X~ cast to float64 at a time by the float64 passes
+
     @property
     def pass_dtype(self) -> torch.dtype:
-        return self.x.dtype
+        return torch.float64 if self.precise else self.x.dtype
 
     def to_float64(self) -> None:
-        """Make every later pass float64 (X~ and X~^T cast once, exactly: float32 values are float64
-        values); the given tensors are left as they were."""
-        if self.x.dtype != torch.float64:
-            self.x, self.xt, self.x_scale = self.x.to(torch.float64), self.xt.to(torch.float64), 0.0
-            self.targets_t = self.targets.to(torch.float64).T.contiguous()
+        """Make every later pass float64. Float32 X~ stays as it is (its values are exact in
+        float64): each pass casts it PRECISE_CHUNK rows at a time, so no float64 copy of X~ is made."""
+        if not self.precise:
+            self.precise, self.x_scale = True, 0.0
+            self.targets_t = self.targets.to(torch.float64).T.contiguous()  # (not the float32 copy: smoothed targets round)
             self.mask = None if self.mask is None else self.mask.to(torch.float64)
+
+    def _spans(self) -> range:
+        return range(0, int(self.x.shape[0]), self.PRECISE_CHUNK)
 
     def logits(self, theta: Tensor) -> Tensor:
         """Z^T = theta X~^T, (K, n_r), in the passes' precision."""
         self.passes += 1
+        if self.precise and self.x.dtype != torch.float64:
+            theta = theta.to(torch.float64)
+            return torch.cat([theta @ self.xt[:, i:i + self.PRECISE_CHUNK].to(torch.float64) for i in self._spans()], 1)
         return theta.to(self.x.dtype) @ self.xt
 
     def value(self, theta: Tensor, z: Tensor) -> float:
@@ -148,13 +161,20 @@ class SoftmaxLayerObjective:
     def gradient(self, theta: Tensor, p: Tensor) -> Tensor:
         """grad F from the class-major probabilities P^T at theta (computed in the passes' precision)."""
         self.passes += 1
-        return (self.residual(p) @ self.x).to(torch.float64) / self.n + self.weight_decay * theta - self.anchor
+        residual = self.residual(p)
+        if self.precise and self.x.dtype != torch.float64:
+            total = sum(residual[:, i:i + self.PRECISE_CHUNK] @ self.x[i:i + self.PRECISE_CHUNK].to(torch.float64)
+                        for i in self._spans())
+        else:
+            total = (residual @ self.x).to(torch.float64)
+        return total / self.n + self.weight_decay * theta - self.anchor
 
     def gradient_floor(self, p: Tensor) -> float:
-        """A bound on the rounding error of ``gradient`` in float32: eps_32 ||P - T||_F ||X~||_F / n_r
-        (the Frobenius bound of the product, without the growth in n_r of the worst case; measured
-        errors on Fashion-MNIST were a tenth of it); 0 for float64 passes."""
-        if self.x.dtype == torch.float64:
+        """An estimate of the rounding error of ``gradient`` in float32 passes: eps_32 ||P - T||_F
+        ||X~||_F / n_r, the Frobenius bound of the last product without the growth in n_r of the
+        worst case and without the logits' and probabilities' own rounding (the errors measured on
+        Fashion-MNIST's head were 0.10-0.16 of it); 0 for float64 passes."""
+        if self.pass_dtype == torch.float64:
             return 0.0
         return torch.finfo(self.x.dtype).eps * float(torch.linalg.vector_norm(self.residual(p), dtype=torch.float64)) \
             * self.x_scale
@@ -315,11 +335,13 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
     (``recycled_preconditioner``). ``start`` = (logits, grad F) at ``theta`` when the caller
     holds them (a prepared state): the first two passes are then saved.
 
-    Float32 passes (X~ given in float32) carry the iteration while they can resolve it: their
-    gradient is within its rounding floor phi (``gradient_floor``) of the exact one, the order by
-    which rounding the published float32 weights moves it, so it stops the iteration as a float64
-    one would (the floor at the end is returned); where it is above tol but already below phi,
-    float32 cannot resolve further progress and every later pass is float64 (``to_float64``)."""
+    Float32 passes (X~ given in float32) carry the iteration while they can resolve it. Their
+    gradient is within its rounding floor phi (``gradient_floor``, recomputed at every point) of
+    the exact one; it ends the iteration on its own only where phi <= tol / 4. Elsewhere a float32
+    ||grad F|| <= tol is certified by float64 passes at the same point, and every later pass is
+    float64 (``to_float64``: X~ cast in chunks, never copied) when that check fails, when
+    ||grad F|| <= phi (float32 can resolve no further progress) or when a float32 line search
+    finds no decrease."""
     if preconditioner not in ("kronecker", "none") and not callable(preconditioner):
         raise ValueError(f"preconditioner '{preconditioner}' is unknown; choose 'kronecker', 'none' or pass a callable")
     theta = theta.to(torch.float64).clone()
@@ -336,20 +358,21 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         z, g = start[0].to(objective.pass_dtype), start[1].to(torch.float64)
         f, p, gnorm = objective.value(theta, z), objective.probabilities(z), float(torch.linalg.vector_norm(g))
     g0 = gnorm
-    floor = objective.gradient_floor(p)
-    float64_from: int | None = None if objective.pass_dtype != torch.float64 else 0
+    float64_from: int | None = 0 if objective.pass_dtype == torch.float64 else None
     gram = gram_eigen(objective) if preconditioner == "kronecker" else None
     history: list[dict[str, float]] = []
     pairs: list[Pair] = []
-    for step in range(1, max_steps + 1):
-        if gnorm <= tol:
-            break
-        if gnorm <= floor:  # float32 can no longer resolve it
+    step = 0
+    while True:
+        floor = objective.gradient_floor(p)
+        if floor > 0 and ((gnorm <= tol and floor > tol / 4) or tol < gnorm <= floor):
+            # float32 can neither certify nor resolve this: the same point in float64, float64 from here
             objective.to_float64()
-            float64_from, floor = step, 0.0
+            float64_from, floor = step + 1, 0.0
             z, f, p, g, gnorm = state(theta)
-            if gnorm <= tol:
-                break
+        if gnorm <= tol or step == max_steps:
+            break
+        step += 1
         if preconditioner == "kronecker":
             assert gram is not None
             precondition = kronecker_preconditioner(objective, p, gram)
@@ -387,7 +410,12 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         if t == 0.0:
             history.append({"step": step, "gradient_norm": gnorm, "step_length": 0.0, "cg_iterations": iterations,
                             "cg_relative_residual": rel})
-            break
+            if objective.pass_dtype == torch.float64:
+                break
+            objective.to_float64()  # no decrease float32 can see: on from the same point in float64
+            float64_from = step + 1
+            z, f, p, g, gnorm = state(theta)
+            continue
         theta = theta - t * direction
         z, f = z_try, f_try
         p = objective.probabilities(z)
@@ -395,7 +423,5 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         gnorm = float(torch.linalg.vector_norm(g))
         history.append({"step": step, "gradient_norm": gnorm, "step_length": t, "cg_iterations": iterations,
                         "cg_relative_residual": rel, "forcing": eta})
-    if floor > 0:
-        floor = objective.gradient_floor(p)
     return NewtonResult(theta, gnorm <= tol, gnorm, g0, history, objective.passes,
                         str(objective.pass_dtype).removeprefix("torch."), float64_from, floor)

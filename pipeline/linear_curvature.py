@@ -233,7 +233,7 @@ class WarmCurvature:
             inputs = torch.ones(len(data), layer.in_features + 1, dtype=dtype)
             inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
             inputs_t = inputs.T.contiguous()
-            theta = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1).to(dtype)
+            theta = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1).to("cpu", dtype)
             logits, inputs_norm = theta @ inputs_t, float(torch.linalg.vector_norm(inputs, dtype=torch.float64))
         warm = cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
                    {k: v.clone() for k, v in params.items()}, prefix,

@@ -279,8 +279,10 @@ def test_matrix_free_objective_matches_autograd():
     floor = obj32.gradient_floor(p32)
     err = float(torch.linalg.vector_norm(obj32.gradient(theta.detach(), p32) - grad))
     assert 0 < err <= floor <= 1e-5 * float(torch.linalg.vector_norm(grad)), (err, floor)
+    obj32.PRECISE_CHUNK = 16  # float64 passes over float32 X~ cast 16 rows at a time: three chunks here
     obj32.to_float64()
-    assert obj32.pass_dtype == torch.float64 and obj32.gradient_floor(p) == 0.0
+    assert obj32.pass_dtype == torch.float64 and obj32.gradient_floor(p) == 0.0 and obj32.x.dtype == torch.float32
+    assert float((obj32.logits(theta.detach()) - z).abs().max()) <= 1e-12
     assert float((obj32.gradient(theta.detach(), torch.softmax(obj32.logits(theta.detach()), 0)) - grad).abs().max()) \
         <= 1e-12
 
@@ -540,8 +542,9 @@ def test_recycled_newton_reaches_the_same_class_forgetting_minimiser(sgd_mlp, di
 
 def test_float32_passes_reach_the_float64_minimiser_and_hand_over_where_they_cannot_resolve_the_tolerance():
     """Float32 inputs run the passes in float32 while their gradient can resolve the tolerance
-    (the same minimiser as float64 passes, to that tolerance), and hand the rest to float64 passes
-    where the tolerance is below their rounding floor (then the float64 point, to 1e-12)."""
+    (the same minimiser as float64 passes, to that tolerance); where the rounding floor is above a
+    quarter of the tolerance float64 passes certify the float32 end point, and where it is above
+    the tolerance they finish the iteration (then the float64 point, to 1e-11 / lambda)."""
     from pipeline.decision_layer_newton import SoftmaxLayerObjective, newton_minimise
 
     gen = torch.Generator().manual_seed(5)
@@ -567,7 +570,11 @@ def test_float32_passes_reach_the_float64_minimiser_and_hand_over_where_they_can
     gap = float(torch.linalg.vector_norm(loose.theta - exact.theta))
     assert gap <= (1e-5 + loose.gradient_floor) / h_min, gap
     assert gap >= 1e-9  # float32 passes did not land on the float64 point by accident (not float64 in disguise)
+    floor = loose.gradient_floor
+    certified, obj = solve(x, 2 * floor)  # float32 can reach it, but not certify it alone
+    assert certified.converged and certified.float64_from is not None and certified.pass_dtype == "float64"
+    assert certified.gradient_norm <= 2 * floor and certified.gradient_floor == 0.0
     tight, obj = solve(x, 1e-11)
     assert tight.converged and tight.float64_from is not None and tight.float64_from >= 1
-    assert tight.pass_dtype == "float64" and obj.pass_dtype == torch.float64
+    assert tight.pass_dtype == "float64" and obj.pass_dtype == torch.float64 and obj.x.dtype == torch.float32
     assert float(torch.linalg.vector_norm(tight.theta - exact.theta)) <= 1e-11 / h_min

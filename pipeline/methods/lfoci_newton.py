@@ -529,7 +529,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
 
     def to_theta(v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(k * (d + 1), dtype=torch.float64)
-        out[order] = v.to(torch.float64)
+        out[order] = v.to("cpu", torch.float64)
         return out.reshape(k, d + 1)
 
     smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
@@ -581,7 +581,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
                 "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
                 "pass_dtype": result.pass_dtype if not result.float64_from else
-                f"float32, float64 from step {result.float64_from} (float32 could not resolve the tolerance)",
+                f"float32 for {result.float64_from - 1} steps, then float64 (float32 could not certify or resolve "
+                "the tolerance)",
                 "gradient_rounding_floor": result.gradient_floor,
                 "curvature_rows": n_retain if rows is None else len(rows), "inputs": inputs_note}]
     if not result.converged:
