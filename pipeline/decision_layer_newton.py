@@ -352,6 +352,11 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         g = objective.gradient(at, p)
         return z, f, p, g, float(torch.linalg.vector_norm(g))
 
+    def float64_state(at: Tensor) -> tuple[Tensor, float, Tensor, Tensor, float]:
+        """Every later pass float64 (``to_float64``), and the state at ``at`` in it."""
+        objective.to_float64()
+        return state(at)
+
     if start is None:
         z, f, p, g, gnorm = state(theta)
     else:
@@ -367,9 +372,8 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
         floor = objective.gradient_floor(p)
         if floor > 0 and ((gnorm <= tol and floor > tol / 4) or tol < gnorm <= floor):
             # float32 can neither certify nor resolve this: the same point in float64, float64 from here
-            objective.to_float64()
             float64_from, floor = step + 1, 0.0
-            z, f, p, g, gnorm = state(theta)
+            z, f, p, g, gnorm = float64_state(theta)
         if gnorm <= tol or step == max_steps:
             break
         step += 1
@@ -412,9 +416,9 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
                             "cg_relative_residual": rel})
             if objective.pass_dtype == torch.float64:
                 break
-            objective.to_float64()  # no decrease float32 can see: on from the same point in float64
+            # no decrease float32 can see: on from the same point in float64
             float64_from = step + 1
-            z, f, p, g, gnorm = state(theta)
+            z, f, p, g, gnorm = float64_state(theta)
             continue
         theta = theta - t * direction
         z, f = z_try, f_try

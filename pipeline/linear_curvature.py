@@ -241,7 +241,7 @@ class WarmCurvature:
                    torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
                    logits, inputs_norm, training_gradient)
         if layer is not None:  # the matrix-free Newton's preconditioner, ready for the first removal
-            warm.layer_inverse(op.order, products_dtype(layer))
+            warm.layer_inverse(op.order, dtype)
         warm.seconds = time.perf_counter() - started
         return warm
 

@@ -51,6 +51,7 @@ m = 1), and nothing is skipped silently.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any, Callable, Literal
@@ -310,14 +311,9 @@ class LFociNewton(RemovalMethod):
                 prefix = cache_frozen_prefix(model, task, problem.train, block, bs)
         work = problem if prefix is None else replace(problem, model=prefix.suffix, train=prefix.train)
         forget = work.forget
-        retained: list[SampleSet] = []
-
-        def retain_set() -> SampleSet:
-            """D \\ U of ``work``, taken on first use (a matrix-free removal from the prepared X~ never
-            needs it: a copy of n - m rows it would make only to read their labels)."""
-            if not retained:
-                retained.append(work.retain)
-            return retained[0]
+        # D \ U of ``work``, taken once, on first use: a matrix-free removal from the prepared X~ never
+        # needs it (a copy of n - m rows it would make only to read their labels)
+        retain_set: Callable[[], SampleSet] = functools.cache(lambda: work.retain)
 
         with problem.stage("gradients", timings):
             g_forget = block_gradient(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
