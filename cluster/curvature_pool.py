@@ -14,6 +14,9 @@ the driver adds them in the global batch order, i.e. exactly the operations of t
 payload would exceed ``max_exact_bytes`` the worker sums its shard first (less traffic; the
 result then differs from the in-process sum by rounding only, ~1e-16 relative).
 
+Memory: each worker's operators size their chunks from the removal's memory budget when one is
+set (``memory.forwarded``, read when the operator is built), else from the worker's ``auto``.
+
 ``RayCurvatureFactory`` satisfies ``pipeline.methods.base.CurvatureFactory``
 (``RemovalProblem.curvature_factory``).
 """
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 
 from cluster.pool import Call, WorkerPool
 from cluster.shards import aligned_ranges
+from pipeline import memory
 from pipeline.curvature import LinearOperator, NonFiniteGradientError
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
@@ -65,6 +69,7 @@ class ShardedBlockHessian(LinearOperator):
         self.weights = pool.weights_for(model)
         self.shards = aligned_ranges(self.n, batch_size, pool.size, "curvature samples")
         block_ref = ray.put(block)
+        budget = memory.forwarded()  # the removal's budget when set; else each worker's own auto
         self._specs: list[list[Any]] = []
         self._refs = [block_ref]
         for a, b in self.shards:
@@ -72,7 +77,7 @@ class ShardedBlockHessian(LinearOperator):
             columns = {k: v.detach().to("cpu").numpy() for k, v in part.columns.items()}
             ref = ray.put((columns, part.sample_ids.numpy()))
             self._refs.append(ref)
-            self._specs.append([ref, block_ref, batch_size, columns_per_pass])
+            self._specs.append([ref, block_ref, batch_size, columns_per_pass, budget])
         self.products = 0
 
     def _batches_in(self, shard: tuple[int, int]) -> int:

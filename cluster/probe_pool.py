@@ -6,6 +6,8 @@ passes at absolute multiples of ``pass_size``, a shard [start, stop) with ``star
 of ``pass_size`` yields exactly the rows the whole run yields there: the gathered matrix is
 bit-identical whatever the number of workers (and to the in-process run on the same device
 and thread count). A worker that dies mid-shard is restarted or replaced and the shard rerun.
+Each shard sizes its passes from the removal's memory budget when one is set
+(``memory.forwarded``), else from the worker's own ``auto`` budget.
 
 ``RayProbeRunner`` satisfies ``pipeline.methods.base.ProbeRunner`` (``RemovalProblem.probe_runner``).
 """
@@ -21,6 +23,7 @@ from torch import nn
 
 from cluster.pool import Call, WorkerPool
 from cluster.shards import aligned_ranges
+from pipeline import memory
 from pipeline.probe import ProbeResult, gather
 from pipeline.progress import tick
 from pipeline.tasks import PerturbOptions
@@ -58,7 +61,8 @@ class RayProbeRunner:
         calls = [
             Call("probe", (k, weights, forget_ref),
                  {"seed": seed, "start": a, "stop": b, "pass_size": pass_size,
-                  "perturb_options": dict(perturb_options or PerturbOptions())})
+                  "perturb_options": dict(perturb_options or PerturbOptions()),
+                  "memory_budget": memory.forwarded()})
             for k, (a, b) in enumerate(ranges)
         ]
         outputs = self.pool.map(calls, pinned=False, on_done=lambda i: tick(

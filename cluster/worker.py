@@ -98,9 +98,10 @@ class ModelWorker:
     # -- probe ------------------------------------------------------------------------------
     def probe(
         self, shard: int, weights: WeightsSpec, forget: dict[str, np.ndarray], *, seed: int, start: int,
-        stop: int, pass_size: int, perturb_options: dict[str, Any],
+        stop: int, pass_size: int, perturb_options: dict[str, Any], memory_budget: int | None = None,
     ) -> tuple[int, np.ndarray, np.ndarray]:
-        """Rows [start, stop) of the probe: (start, activations float32, losses float64)."""
+        """Rows [start, stop) of the probe: (start, activations float32, losses float64), its
+        passes sized from ``memory_budget`` bytes (None: this machine's ``auto`` budget)."""
         from pipeline.probe import SliceMap, run_probe
 
         self._ensure_weights(weights)
@@ -110,18 +111,20 @@ class ModelWorker:
             self._slice_map = SliceMap(self.model)
         batch = _columns_to_torch(forget, self.device)
         result = run_probe(self.model, self.task, batch, seed=seed, start=start, stop=stop,
-                           pass_size=pass_size, perturb_options=perturb_options, slice_map=self._slice_map)
+                           pass_size=pass_size, perturb_options=perturb_options, slice_map=self._slice_map,
+                           memory_budget=memory_budget)
         return start, result.activations.numpy(), result.losses.numpy()
 
     # -- Hessian-vector products on a data shard ----------------------------------------------
     def _operators_for(self, key: str, weights: WeightsSpec, spec: list[Any]) -> list[Any]:
-        """Per-batch BlockHessian operators (sum reduction, no ridge) of this shard."""
+        """Per-batch BlockHessian operators (sum reduction, no ridge) of this shard, their chunks
+        sized from the budget in ``spec`` (bytes, or None: this machine's ``auto`` budget)."""
         from pipeline.curvature import BlockHessian
         from pipeline.data.sampleset import SampleSet
 
         self._ensure_weights(weights)
         if key not in self._operators:
-            data_ref, block_ref, batch_size, columns_per_pass = spec
+            data_ref, block_ref, batch_size, columns_per_pass, memory_budget = spec
             columns, ids = ray.get(data_ref)
             block = ray.get(block_ref)
             shard = SampleSet(_columns_to_torch(columns, self.device), torch.from_numpy(np.array(ids, copy=True)))
@@ -129,7 +132,8 @@ class ModelWorker:
             for start in range(0, len(shard), batch_size):
                 part = shard.take(torch.arange(start, min(len(shard), start + batch_size)))
                 ops.append(BlockHessian(self.model, self.task, part, block, 0.0, reduction="sum",
-                                        batch_size=batch_size, columns_per_pass=columns_per_pass))
+                                        batch_size=batch_size, columns_per_pass=columns_per_pass,
+                                        memory_budget=memory_budget))
             self._operators[key] = ops
         return self._operators[key]
 

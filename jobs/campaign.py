@@ -20,6 +20,7 @@ SPEC_HELP = """SPEC is a YAML file:
     retain_accuracy_margin: 0.05
   requests: requests.csv        # CSV / JSONL / parquet: request_id, subject, sample_ids
   report_dir: reports/gdpr      # optional
+  memory_budget: auto           # or 8GiB: each removal stage's working memory
 """
 
 

@@ -38,8 +38,10 @@ class CampaignResult:
 
 
 def spec_record(spec: CampaignSpec) -> dict:
-    """The spec as stored in the ledger (JSON, paths resolved): a resume must present the same."""
-    return spec.model_dump(mode="json")
+    """The spec as stored in the ledger (JSON, paths resolved): a resume must present the same.
+    ``memory_budget`` is left out: it changes how a removal is chunked, not what it computes, so a
+    campaign may resume with another budget (on a smaller machine, or after a budget error)."""
+    return spec.model_dump(mode="json", exclude={"memory_budget"})
 
 
 def check_sample_ids(version_dir: Path, requests: Sequence[DeletionRequest], model: str, version: int) -> None:
@@ -64,14 +66,15 @@ def read_campaign_requests(spec: CampaignSpec) -> list[DeletionRequest]:
 
 def validate_campaign(spec: CampaignSpec, store: VersionStore, requests: Sequence[DeletionRequest]) -> int:
     """Everything that can be checked before a write: the current version verifies, the sample ids
-    are in its training set, the method settings fit the model, the seeds fit. Returns the version."""
+    are in its training set, the method settings fit the model, the seeds fit, a set memory budget
+    holds one sample. Returns the version."""
     model = spec.model.name
     current = store.open_verified(model)  # refuses a tampered current version before anything is written
     check_sample_ids(current.path, requests, model, current.version)
     batches = -(-len(requests) // spec.batch_size)
     try:
         validate_settings(spec.method.name, spec.method.settings, spec.limits, current.path,
-                          first_seed=spec.seed, last_seed=spec.seed + batches - 1)
+                          first_seed=spec.seed, last_seed=spec.seed + batches - 1, memory_budget=spec.memory_budget)
     except BatchInputError as err:
         raise CampaignError(str(err)) from None
     return current.version
@@ -111,7 +114,8 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
             if existing is not None and existing.model != model:
                 raise CampaignError(f"campaign '{spec.name}' belongs to model '{existing.model}', not '{model}'")
             machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
-                                  limits=spec.limits, cluster=spec.ray.options() if spec.ray else None)
+                                  limits=spec.limits, cluster=spec.ray.options() if spec.ray else None,
+                                  memory_budget=spec.memory_budget)
             machine.follow_rollbacks()
             if existing is None:
                 requests = requests if requests is not None else read_campaign_requests(spec)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pydantic import ValidationError
 
 from jobs.specs import LEDGER_FILE, Limits
+from pipeline import memory
 from pipeline.curvature import RemovalNotServed
 from pipeline.jsonio import jsonable
 from pipeline.privacy.accountant import check_budget, release_from_record
@@ -106,10 +107,11 @@ def batch_content_sha256(model: str, batch: BatchRow, method: str, settings: dic
 
 # -- validation before anything is written ----------------------------------------------------
 def validate_settings(method: str, settings: dict[str, Any], limits: Limits, version_dir: Path, *,
-                      first_seed: int, last_seed: int, field: str = "method") -> None:
+                      first_seed: int, last_seed: int, field: str = "method", memory_budget: str | int = "auto") -> None:
     """What can be checked before a batch runs: the settings parse, named parameters exist in the
     model, the seeds fit [0, 2^63 - 1], epsilon is finite and the budget's composition can
-    account for it. Raises ``BatchInputError`` naming the field."""
+    account for it, a set ``memory_budget`` holds one sample's passes through the model (``auto``
+    is measured when each batch starts). Raises ``BatchInputError`` naming the field."""
     from pipeline.methods.base import MAX_SEED, parse_settings
 
     if not (0 <= first_seed <= last_seed <= MAX_SEED):
@@ -144,6 +146,15 @@ def validate_settings(method: str, settings: dict[str, Any], limits: Limits, ver
                 f"{field}.settings.epsilon = {epsilon:g} (noise multiplier {z:.3g}) is too large for limits.budget.composition: "
                 f"pld, whose accountant cannot represent noise below multiplier {MIN_PLD_NOISE_MULTIPLIER}; use "
                 f"epsilon <= {math.sqrt(2.0 * math.log(1.25 / delta)) / MIN_PLD_NOISE_MULTIPLIER:.3g}, or composition: basic / rdp")
+    if memory.MemoryBudget.from_setting(memory_budget).source == "setting":
+        from pipeline.models.card import load_model_dir
+        from pipeline.removal import training_set
+
+        model, task, card = load_model_dir(version_dir)
+        try:
+            memory.check_one_sample(model, task, training_set(card, model), memory.MemoryBudget.from_setting(memory_budget))
+        except memory.MemoryBudgetError as err:
+            raise BatchInputError(f"memory_budget: {err}") from None
 
 
 # -- the machine -------------------------------------------------------------------------------
@@ -153,8 +164,12 @@ class ExactlyOnce:
 
     def __init__(self, store: VersionStore, ledger: Ledger, model: str, *, method: str = "lfoci-newton",
                  settings: dict[str, Any] | None = None, limits: Limits | None = None, cluster: Any = None,
-                 remover: Callable[..., Any] | None = None, measure: Callable[..., dict[str, Any]] | None = None) -> None:
+                 remover: Callable[..., Any] | None = None, measure: Callable[..., dict[str, Any]] | None = None,
+                 memory_budget: str | int = "auto") -> None:
         self.store, self.ledger, self.model = store, ledger, model
+        # the working memory each stage of a batch's removal and verification may use ("auto": a
+        # share of what the machine has free when the batch starts; ``pipeline.memory``)
+        self.memory_budget = memory_budget
         self.method, self.settings = method, dict(settings or {})
         self.limits = limits or Limits()
         self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
@@ -238,7 +253,8 @@ class ExactlyOnce:
                 f"the batch removes {len(batch.sample_ids)} samples, every one of the {n} training samples of version "
                 f"{parent.version}; no update of the weights can serve it - retrain (or retire) the model"))
         try:
-            run = self._remove(parent.path, batch)
+            with memory.use_budget(self.memory_budget):
+                run = self._remove(parent.path, batch)
         except TRANSIENT_ERRORS:
             raise
         except Exception as err:  # noqa: BLE001 - deterministic: recorded, never retried forever
@@ -250,7 +266,8 @@ class ExactlyOnce:
             return self._close(batch, "needs_retrain", f"the method cannot serve this batch: {run.record['needs_retrain']}")
         crash_point("after_compute")
         try:
-            metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
+            with memory.use_budget(self.memory_budget):
+                metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
             release = release_of_record(run.record)
             history = self._release_history()
             decision = check_budget(history, release, self.limits.budget)
@@ -286,7 +303,8 @@ class ExactlyOnce:
         return self._record_published(batch, info)
 
     def _remove(self, model_dir: Path, batch: BatchRow):
-        """The removal itself, in process or with its probe and curvature on Ray workers."""
+        """The removal itself, in process or with its probe and curvature on Ray workers, inside
+        the scoped memory budget (``memory_budget``; the workers get it when it is set)."""
         from pipeline.progress import StageProgress
         from pipeline.removal import remove
 
@@ -295,13 +313,13 @@ class ExactlyOnce:
         hook = StageProgress(f"batch {batch.index} ({self.method})")
         if self.cluster is None:
             return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed,
-                          stage_hook=hook)
+                          stage_hook=hook, memory_budget=memory.current_budget())
         from cluster.hooks import ray_removal_hooks
 
         with ray_removal_hooks(model_dir, self.cluster) as hooks:
             describe = hooks.pop("describe")
             run = remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings,
-                         seed=batch.seed, stage_hook=hook, **hooks)
+                         seed=batch.seed, stage_hook=hook, memory_budget=memory.current_budget(), **hooks)
             run.record["distributed"] = describe()
         return run
 

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from jobs.exactly_once import BatchInputError, ExactlyOnce, validate_settings
 from jobs.http_api import HttpServer
+from pipeline import memory
 from pipeline.removal import training_set
 from jobs.specs import ServiceConfig
 from pipeline.checkpoint import atomic_write_bytes
@@ -134,7 +135,8 @@ class UnlearnService:
         current = self.store.open_verified(self.model)
         try:
             validate_settings(self.config.method.name, self.config.method.settings, self.config.limits, current.path,
-                              first_seed=self.config.seed, last_seed=self.config.seed + STREAM_SEED_HEADROOM)
+                              first_seed=self.config.seed, last_seed=self.config.seed + STREAM_SEED_HEADROOM,
+                              memory_budget=self.config.memory_budget)
         except BatchInputError as err:
             raise BatchInputError(f"service configuration: {err}") from None
         self.fast = self._fast_path_remover()
@@ -148,13 +150,14 @@ class UnlearnService:
                 settings=self.config.method.settings, limits=self.config.limits,
                 remover=None if fast is None else (lambda directory, batch: fast.remove(directory, batch.sample_ids,
                                                                                         batch.seed)),
-                measure=None if fast is None else fast.metrics)
+                measure=None if fast is None else fast.metrics, memory_budget=self.config.memory_budget)
             self.machine.follow_rollbacks()
             current = self.store.open_verified(self.model)
             self.known_ids = frozenset(training_set(read_card(current.path)).sample_ids.tolist())
             self.machine.finish_leftovers(self.batch_origin, lambda k: self.config.seed + k, self.log)
             if fast is not None:  # warm before serving: from the current version, never from other weights
-                fast.warm(self.store.open_verified(self.model).path)
+                with memory.use_budget(self.config.memory_budget):
+                    fast.warm(self.store.open_verified(self.model).path)
             self._threads = [threading.Thread(target=self._worker, name="removal-worker", daemon=True)]
             self._threads[0].start()
             self.server = HttpServer(self)

@@ -21,6 +21,7 @@ CONFIG_HELP = """The configuration is YAML:
   batching: {max_requests: 50, max_wait_s: 0.5}
   rate_limit: {requests_per_second: 20, burst: 40}
   max_body_bytes: 65536
+  memory_budget: auto           # or 8GiB: each removal stage's working memory
   # tls: {certfile: cert.pem, keyfile: key.pem}   # required beyond loopback, unless
   # allow_insecure_remote: true                   # (plain HTTP, e.g. behind a TLS proxy)
   http: {header_timeout_s: 10, body_timeout_s: 10, keep_alive_s: 5,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task
@@ -57,7 +58,7 @@ def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: P
     """The suffix and D with cached prefix outputs, or None when the shortcut does not apply
     (not a Sequential on dense inputs, or nothing before the block). The caller holds the
     model in eval mode; the prefix must have no trainable parameter in the block (by
-    construction) and is never modified."""
+    construction) and is never modified. ``batch_size`` is lowered to fit the memory budget."""
     if getattr(task, "kind", None) != "dense" or "x" not in train.columns:
         return None
     start = suffix_start(model, block)
@@ -66,6 +67,7 @@ def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: P
     assert isinstance(model, nn.Sequential)
     prefix, suffix = model[:start], model[start:]
     started = time.perf_counter()
+    batch_size = memory.forward_batch_size(model, task, train, batch_size)  # the whole model's pass bounds the prefix's
     outputs = [prefix(batch["x"]) for batch in train.batches(batch_size)]
     cached = SampleSet({**train.columns, "x": torch.cat(outputs)}, train.sample_ids)
     return PrefixCache(start, suffix, cached, time.perf_counter() - started)

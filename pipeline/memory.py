@@ -10,6 +10,8 @@ machine.
   ``use_budget``         scope a budget (``remove`` scopes the run's ``memory_budget``); maths
                          functions that are not given one explicitly use ``current_budget()``
                          (the scoped one, else ``auto``)
+  ``forwarded``          what a Ray worker is sent of the scoped budget: a set budget's bytes,
+                         or None for ``auto`` (the worker derives it from its own machine)
   ``ModelCost``          an analytic estimate of a model pass: bytes of every tensor a forward
                          pass of ONE sample creates (measured once by a dispatch mode that
                          sums the outputs of every operator, views excluded) and the parameter
@@ -40,7 +42,7 @@ from torch import nn
 
 __all__ = [
     "AUTO_FRACTION", "MemoryBudget", "MemoryBudgetError", "ModelCost", "available_bytes", "chunk_size",
-    "current_budget", "format_bytes", "parse_bytes", "use_budget",
+    "current_budget", "format_bytes", "forwarded", "parse_bytes", "use_budget",
 ]
 
 #: Share of the memory available when a stage starts that ``auto`` lets it use.
@@ -181,6 +183,14 @@ def current_budget(device: str | torch.device | None = None) -> MemoryBudget:
 def resolve(budget: "MemoryBudget | str | int | None", device: str | torch.device | None = None) -> MemoryBudget:
     """An explicit budget, or ``current_budget`` when None."""
     return current_budget(device) if budget is None else MemoryBudget.from_setting(budget, device)
+
+
+def forwarded(budget: MemoryBudget | None = None) -> int | None:
+    """What a stage running on another machine (a Ray worker) is sent of ``budget`` (default: the
+    scoped one): a set budget's bytes, the same per-stage limit there; None for ``auto``, which
+    that machine derives from its own memory."""
+    budget = budget if budget is not None else _SCOPED.get()
+    return None if budget is None or budget.source != "setting" else int(budget.bytes)
 
 
 def chunk_size(budget: MemoryBudget, per_item: float, fixed: float = 0.0, *, limit: int | None = None,

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from pipeline import memory
 from pipeline.checkpoint import read_state_dict
 from pipeline.models.card import WEIGHTS_FILE, load_model_dir, read_card
 from pipeline.privacy.release import PrivacyRelease
@@ -133,8 +134,9 @@ class WarmStreamRemover:
 
         def layer_inputs(data) -> Tensor:
             data = data.astype(train.columns["x"].dtype)  # the model's dtype, as the training set has
+            size = memory.forward_batch_size(model, task, data, self.batch_size)
             with torch.no_grad():
-                xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(self.batch_size)]
+                xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(size)]
             return torch.cat(xs).reshape(len(data), -1).to(torch.float64)
 
         # layer inputs of the whole split: the state's cached ones for D, the prefix on the rest

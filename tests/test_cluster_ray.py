@@ -179,3 +179,35 @@ def test_removal_through_ray_hooks_equals_in_process(ray_local, mlp_dir):
     for key, value in baseline.new_state.items():
         assert torch.equal(distributed.new_state[key], value), key
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
+
+
+def test_a_set_memory_budget_reaches_the_workers_and_auto_stays_theirs(ray_local, mlp_dir, linear64_dir, forget_batch):
+    """A budget the removal sets is the workers' budget too: one that cannot hold a single probe
+    pass or Hessian chunk fails on the workers with the setting's message (the driver sized
+    nothing here); under ``auto`` the same calls run on each worker's own machine budget."""
+    from pipeline import memory
+
+    assert memory.forwarded(memory.MemoryBudget.from_setting("auto")) is None
+    assert memory.forwarded(memory.MemoryBudget.from_setting("3MiB")) == 3 * 2**20
+    tiny = memory.MemoryBudget(64)
+    model, task, _ = load_model_dir(mlp_dir)
+    with WorkerPool(mlp_dir, workers=2, runtime=ray_local) as pool:
+        runner = RayProbeRunner(pool)
+        with memory.use_budget(tiny), pytest.raises(memory.MemoryBudgetError, match="memory_budget 64 B"):
+            runner(model, task, forget_batch, seed=11, perturbations=32, pass_size=16, perturb_options=PERTURB)
+        result = runner(model, task, forget_batch, seed=11, perturbations=32, pass_size=16, perturb_options=PERTURB)
+    assert result.activations.shape == (32, 24 + 16 + 10)
+    model64, task64 = load_in_dtype(linear64_dir, "linear", {}, torch.float64)
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    block = ParamBlock.from_rows(model64, {"1.weight": [0, 3], "1.bias": [0, 3]})
+    v = torch.ones(block.numel, dtype=torch.float64)
+    with WorkerPool(linear64_dir, workers=2, runtime=ray_local) as pool:
+        factory = RayCurvatureFactory(pool)
+        with memory.use_budget(tiny):
+            op = factory(model64, task64, data, block, 0.01, reduction="mean", batch_size=200)
+        with pytest.raises(memory.MemoryBudgetError, match="memory_budget 64 B"):
+            op.matvec(v)
+        want = BlockHessian(model64, task64, data, block, 0.01, reduction="mean", batch_size=200).matvec(v)
+        got = factory(model64, task64, data, block, 0.01, reduction="mean", batch_size=200).matvec(v)
+        factory.close()
+    assert torch.allclose(got, want, rtol=1e-12, atol=0.0)

@@ -154,6 +154,14 @@ def test_configs_accept_memory_budget_and_examples_still_parse():
         parse(EvalConfig, {**raw, "memory_budget": "a lot"}, "x")
     forget = {"model": "m", "forget": {"sample_ids": [1]}, "output": "o", "memory_budget": "512MiB"}
     assert ForgetConfig.model_validate(forget).memory_budget == "512MiB"
+    from jobs.specs import CampaignSpec, ServiceConfig
+
+    for spec_type, path in ((CampaignSpec, "campaigns/linear-digits.yaml"), (ServiceConfig, "stream/linear-digits.yaml")):
+        raw = load_yaml(CONFIGS_DIR / path)
+        assert parse(spec_type, raw, path).memory_budget == "auto"
+        assert parse(spec_type, {**raw, "memory_budget": "1GiB"}, path).memory_budget == "1GiB"
+        with pytest.raises(ConfigError, match="memory_budget"):
+            parse(spec_type, {**raw, "memory_budget": "-3"}, path)
 
 
 # -- real removals in a child process -----------------------------------------------------------------

@@ -334,3 +334,25 @@ def test_a_removal_that_fails_is_recorded_as_failed_not_skipped(tmp_path, store)
     rows = {r.request_id: (r.state, r.version) for r in _rows(store.root, "nan-")}
     assert rows == {"nan-0": ("failed", None), "nan-1": ("applied", 1)}
     assert store.versions("m") == [0, 1] and store.manifest("m", 1)["batch"]["request_ids"] == ["nan-1"]
+
+
+def test_campaign_memory_budget_is_checked_up_front_and_may_change_on_resume(tmp_path, store):
+    """``memory_budget`` in a campaign spec: a malformed one is refused when the spec loads; one too
+    small for a single sample's passes is refused before anything is written (no campaign, no
+    version); a resume may present another budget (it changes chunking, not results)."""
+    from jobs.campaign_runner import CampaignError
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="memory_budget"):
+        _campaign(tmp_path, store.root, "bad", [IDS[56:57]], memory_budget="a lot")
+    tight = _campaign(tmp_path, store.root, "mem", [IDS[54:55], IDS[55:56]], memory_budget="64B")
+    with pytest.raises(CampaignError, match="memory_budget: memory_budget 64 B cannot hold one sample"):
+        run_campaign(tight, progress=False, echo=lambda _: None)
+    assert store.versions("m") == [0] and _rows(store.root, "mem-") == []
+    roomy = _campaign(tmp_path, store.root, "mem", [IDS[54:55], IDS[55:56]], memory_budget="2GiB")
+    result = run_campaign(roomy, progress=False, echo=lambda _: None)
+    assert [b.state for b in result.batches] == ["applied", "applied"] and store.versions("m") == [0, 1, 2]
+    assert store.manifest("m", 1)["record"]["memory_budget"] == "2 GiB (setting)"  # the removal ran under it
+    other = _campaign(tmp_path, store.root, "mem", [IDS[54:55], IDS[55:56]], memory_budget="auto")
+    resumed = run_campaign(other, resume=True, progress=False, echo=lambda _: None)  # not "the spec differs"
+    assert [b.state for b in resumed.batches] == ["applied", "applied"] and store.versions("m") == [0, 1, 2]
