@@ -34,7 +34,7 @@ from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Task
 
-__all__ = ["closed_form_layer", "products_dtype", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
+__all__ = ["closed_form_layer", "products_dtype", "native_bfloat16", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
 
 
 def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Linear | None:
@@ -165,6 +165,19 @@ def products_dtype(layer: nn.Linear) -> torch.dtype:
     """Precision of the matrix-free Hessian products for ``layer``: the layer's own for float32
     (or narrower) weights, float64 otherwise."""
     return torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
+
+
+def native_bfloat16(device: torch.device | str = "cpu") -> bool:
+    """True where bfloat16 matrix products run natively (CUDA with bfloat16 support; a CPU whose
+    oneDNN has bfloat16 kernels, AVX512-BF16 or AMX), so a bfloat16 product costs less than a
+    float32 one; elsewhere they are emulated and slower."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without the probe: assume emulated
+        return False
 
 
 def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None, itemsize: int = 8) -> bool:

@@ -71,7 +71,7 @@ from pipeline.methods.base import (
 from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
 from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise
 from pipeline.linear_curvature import (LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer,
-                                       products_dtype)
+                                       native_bfloat16, products_dtype)
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.probe import eval_mode_restored
 from pipeline.privacy.noise import (
@@ -139,6 +139,12 @@ class LFociNewtonSettings(MethodSettings):
         False, description="matrix_free with anchor training_residual: keep the anchor on the decision-layer rows of "
                            "classes that have no retained sample (false: those rows go to the plain retrained optimum; "
                            "their residual is the forgotten samples' unfinished fit, which Retrain never has)")
+    curvature_products: Literal["auto", "layer", "bfloat16"] = Field(
+        "auto", description="matrix_free: precision of the Hessian products (they only steer the Newton direction; "
+                            "the gradient, the objective and the stopping test keep the layer's precision). layer: the "
+                            "layer's own (float32 model: float32; else float64); bfloat16: curvature rows in bfloat16, "
+                            "float32 in between (CG asked for no more than 1.6e-2); auto: bfloat16 for a float32 layer "
+                            "where this machine multiplies bfloat16 natively, else layer")
     newton_preconditioner: Literal["auto", "kronecker", "none"] = Field(
         "auto", description="matrix_free: PCG preconditioner. auto: the warm H_P(D)^{-1} when a prepared curvature "
                             "holds for the start, else none; kronecker: (A (x) G + lambda I)^{-1}, no preparation")
@@ -554,9 +560,13 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
         rows = torch.randperm(n_retain, generator=gen)[: settings.curvature_samples].sort().values
         if keep is not None:  # the same retained samples, as rows of D
             rows = torch.nonzero(keep).squeeze(1)[rows]
-    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else)
+    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else),
+    # or in bfloat16 (``curvature_products``); the preconditioner keeps the layer's
     product_dtype = products_dtype(layer)
-    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, product_dtype, keep, xt, x_norm)
+    curvature_dtype = torch.bfloat16 if settings.curvature_products == "bfloat16" or (
+        settings.curvature_products == "auto" and product_dtype == torch.float32 and native_bfloat16(x.device)) \
+        else product_dtype
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, curvature_dtype, keep, xt, x_norm)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
     if choice == "auto":
@@ -575,7 +585,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
     if settings.newton_recycle:
         choice = f"{choice}, updated by the last {settings.newton_recycle} CG pairs (L-BFGS)"
     solvers = [{"solver": "pcg-matrix-free", "preconditioner": choice, "passes_over_inputs": result.passes,
-                "converged": result.converged, "product_dtype": str(product_dtype).removeprefix("torch."),
+                "converged": result.converged, "product_dtype": str(curvature_dtype).removeprefix("torch."),
                 "pass_dtype": result.pass_dtype if not result.float64_from else
                 f"float32 for {result.float64_from - 1} steps, then float64 (float32 could not certify or resolve "
                 "the tolerance)",
