@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from jobs.exactly_once import BatchInputError, BatchResult, ExactlyOnce, validate_settings
+from jobs.exactly_once import BatchInputError, BatchResult, ExactlyOnce, validate_memory_budget, validate_settings
 from pipeline.removal import training_set
 from jobs.report import write_report
 from jobs.specs import CampaignSpec
@@ -113,6 +113,11 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
                 )
             if existing is not None and existing.model != model:
                 raise CampaignError(f"campaign '{spec.name}' belongs to model '{existing.model}', not '{model}'")
+            if existing is not None:  # a resume may bring another budget: checked as a new campaign's is
+                try:
+                    validate_memory_budget(spec.memory_budget, store.open_verified(model).path)
+                except BatchInputError as err:
+                    raise CampaignError(str(err)) from None
             machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
                                   limits=spec.limits, cluster=spec.ray.options() if spec.ray else None,
                                   memory_budget=spec.memory_budget)

@@ -51,9 +51,11 @@ from pipeline.store.crashpoint import crash_point
 from pipeline.store.ledger import BatchRow, Ledger, LedgerError
 from pipeline.store.versions import VersionInfo, VersionStore, VersionStoreError
 
-# Errors that say nothing about the batch (the disk, the store, the ledger): the run stops and the
-# batch stays scheduled, to be resumed. Every other exception from a removal closes its batch.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, VersionStoreError, LedgerError)
+# Errors that say nothing about the batch (the disk, the store, the ledger, a memory budget that
+# cannot hold one chunk of a stage on this machine now): the run stops and the batch stays
+# scheduled, to be resumed (with a larger budget, or elsewhere). Every other exception from a
+# removal closes its batch.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, VersionStoreError, LedgerError, memory.MemoryBudgetError)
 # Below this noise multiplier the PLD accountant needs minutes and gigabytes (measured: z = 0.48
 # takes 5 s, z = 0.097 takes 48 s and 1 GB; epsilon 10000 asked for 320 GiB).
 MIN_PLD_NOISE_MULTIPLIER = 0.25
@@ -146,15 +148,24 @@ def validate_settings(method: str, settings: dict[str, Any], limits: Limits, ver
                 f"{field}.settings.epsilon = {epsilon:g} (noise multiplier {z:.3g}) is too large for limits.budget.composition: "
                 f"pld, whose accountant cannot represent noise below multiplier {MIN_PLD_NOISE_MULTIPLIER}; use "
                 f"epsilon <= {math.sqrt(2.0 * math.log(1.25 / delta)) / MIN_PLD_NOISE_MULTIPLIER:.3g}, or composition: basic / rdp")
-    if memory.MemoryBudget.from_setting(memory_budget).source == "setting":
-        from pipeline.models.card import load_model_dir
-        from pipeline.removal import training_set
+    validate_memory_budget(memory_budget, version_dir)
 
-        model, task, card = load_model_dir(version_dir)
-        try:
-            memory.check_one_sample(model, task, training_set(card, model), memory.MemoryBudget.from_setting(memory_budget))
-        except memory.MemoryBudgetError as err:
-            raise BatchInputError(f"memory_budget: {err}") from None
+
+def validate_memory_budget(memory_budget: str | int, version_dir: Path) -> None:
+    """A set ``memory_budget`` must hold one sample's forward and gradient passes through the
+    model of ``version_dir`` (every method needs both; ``auto`` is measured when each batch
+    starts). Raises ``BatchInputError`` naming the field. A later stage that needs more (a Hessian
+    chunk, a probe pass) raises ``MemoryBudgetError`` when it starts, leaving its batch scheduled."""
+    if memory.MemoryBudget.from_setting(memory_budget).source != "setting":
+        return
+    from pipeline.models.card import load_model_dir
+    from pipeline.removal import training_set
+
+    model, task, card = load_model_dir(version_dir)
+    try:
+        memory.check_one_sample(model, task, training_set(card, model), memory.MemoryBudget.from_setting(memory_budget))
+    except memory.MemoryBudgetError as err:
+        raise BatchInputError(f"memory_budget: {err}") from None
 
 
 # -- the machine -------------------------------------------------------------------------------

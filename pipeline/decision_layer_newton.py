@@ -13,10 +13,10 @@ Options of the products: ``curvature_rows`` (a seeded subsample of R: a subsampl
 Byrd et al. 2011; the gradient and F stay exact, so the minimiser is the same, only the path
 changes) and ``curvature_dtype`` (float32 products for a float32 model: CG is then asked for no
 more than 100 eps_32 relative residual; bfloat16: the curvature rows stored in bfloat16, the two
-matrix products in bfloat16 with float32 accumulation and everything between them in float32, a
-third of float32's time where the CPU multiplies bfloat16 natively; the products are then within
-about 3e-3 relative of the exact ones (measured on Fashion-MNIST's head) and CG is asked for no
-more than 2 eps_bf16 = 1.6e-2. The curvature only steers the direction of an inexact Newton step,
+matrix products in bfloat16 (float32 accumulation, results rounded to bfloat16) and everything
+between them in float32, a third of float32's time where the CPU multiplies bfloat16 natively; the
+products are then within about 3e-3 relative of the exact ones (measured on Fashion-MNIST's head;
+they are also not exactly symmetric) and CG is asked for no more than 2 eps_bf16 = 1.6e-2. The curvature only steers the direction of an inexact Newton step,
 whose forcing asks no more of it; F and its gradient, hence the minimiser and the stopping test,
 never use these products). The passes over X~ (logits, probabilities, residuals,
 gradients) run in X~'s own precision: float32 inputs (a float32 model's features, exact in float32)
@@ -279,8 +279,9 @@ Pair = tuple[Tensor, Tensor, float]  # (s, H s, s^T H s): one CG direction and i
 def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Preconditioner, rtol: float,
          max_iter: int, pairs: list[Pair] | None = None) -> tuple[Tensor, int, float]:
     """Preconditioned CG on H x = b to ||H x - b|| <= rtol ||b|| (or max_iter); (x, iterations,
-    relative residual). H and the preconditioner are symmetric positive definite here. Each
-    direction d and its product H d are appended to ``pairs`` when given."""
+    relative residual). H and the preconditioner are symmetric positive definite here; should a
+    rounded product still give d^T H d <= 0, CG stops there (with M b if it is the first direction),
+    never stepping along it. Each direction d and its product H d are appended to ``pairs`` when given."""
     x = torch.zeros_like(b)
     r = b.clone()
     bnorm = float(torch.linalg.vector_norm(b)) or 1.0
@@ -292,6 +293,10 @@ def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Precondit
     for it in range(1, max_iter + 1):
         hd = product(d)
         dhd = float((d * hd).sum())
+        if dhd <= 0:  # only rounded (bfloat16) products can show this: keep what CG has, or, first, M b
+            if it == 1:
+                x = d.clone()
+            break
         if pairs is not None:
             pairs.append((d, hd, dhd))  # d is rebound, never changed in place
         alpha = rz / dhd
@@ -406,6 +411,9 @@ def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: flo
                                           pairs if recycle > 0 else None)
         pairs = pairs[-recycle:]
         slope = float((g * direction).sum())
+        if slope <= 0:  # not a descent direction (rounded products): the preconditioned gradient is one
+            direction = precondition(g)
+            slope = float((g * direction).sum())
         dz = objective.logits(direction)
         # below F's rounding (in the passes' precision) the Armijo test cannot see a decrease:
         # there the full step is taken when it lowers ||grad F|| (the quantity the stopping test measures)

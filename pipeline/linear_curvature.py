@@ -167,17 +167,27 @@ def products_dtype(layer: nn.Linear) -> torch.dtype:
     return torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the Linux kernel lists them (empty elsewhere or unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def native_bfloat16(device: torch.device | str = "cpu") -> bool:
-    """True where bfloat16 matrix products run natively (CUDA with bfloat16 support; a CPU whose
-    oneDNN has bfloat16 kernels, AVX512-BF16 or AMX), so a bfloat16 product costs less than a
-    float32 one; elsewhere they are emulated and slower."""
+    """True where bfloat16 matrix products run in hardware, so a bfloat16 product costs less than a
+    float32 one: CUDA with native bfloat16 (Ampere or later, emulation not counted); a CPU with
+    AVX512-BF16 or AMX-BF16 and a oneDNN build. Elsewhere (AVX-512 without BF16, AVX2, other OS)
+    they are emulated and slower, and False is returned."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without the probe: assume emulated
-        return False
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return bool(torch.backends.mkldnn.is_available()) and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None, itemsize: int = 8) -> bool:

@@ -4,6 +4,7 @@ refresh and the anchored target, each against an exact reference."""
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -383,7 +384,7 @@ def test_bfloat16_curvature_products_are_within_their_stated_accuracy(sgd_mlp, d
         feats = model[:-1](digits.columns["x"].float())
     x = torch.cat([feats, torch.ones(len(feats), 1)], 1)
     layer = model[-1]
-    theta = torch.cat([layer.weight, layer.bias[:, None]], 1).double()
+    theta = torch.cat([layer.weight, layer.bias[:, None]], 1).detach().double()
     targets = torch.nn.functional.one_hot(digits.columns["y"].long(), 10).double()
     objectives = {dtype: SoftmaxLayerObjective(x, targets, 1e-3, torch.zeros_like(theta), theta, None, dtype)
                   for dtype in (torch.float32, torch.bfloat16)}
@@ -608,3 +609,44 @@ def test_float32_passes_reach_the_float64_minimiser_and_hand_over_where_they_can
     assert tight.converged and tight.float64_from is not None and tight.float64_from >= 1
     assert tight.pass_dtype == "float64" and obj.pass_dtype == torch.float64 and obj.x.dtype == torch.float32
     assert float(torch.linalg.vector_norm(tight.theta - exact.theta)) <= 1e-11 / h_min
+
+
+def test_objective_value_from_the_probabilities_equals_the_logsumexp_form():
+    """F from (z, softmax z) (logsumexp = max z - log max p) is F from z alone, in float64 and
+    float32 passes, with and without masked rows, also for logits far apart (no underflow)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(200, 6, generator=gen, dtype=torch.float64), torch.ones(200, 1, dtype=torch.float64)], 1)
+    targets = torch.nn.functional.one_hot(torch.randint(0, 4, (200,), generator=gen), 4).double() * 0.9 + 0.025
+    theta = 30 * torch.randn(4, 7, generator=gen, dtype=torch.float64)  # logits hundreds apart
+    keep = torch.rand(200, generator=gen) > 0.2
+    for dtype, rel in ((torch.float64, 1e-13), (torch.float32, 1e-6)):
+        for mask in (None, keep):
+            obj = SoftmaxLayerObjective(x.to(dtype), targets, 0.1, torch.zeros_like(theta), theta, keep=mask)
+            z = obj.logits(theta)
+            plain, fused = obj.value(theta, z), obj.value(theta, z, obj.probabilities(z))
+            assert math.isfinite(fused) and abs(fused - plain) <= rel * abs(plain), (dtype, mask is None, plain, fused)
+
+
+def test_native_bfloat16_needs_the_hardware_flags(monkeypatch):
+    """``curvature_products: auto`` picks bfloat16 only on a CPU that lists AVX512-BF16 or AMX-BF16
+    (oneDNN alone, or AVX-512 without them, would emulate it)."""
+    import pipeline.linear_curvature as lc
+
+    monkeypatch.setattr(lc, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert not lc.native_bfloat16("cpu")
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(lc, "cpu_flags", lambda flag=flag: frozenset({"avx512f", flag}))
+        assert lc.native_bfloat16("cpu") == bool(torch.backends.mkldnn.is_available())
+
+
+def test_cg_never_steps_along_a_direction_of_non_positive_curvature():
+    """Rounded products could report d^T H d <= 0: CG then stops, returning the preconditioned
+    right-hand side when it is the first direction (a descent direction for Newton)."""
+    from pipeline.decision_layer_newton import _pcg
+
+    b = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
+    x, iterations, _ = _pcg(lambda v: -v, b, lambda v: 2 * v, 1e-8, 50)
+    assert iterations == 1 and torch.equal(x, 2 * b)
+    spd = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    x, _, rel = _pcg(lambda v: v @ spd, b, lambda v: v, 1e-12, 50)
+    assert rel <= 1e-12 and torch.allclose(x @ spd, b)

@@ -161,6 +161,38 @@ def test_an_error_inside_the_removal_closes_the_batch_with_the_reason(tmp_path, 
     ledger.close()
 
 
+def test_a_memory_budget_error_leaves_the_batch_scheduled_for_a_resume(tmp_path, root):
+    """A stage that cannot fit the memory budget on this machine says nothing about the batch: the
+    run stops with the error, nothing is published or closed, and the same batch is applied once the
+    removal fits (a larger budget, another machine)."""
+    from pipeline.data.requests import DeletionRequest
+    from pipeline.memory import MemoryBudgetError
+
+    vs, ledger = VersionStore(root), Ledger(tmp_path / "l.sqlite3")
+    ledger.submit(MODEL, DeletionRequest(request_id="m0", subject="s", sample_ids=(IDS[70],)), origin="stream:t")
+    fits = {"now": False}
+
+    def remover(model_dir, batch):
+        from pipeline.removal import remove
+
+        if not fits["now"]:
+            raise MemoryBudgetError("memory_budget 1 MiB cannot hold one Hessian column of this model")
+        return remove(model_dir, batch.sample_ids, method=METHOD_FAST["name"], settings=METHOD_FAST["settings"], seed=batch.seed)
+
+    with vs.lock(MODEL):
+        machine = ExactlyOnce(vs, ledger, MODEL, method=METHOD_FAST["name"], settings=METHOD_FAST["settings"],
+                              limits=Limits.model_validate({"budget": {"epsilon": 100}}), remover=remover)
+        batch = machine.schedule("stream:m", 0, ["m0"], 7)
+        with pytest.raises(MemoryBudgetError, match="memory_budget"):
+            machine.apply(batch)
+        assert ledger.get_batch(batch.batch_key).state == "scheduled" and vs.versions(MODEL) == [0]
+        assert {r.request_id: r.state for r in ledger.requests()}["m0"] not in ("failed", "needs_retrain", "applied")
+        fits["now"] = True
+        result = machine.apply(ledger.get_batch(batch.batch_key))
+    assert result.state == "applied" and vs.versions(MODEL) == [0, 1]
+    ledger.close()
+
+
 def test_a_stuck_batch_can_be_cancelled_and_the_campaign_goes_on(tmp_path, root):
     spec = _spec(tmp_path, root, "c", [IDS[0:2], IDS[2:4]])
     killed = run_cli("campaign", "run", str(spec), "--no-progress", env={"UNLEARN_CRASH_AT": "after_schedule:1"})

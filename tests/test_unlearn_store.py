@@ -356,3 +356,7 @@ def test_campaign_memory_budget_is_checked_up_front_and_may_change_on_resume(tmp
     other = _campaign(tmp_path, store.root, "mem", [IDS[54:55], IDS[55:56]], memory_budget="auto")
     resumed = run_campaign(other, resume=True, progress=False, echo=lambda _: None)  # not "the spec differs"
     assert [b.state for b in resumed.batches] == ["applied", "applied"] and store.versions("m") == [0, 1, 2]
+    # a resume is checked like a new campaign: a budget too small for one sample is refused, nothing moves
+    with pytest.raises(CampaignError, match="memory_budget: memory_budget 64 B"):
+        run_campaign(tight, resume=True, progress=False, echo=lambda _: None)
+    assert store.versions("m") == [0, 1, 2]
