@@ -171,7 +171,7 @@ def test_diagonal_scrub_on_a_parameter_subset():
     task = DenseInputTask(loss="cross_entropy")
     fit_lbfgs(model, task, data, LAMBDA, max_steps=50, tolerance=1e-9)
     work, outcome, _ = scrub(model, task, data, torch.arange(0, 30), parameters=["3.weight", "3.bias"],
-                             curvature="diagonal", tradeoff=0.0, fisher="empirical")
+                             curvature="diagonal", tradeoff=0.0, fisher="empirical", step_search=False)
     assert torch.equal(work[1].weight, model[1].weight)  # outside the block: untouched
     assert not torch.equal(work[3].weight, model[3].weight)
     rec = outcome.record
@@ -188,7 +188,8 @@ def test_diagonal_scrub_on_a_parameter_subset():
                                  curvature="diagonal", tradeoff=0.0)
     fp = fisher_diagonal(model, task, retain, block, LAMBDA, labels="predictive")
     moved_p = block.gather(dict(work_p.named_parameters())) - block.gather(dict(model.named_parameters()))
-    assert torch.allclose(moved_p.detach(), -g / fp, rtol=1e-8, atol=1e-12)
+    t = outcome_p.record["step_search"]["step_length"]  # the step search (default) keeps the direction
+    assert t > 0 and torch.allclose(moved_p.detach(), -t * g / fp, rtol=1e-8, atol=1e-12)
     assert outcome_p.record["curvature"]["fisher"] == "predictive"
 
 
@@ -294,8 +295,32 @@ def test_predictive_fisher_scrub_keeps_the_model_where_the_empirical_destroys_it
     for fisher in ("predictive", "empirical"):
         work = copy.deepcopy(model)
         problem = RemovalProblem(work, task, data, forget, 1e-4, seed=0)
-        outcome = method.run(problem, method.Settings(curvature="diagonal", fisher=fisher))
+        outcome = method.run(problem, method.Settings(curvature="diagonal", fisher=fisher, step_search=False))
         results[fisher] = (retain_accuracy(work), outcome.record)
     assert results["predictive"][0] >= original - 5.0, results["predictive"][0]
     assert results["empirical"][0] <= original - 20.0, results["empirical"][0]
     assert results["predictive"][1]["step_norm"] < 0.5 * results["empirical"][1]["step_norm"]
+
+
+def test_the_step_search_keeps_a_diagonal_step_from_wrecking_the_model(converged_mlp):
+    """With the step search (the default) even the empirical Fisher's exploding step is cut back
+    until the retained objective decreases: the model keeps its retain accuracy, the record says
+    how far the step was shortened, and the retained objective fell."""
+    model, task, data = converged_mlp
+    forget = torch.arange(0, 300, 20)
+    retain = data.without(forget)
+    method = get_method("fisher")
+    work = copy.deepcopy(model)
+    problem = RemovalProblem(work, task, data, forget, 1e-4, seed=0)
+    record = method.run(problem, method.Settings(curvature="diagonal", fisher="empirical", tradeoff=0.0)).record
+    with torch.no_grad():
+        accuracy = 100.0 * float((work(retain.columns["x"]).argmax(1) == retain.columns["y"]).float().mean())
+    search = record["step_search"]
+    assert accuracy >= 95.0, accuracy
+    assert search["halvings"] is None or search["halvings"] >= 1  # the full step was not taken
+    assert search.get("objective_after", search["objective_before"]) <= search["objective_before"]
+    # the dense curvature's (Newton) step is never searched
+    work = copy.deepcopy(model)
+    dense = method.run(RemovalProblem(work, task, data, forget, 1e-4, seed=0),
+                       method.Settings(curvature="dense", tradeoff=0.0)).record
+    assert dense["step_search"] is None

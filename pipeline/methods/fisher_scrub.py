@@ -42,6 +42,7 @@ removal's seed. It is NOT calibrated to an (epsilon, delta) theorem: the release
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -286,6 +287,12 @@ class FisherScrubSettings(MethodSettings):
                                 "classes for cross-entropy (8 draws for other losses)")
     dense_max: int = Field(4096, gt=0, description="auto uses the dense Hessian up to this block size")
     newton_step: bool = Field(True, description="apply -B^{-1} grad L_Dr (off: noise only)")
+    step_search: bool = Field(
+        True, description="diagonal: the step -B^{-1} g is halved until the retained objective decreases "
+                          "(Armijo, at most max_halvings; none decreases: no step, noise only). A diagonal is "
+                          "no model of the loss, and its full step can wreck a network (measured on MiniLM: "
+                          "retain accuracy 99 -> 14); the dense curvature's step is Newton's and is taken whole")
+    max_halvings: int = Field(12, ge=0, description="step_search: halvings tried before giving the step up")
     anchor: Literal["none", "training_residual"] = Field(
         "none", description="none: the step -B^{-1} grad L_Dr(w) (the quadratic view at w = w*(D)); "
                             "training_residual: -B^{-1} (grad L_Dr(w) - grad L_D(w)), the removal's own share, "
@@ -341,6 +348,42 @@ def _block(model: nn.Module, parameters: Literal["all"] | list[str]) -> ParamBlo
     return ParamBlock.from_rows(model, {name: None for name in parameters})
 
 
+def _searched_step(problem: RemovalProblem, block: ParamBlock, retain: SampleSet, anchor: Tensor, g: Tensor,
+                   step: Tensor, max_halvings: int) -> tuple[Tensor, dict[str, Any]]:
+    """The longest t * step, t = 1, 1/2, ..., 2^-max_halvings, with Armijo decrease of the block's
+    retained objective F(w) = L_Dr(w) + (lambda/2) ||w_P||^2 - <anchor, w_P> (whose gradient is
+    g - anchor): F(w + t s) <= F(w) + 1e-4 t <g - anchor, s>; a zero step (noise only) when none
+    decreases it or s is no descent direction. One no-grad pass over D_r per trial."""
+    from pipeline.training import mean_loss
+
+    lam = problem.weight_decay
+    params = dict(problem.model.named_parameters())
+    w0 = block.gather({name: p.detach() for name, p in params.items()}).to(torch.float64)
+
+    def objective(model: nn.Module, w: Tensor) -> float:
+        with torch.no_grad():
+            loss = float(mean_loss(model, problem.task, retain, problem.batch_size))
+        return loss + 0.5 * lam * float(w @ w) - float(anchor.to(torch.float64) @ w)
+
+    f0 = objective(problem.model, w0)
+    slope = float((g - anchor).to(torch.float64) @ step.to(torch.float64))
+    out: dict[str, Any] = {"objective_before": f0, "step_length": 0.0, "halvings": None}
+    if not slope < 0:
+        out["note"] = "the diagonal step is no descent direction: no step"
+        return torch.zeros_like(step), out
+    for k in range(max_halvings + 1):
+        t = 0.5 ** k
+        probe = copy.deepcopy(problem.model)
+        block.add_to_model(probe, t * step)
+        f = objective(probe, w0 + t * step.to(torch.float64))
+        del probe
+        if math.isfinite(f) and f <= f0 + 1e-4 * t * slope:
+            out.update(step_length=t, halvings=k, objective_after=f)
+            return t * step, out
+    out["note"] = f"no step length down to 2^-{max_halvings} decreased the retained objective: no step (noise only)"
+    return torch.zeros_like(step), out
+
+
 def _verify(g_before: Tensor, g_newton: Tensor, kind: str, newton: bool) -> dict[str, Any]:
     """Surface (never hide) a Newton step that made the retained-objective gradient larger."""
     reduced = _norm(g_newton) <= _norm(g_before)
@@ -384,6 +427,9 @@ class FisherScrub(RemovalMethod):
 
         with problem.stage("update", timings):
             step = -curv.solve(g_before - anchor) if settings.newton_step else torch.zeros_like(g_before)
+            search = None
+            if settings.newton_step and settings.step_search and kind == "diagonal":
+                step, search = _searched_step(problem, block, retain, anchor, g_before, step, settings.max_halvings)
             scale = noise_scale(settings.tradeoff, settings.sigma_h)
             noise = curv.noise(scale) if scale > 0 else torch.zeros_like(g_before)  # secret (OS CSPRNG)
             probe = copy.deepcopy(model)
@@ -414,6 +460,7 @@ class FisherScrub(RemovalMethod):
                 "retain_mean_block_after_noise": _norm(g_after),
             },
             "step_norm": _norm(step),
+            "step_search": search,
             "anchor": {"kind": settings.anchor, "norm": _norm(anchor)},
             "verification": _verify(g_before - anchor, g_newton - anchor, kind, settings.newton_step),
             "timings": timings,
