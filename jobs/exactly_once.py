@@ -156,14 +156,15 @@ def validate_memory_budget(memory_budget: str | int, version_dir: Path) -> None:
     model of ``version_dir`` (every method needs both; ``auto`` is measured when each batch
     starts). Raises ``BatchInputError`` naming the field. A later stage that needs more (a Hessian
     chunk, a probe pass) raises ``MemoryBudgetError`` when it starts, leaving its batch scheduled."""
-    if memory.MemoryBudget.from_setting(memory_budget).source != "setting":
+    budget = memory.MemoryBudget.from_setting(memory_budget)
+    if budget.source != "setting":
         return
     from pipeline.models.card import load_model_dir
     from pipeline.removal import training_set
 
     model, task, card = load_model_dir(version_dir)
     try:
-        memory.check_one_sample(model, task, training_set(card, model), memory.MemoryBudget.from_setting(memory_budget))
+        memory.check_one_sample(model, task, training_set(card, model), budget)
     except memory.MemoryBudgetError as err:
         raise BatchInputError(f"memory_budget: {err}") from None
 
@@ -263,8 +264,9 @@ class ExactlyOnce:
             return self._close(batch, "needs_retrain", (
                 f"the batch removes {len(batch.sample_ids)} samples, every one of the {n} training samples of version "
                 f"{parent.version}; no update of the weights can serve it - retrain (or retire) the model"))
+        budget = memory.MemoryBudget.from_setting(self.memory_budget)  # "auto": measured once, as the batch starts
         try:
-            with memory.use_budget(self.memory_budget):
+            with memory.use_budget(budget):
                 run = self._remove(parent.path, batch)
         except TRANSIENT_ERRORS:
             raise
@@ -277,7 +279,7 @@ class ExactlyOnce:
             return self._close(batch, "needs_retrain", f"the method cannot serve this batch: {run.record['needs_retrain']}")
         crash_point("after_compute")
         try:
-            with memory.use_budget(self.memory_budget):
+            with memory.use_budget(budget):
                 metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
             release = release_of_record(run.record)
             history = self._release_history()

@@ -107,15 +107,10 @@ class ForgetConfig(BaseModel):
     seed: int = 0
     device: str = "cpu"
     batch_size: int = Field(1024, gt=0)
-    memory_budget: str | int = Field(
+    memory_budget: memory.Setting = Field(
         "auto", description="working memory each pass may use on top of the loaded model and data: 'auto' "
                             f"({memory.AUTO_FRACTION:g} x available RAM, or CUDA free memory), or a size like '8GiB'")
     output: Path
-
-    @field_validator("memory_budget")
-    @classmethod
-    def _budget(cls, v: str | int) -> str | int:
-        return memory.check_setting(v)
 
 
 USER_ERRORS = (ConfigError, SampleIdError, CheckpointMismatchError, NonFiniteGradientError,

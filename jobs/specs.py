@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -60,6 +60,15 @@ class RaySpec(Strict):
         return ClusterOptions(address=self.address, workers=self.workers)
 
 
+def batch_memory_budget() -> Any:
+    """The ``memory_budget`` field of the specs that run batches (campaigns, the stream service)."""
+    return Field(default="auto", description="working memory each stage of a removal (and its verification) may "
+                                             f"use on top of the loaded model and data: 'auto' ({memory.AUTO_FRACTION:g} "
+                                             "x available RAM, or CUDA free memory, when the batch starts) or a size "
+                                             "like '8GiB'; Ray workers get a set size, and derive 'auto' from their "
+                                             "own machine")
+
+
 class CampaignSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="campaign id (letters, digits, . _ -)")
     model: ModelRef
@@ -71,16 +80,7 @@ class CampaignSpec(Strict):
     requests: Path = Field(description="CSV, JSONL or parquet file with request_id, subject, sample_ids")
     report_dir: Path | None = Field(default=None, description="where the report goes; default <store>/<model>/reports/<name>")
     ray: RaySpec | None = Field(default=None, description="run the removal's probe and curvature on Ray workers")
-    memory_budget: str | int = Field(
-        default="auto", description="working memory each stage of a removal (and its verification) may use on "
-                                    f"top of the loaded model and data: 'auto' ({memory.AUTO_FRACTION:g} x available "
-                                    "RAM, or CUDA free memory, when the batch starts) or a size like '8GiB'; Ray "
-                                    "workers get a set size, and derive 'auto' from their own machine")
-
-    @field_validator("memory_budget")
-    @classmethod
-    def _memory_budget(cls, v: str | int) -> str | int:
-        return memory.check_setting(v)
+    memory_budget: memory.Setting = batch_memory_budget()
 
     def ledger_path(self) -> Path:
         return self.ledger or self.model.store / LEDGER_FILE
@@ -184,16 +184,7 @@ class ServiceConfig(Strict):
                                         description="allow plain HTTP on a non-loopback address (tokens travel in clear)")
     http: HttpLimits = Field(default_factory=HttpLimits)
     fast_path: FastPath = Field(default_factory=FastPath, description="the streaming fast path (off by default)")
-    memory_budget: str | int = Field(
-        default="auto", description="working memory each stage of a removal (and its verification) may use on "
-                                    f"top of the loaded model and data: 'auto' ({memory.AUTO_FRACTION:g} x available "
-                                    "RAM, or CUDA free memory, when the batch starts) or a size like '8GiB'; Ray "
-                                    "workers get a set size, and derive 'auto' from their own machine")
-
-    @field_validator("memory_budget")
-    @classmethod
-    def _memory_budget(cls, v: str | int) -> str | int:
-        return memory.check_setting(v)
+    memory_budget: memory.Setting = batch_memory_budget()
 
     @model_validator(mode="after")
     def _loopback_or_tls(self) -> "ServiceConfig":

@@ -35,13 +35,14 @@ import math
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Annotated, Any, Iterator, Mapping
 
 import torch
+from pydantic import AfterValidator
 from torch import nn
 
 __all__ = [
-    "AUTO_FRACTION", "MemoryBudget", "MemoryBudgetError", "ModelCost", "available_bytes", "chunk_size",
+    "AUTO_FRACTION", "MemoryBudget", "MemoryBudgetError", "ModelCost", "Setting", "available_bytes", "chunk_size",
     "current_budget", "format_bytes", "forwarded", "parse_bytes", "use_budget",
 ]
 
@@ -158,6 +159,11 @@ def check_setting(value: Any) -> Any:
     except MemoryBudgetError as err:
         raise ValueError(str(err)) from None
     return value
+
+
+#: The type of a ``memory_budget`` field in a pydantic config: "auto", a byte count or a size like
+#: "8GiB", checked by ``check_setting`` (a malformed value is a validation error naming the field).
+Setting = Annotated[str | int, AfterValidator(check_setting)]
 
 
 _SCOPED: contextvars.ContextVar[MemoryBudget | None] = contextvars.ContextVar("memory_budget", default=None)

@@ -96,7 +96,7 @@ class EvalConfig(BaseModel):
     curve: CurveSpec | None = None
     seed: int = 0
     batch_size: int = Field(256, gt=0)
-    memory_budget: str | int = Field(
+    memory_budget: memory.Setting = Field(
         "auto", description="working memory each pass may use on top of the loaded model and data: 'auto' "
                             f"({memory.AUTO_FRACTION:g} x available RAM, or CUDA free memory), or a size like '8GiB'; "
                             "batches, Hessian columns per pass and probe passes shrink to fit it")
@@ -118,11 +118,6 @@ class EvalConfig(BaseModel):
             impl = get_method(name)
             out[name] = settings if isinstance(settings, impl.Settings) else impl.Settings.model_validate(settings or {})
         return out
-
-    @field_validator("memory_budget")
-    @classmethod
-    def _budget(cls, v: str | int) -> str | int:
-        return memory.check_setting(v)
 
     @model_validator(mode="after")
     def _lira_even(self) -> "EvalConfig":
