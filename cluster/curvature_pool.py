@@ -15,7 +15,8 @@ payload would exceed ``max_exact_bytes`` the worker sums its shard first (less t
 result then differs from the in-process sum by rounding only, ~1e-16 relative).
 
 Memory: each worker's operators size their chunks from the removal's memory budget when one is
-set (``memory.forwarded``, read when the operator is built), else from the worker's ``auto``.
+set (``memory.forwarded``, read when the operator is built), else from the worker's ``auto``;
+workers that share a machine split it (``WorkerPool.sharing``, ``memory.worker_budget``).
 
 ``RayCurvatureFactory`` satisfies ``pipeline.methods.base.CurvatureFactory``
 (``RemovalProblem.curvature_factory``).
@@ -77,7 +78,7 @@ class ShardedBlockHessian(LinearOperator):
             columns = {k: v.detach().to("cpu").numpy() for k, v in part.columns.items()}
             ref = ray.put((columns, part.sample_ids.numpy()))
             self._refs.append(ref)
-            self._specs.append([ref, block_ref, batch_size, columns_per_pass, budget])
+            self._specs.append([ref, block_ref, batch_size, columns_per_pass, budget, pool.sharing])
         self.products = 0
 
     def _batches_in(self, shard: tuple[int, int]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -81,6 +82,10 @@ class WorkerPool:
         self.actors: list[Any] = [self._spawn() for _ in range(workers)]
         self.replacements = 0
         self.describe = self._wait_ready(ready_timeout_s)
+        # the most workers on one machine: each gets that share of a memory budget
+        # (memory.worker_budget), so workers that share a machine's memory stay inside one budget
+        nodes = Counter(d.get("node") for d in self.describe)
+        self.sharing = max(nodes.values()) if nodes else 1
         self._state_ref: Any = None
         self._state_fingerprint: str | None = None
 
@@ -159,6 +164,9 @@ class WorkerPool:
             pass
         self.actors[worker] = self._spawn()
         self.replacements += 1
+        # where the new actor runs is not known without waiting for it: from now on every worker
+        # takes the smallest share a machine could ask of the budget (all workers on one machine)
+        self.sharing = self.size
 
     def map(self, calls: Sequence[Call], *, pinned: bool = False, timeout_s: float | None = None,
             on_done: Callable[[int], None] | None = None) -> list[Any]:

@@ -7,7 +7,8 @@ of ``pass_size`` yields exactly the rows the whole run yields there: the gathere
 bit-identical whatever the number of workers (and to the in-process run on the same device
 and thread count). A worker that dies mid-shard is restarted or replaced and the shard rerun.
 Each shard sizes its passes from the removal's memory budget when one is set
-(``memory.forwarded``), else from the worker's own ``auto`` budget.
+(``memory.forwarded``), else from the worker's own ``auto`` budget; workers that share a machine
+split it (``WorkerPool.sharing``, ``memory.worker_budget``).
 
 ``RayProbeRunner`` satisfies ``pipeline.methods.base.ProbeRunner`` (``RemovalProblem.probe_runner``).
 """
@@ -62,7 +63,7 @@ class RayProbeRunner:
             Call("probe", (k, weights, forget_ref),
                  {"seed": seed, "start": a, "stop": b, "pass_size": pass_size,
                   "perturb_options": dict(perturb_options or PerturbOptions()),
-                  "memory_budget": memory.forwarded()})
+                  "memory_budget": memory.forwarded(), "budget_sharing": self.pool.sharing})
             for k, (a, b) in enumerate(ranges)
         ]
         outputs = self.pool.map(calls, pinned=False, on_done=lambda i: tick(

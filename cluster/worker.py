@@ -26,6 +26,7 @@ import ray
 import torch
 
 from cluster.weights import StaleWeightsError, WeightsSpec, module_fingerprint
+from pipeline import memory
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ModelWorker:
     def describe(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
+            "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             "fingerprint": self._fingerprint, "task": repr(self.task),
             "dtype": str(next(self.model.parameters()).dtype),
         }
@@ -99,9 +101,11 @@ class ModelWorker:
     def probe(
         self, shard: int, weights: WeightsSpec, forget: dict[str, np.ndarray], *, seed: int, start: int,
         stop: int, pass_size: int, perturb_options: dict[str, Any], memory_budget: int | None = None,
+        budget_sharing: int = 1,
     ) -> tuple[int, np.ndarray, np.ndarray]:
         """Rows [start, stop) of the probe: (start, activations float32, losses float64), its
-        passes sized from ``memory_budget`` bytes (None: this machine's ``auto`` budget)."""
+        passes sized from ``memory_budget`` bytes (None: this machine's ``auto`` budget), split
+        with the ``budget_sharing`` workers that share this machine (``memory.worker_budget``)."""
         from pipeline.probe import SliceMap, run_probe
 
         self._ensure_weights(weights)
@@ -112,19 +116,21 @@ class ModelWorker:
         batch = _columns_to_torch(forget, self.device)
         result = run_probe(self.model, self.task, batch, seed=seed, start=start, stop=stop,
                            pass_size=pass_size, perturb_options=perturb_options, slice_map=self._slice_map,
-                           memory_budget=memory_budget)
+                           memory_budget=memory.worker_budget(memory_budget, budget_sharing, self.device))
         return start, result.activations.numpy(), result.losses.numpy()
 
     # -- Hessian-vector products on a data shard ----------------------------------------------
     def _operators_for(self, key: str, weights: WeightsSpec, spec: list[Any]) -> list[Any]:
         """Per-batch BlockHessian operators (sum reduction, no ridge) of this shard, their chunks
-        sized from the budget in ``spec`` (bytes, or None: this machine's ``auto`` budget)."""
+        sized from the budget in ``spec`` (bytes, or None: this machine's ``auto`` budget, split
+        with the workers that share this machine: ``memory.worker_budget``)."""
         from pipeline.curvature import BlockHessian
         from pipeline.data.sampleset import SampleSet
 
         self._ensure_weights(weights)
         if key not in self._operators:
-            data_ref, block_ref, batch_size, columns_per_pass, memory_budget = spec
+            data_ref, block_ref, batch_size, columns_per_pass, memory_budget, sharing = spec
+            budget = memory.worker_budget(memory_budget, sharing, self.device)
             columns, ids = ray.get(data_ref)
             block = ray.get(block_ref)
             shard = SampleSet(_columns_to_torch(columns, self.device), torch.from_numpy(np.array(ids, copy=True)))
@@ -133,7 +139,7 @@ class ModelWorker:
                 part = shard.take(torch.arange(start, min(len(shard), start + batch_size)))
                 ops.append(BlockHessian(self.model, self.task, part, block, 0.0, reduction="sum",
                                         batch_size=batch_size, columns_per_pass=columns_per_pass,
-                                        memory_budget=memory_budget))
+                                        memory_budget=budget))
             self._operators[key] = ops
         return self._operators[key]
 

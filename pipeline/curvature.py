@@ -71,7 +71,7 @@ class LinearOperator(ABC):
         budget = memory.available_in(getattr(self, "budget", None) or memory.current_budget())
         if 2 * dense + 2 * 8 * self.dim >= budget.bytes:
             raise memory.MemoryBudgetError(
-                f"{memory.SETTING} {memory.format_bytes(budget.bytes)} cannot hold the dense {self.dim} x {self.dim} "
+                f"{budget.named()} cannot hold the dense {self.dim} x {self.dim} "
                 f"Hessian block (needs ~{memory.format_bytes(2 * dense)} with its symmetrised copy): raise "
                 f"{memory.SETTING} or lower dense_max (larger blocks are solved matrix-free by CG)")
         chunk = max(1, min(chunk, int((budget.bytes - 2 * dense) // (16 * self.dim))))
@@ -433,7 +433,7 @@ def _check_dense_solve(op: LinearOperator) -> None:
     needs = 3 * 8 * op.dim * op.dim
     if needs > budget.bytes:
         raise memory.MemoryBudgetError(
-            f"{memory.SETTING} {memory.format_bytes(budget.bytes)} cannot hold the dense {op.dim} x {op.dim} Newton "
+            f"{budget.named()} cannot hold the dense {op.dim} x {op.dim} Newton "
             f"system (needs ~{memory.format_bytes(needs)} for the matrix, a damped copy and its Cholesky factor): "
             f"raise {memory.SETTING} or lower dense_max (larger blocks are solved matrix-free by CG)")
 

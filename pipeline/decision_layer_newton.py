@@ -57,7 +57,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SoftmaxLayerObjective", "NewtonResult", "kronecker_preconditioner", "dense_preconditioner", "layer_ordered",
+__all__ = ["SoftmaxLayerObjective", "NewtonResult", "working_bytes", "kronecker_preconditioner", "dense_preconditioner", "layer_ordered",
            "recycled_preconditioner", "newton_minimise"]
 
 
@@ -210,6 +210,23 @@ class SoftmaxLayerObjective:
     def hessian_product(self, p: Tensor, v: Tensor) -> Tensor:
         """H V at the weights whose class-major probabilities are ``p`` (``curvature_at``)."""
         return self.curvature_at(p)(v)
+
+
+def working_bytes(n: int, d: int, k: int, *, input_itemsize: int, curvature_itemsize: int,
+                  copies_inputs: bool, preconditioner_itemsize: int = 0) -> tuple[float, float]:
+    """(fixed, per curvature row) bytes ``newton_minimise`` and its objective allocate for a
+    layer of K classes over d inputs and n rows of X~ (the prepared X~ is resident, not counted;
+    ``copies_inputs``: X~ and X~^T of R are copied here). Fixed: the targets, the mask and up to
+    ten class-major (K, n) arrays (logits, probabilities, residuals, a line search's trial) in
+    float64, the float64 cast of one chunk of X~ and its transpose, and a dense (K (d+1))^2
+    preconditioner copy. Per curvature row: that row and its transpose in the products' storage
+    and the three (K,) float32 columns of a product (probabilities, P o X V^T, its correction)."""
+    width = d + 1
+    fixed = 12.0 * k * n * 8 + n * 8 + 2.0 * SoftmaxLayerObjective.PRECISE_CHUNK * width * 8
+    fixed += (k * width) ** 2 * preconditioner_itemsize
+    if copies_inputs:
+        fixed += 2.0 * n * width * input_itemsize
+    return fixed, 2.0 * width * curvature_itemsize + 3.0 * k * 4
 
 
 Preconditioner = Callable[[Tensor], Tensor]

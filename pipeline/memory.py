@@ -42,8 +42,9 @@ from pydantic import AfterValidator
 from torch import nn
 
 __all__ = [
-    "AUTO_FRACTION", "MemoryBudget", "MemoryBudgetError", "ModelCost", "Setting", "available_bytes", "chunk_size",
-    "current_budget", "format_bytes", "forwarded", "parse_bytes", "use_budget",
+    "AUTO_FRACTION", "MemoryBudget", "MemoryBudgetError", "ModelCost", "Setting", "available_bytes", "call_batch_size",
+    "chunk_size",
+    "current_budget", "format_bytes", "forwarded", "parse_bytes", "use_budget", "worker_budget",
 ]
 
 #: Share of the memory available when a stage starts that ``auto`` lets it use.
@@ -144,6 +145,12 @@ class MemoryBudget:
     def describe(self) -> str:
         return f"{format_bytes(self.bytes)} ({self.source})"
 
+    def named(self) -> str:
+        """How an error names this budget: ``memory_budget 2 GiB``, with its source unless it is
+        the plain setting (``auto: ...``, or the share of a setting a worker got)."""
+        note = "" if self.source == "setting" else f" ({self.source})"
+        return f"{SETTING} {format_bytes(self.bytes)}{note}"
+
     def __str__(self) -> str:
         return format_bytes(self.bytes)
 
@@ -199,6 +206,23 @@ def forwarded(budget: MemoryBudget | None = None) -> int | None:
     return None if budget is None or budget.source != "setting" else int(budget.bytes)
 
 
+def worker_budget(set_bytes: int | None, sharing: int, device: str | torch.device | None = None) -> MemoryBudget:
+    """The budget of one of ``sharing`` Ray workers that compute in one machine's memory (a
+    local Ray: every worker on the driver's machine): a set budget (``forwarded`` bytes) split
+    ``sharing`` ways, ``auto`` = AUTO_FRACTION / ``sharing`` of the memory available there, so
+    that the workers together stay inside what one budget allows. A CUDA worker computes in its
+    own device's memory: nothing is split."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    share = 1 if dev.type == "cuda" else max(1, int(sharing))
+    if set_bytes is None:
+        budget = MemoryBudget.auto(dev, AUTO_FRACTION / share)
+        return budget if share == 1 else MemoryBudget(budget.bytes, f"{budget.source}, shared by {share} workers")
+    if share == 1:
+        return MemoryBudget(int(set_bytes), "setting")
+    return MemoryBudget(max(1, int(set_bytes) // share),
+                        f"the set {format_bytes(set_bytes)} shared by {share} workers on one machine")
+
+
 def chunk_size(budget: MemoryBudget, per_item: float, fixed: float = 0.0, *, limit: int | None = None,
                what: str = "item", fix: str = "use a smaller model") -> int:
     """The largest n <= ``limit`` with fixed + n * per_item <= budget; at least 1, else
@@ -208,7 +232,7 @@ def chunk_size(budget: MemoryBudget, per_item: float, fixed: float = 0.0, *, lim
     n = int(room // per_item) if room > 0 else 0
     if n < 1:
         raise MemoryBudgetError(
-            f"{SETTING} {format_bytes(budget.bytes)} cannot hold one {what} of this model (needs "
+            f"{budget.named()} cannot hold one {what} of this model (needs "
             f"~{format_bytes(fixed + per_item)}): raise {SETTING} or {fix}")
     return n if limit is None else max(1, min(int(limit), n))
 
@@ -318,7 +342,7 @@ def hessian_chunks(budget: MemoryBudget, cost: ModelCost, block: Any, *, columns
     if most_columns(1) < 1:
         needs = 4.0 * cost.touched_bytes(block) + primal + per_column + tangent
         raise MemoryBudgetError(
-            f"{SETTING} {format_bytes(budget.bytes)} cannot hold one Hessian column of this model (needs "
+            f"{budget.named()} cannot hold one Hessian column of this model (needs "
             f"~{format_bytes(needs)}): raise {SETTING} or {fix}")
     want_c = max(1, int(columns))
     b = max(1, int(batch_size))
@@ -383,6 +407,27 @@ def forward_batch_size(model: nn.Module, task: Any, data: Any, batch_size: int,
                         limit=min(batch_size, len(data)), what="sample's forward pass", fix="use a smaller model")
 
 
+def call_batch_size(model: nn.Module, fn: Any, data: Any, batch_size: int,
+                    budget: "MemoryBudget | str | int | None" = None) -> int:
+    """Samples per no-grad call ``fn(batch["x"])`` of one of ``model``'s methods other than the
+    task's forward (retrieval features): ``batch_size`` or fewer, from the bytes of every
+    operator output of a one-sample call (measured once per model, method and sample shape)."""
+    if len(data) == 0:
+        return batch_size
+    from pipeline.probe import eval_mode_restored
+
+    key = ("call", getattr(fn, "__name__", repr(fn)), tuple(data.columns["x"].shape[1:]), str(data.columns["x"].dtype))
+    per_model = _COSTS.setdefault(model, {})
+    if key not in per_model:
+        mode = _OutputBytes()
+        first = next(iter(data.batches(1)))
+        with eval_mode_restored(model), torch.no_grad(), mode:
+            fn(first["x"])
+        per_model[key] = max(int(mode.total), 1)
+    return chunk_size(available_in(resolve(budget, model_device(model))), ModelCost.FORWARD * per_model[key],
+                      limit=min(batch_size, len(data)), what=f"sample's {key[1]} pass", fix="use a smaller model")
+
+
 def check_one_sample(model: nn.Module, task: Any, data: Any, budget: MemoryBudget) -> None:
     """Fail up front when ``budget`` cannot hold a forward and a gradient pass of one sample
     through the whole model (every method needs both)."""
@@ -392,5 +437,5 @@ def check_one_sample(model: nn.Module, task: Any, data: Any, budget: MemoryBudge
     needs = 3.0 * cost.param_bytes + ModelCost.GRADIENT * cost.activation_bytes
     if needs > budget.bytes:
         raise MemoryBudgetError(
-            f"{SETTING} {format_bytes(budget.bytes)} cannot hold one sample's gradient pass through this model "
+            f"{budget.named()} cannot hold one sample's gradient pass through this model "
             f"(needs ~{format_bytes(needs)}): raise {SETTING} or use a smaller model")

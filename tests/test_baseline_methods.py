@@ -41,7 +41,7 @@ def _grads(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
 
 
-@pytest.mark.parametrize("name", ["finetune", "gradient-ascent", "random-labels", "salun"])
+@pytest.mark.parametrize("name", ["finetune", "gradient-ascent", "random-labels", "salun", "lfoci-newton"])
 def test_configs_mirror_settings(name: str) -> None:
     assert_yaml_mirrors_settings(name)
 

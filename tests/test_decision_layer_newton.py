@@ -650,3 +650,34 @@ def test_cg_never_steps_along_a_direction_of_non_positive_curvature():
     spd = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
     x, _, rel = _pcg(lambda v: v @ spd, b, lambda v: v, 1e-12, 50)
     assert rel <= 1e-12 and torch.allclose(x @ spd, b)
+
+
+def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits):
+    """The matrix-free iteration's arrays are sized from the memory budget: a budget that holds
+    its fixed arrays and 1,100 curvature rows gets 1,100 (a subsampled Hessian: the same
+    minimiser, the cut recorded); one that cannot hold MIN_CURVATURE_ROWS is refused before
+    anything is allocated, naming memory_budget."""
+    from pipeline import memory
+    from pipeline.decision_layer_newton import working_bytes
+    from pipeline.methods.lfoci_newton import MIN_CURVATURE_ROWS
+
+    forget = class_positions(digits)
+    n_retain = len(digits) - len(forget)
+    assert n_retain > 1100 > MIN_CURVATURE_ROWS
+    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=200,
+                    newton_rtol=1e-9, newton_atol=1e-13)
+    full, rec_full = run(sgd_mlp, digits, forget, **settings)
+    assert rec_full["curvature"]["solvers"][0]["curvature_rows"] == n_retain
+    assert "curvature_rows_cut" not in rec_full["curvature"]["solvers"][0]
+    k, d = sgd_mlp[3].weight.shape
+    fixed, per_row = working_bytes(n_retain, d, k, input_itemsize=8, curvature_itemsize=8, copies_inputs=True)
+    with memory.use_budget(memory.MemoryBudget(int(fixed + 1100.5 * per_row))):
+        cut, rec = run(sgd_mlp, digits, forget, **settings)
+    solver = rec["curvature"]["solvers"][0]
+    assert solver["curvature_rows"] == 1100 and f"{n_retain} curvature rows asked, 1100 fit" in solver["curvature_rows_cut"]
+    moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
+    assert rec["newton"]["converged"] and float(torch.linalg.vector_norm(flat(cut) - flat(full))) <= 1e-6 * moved
+    with memory.use_budget(memory.MemoryBudget(int(fixed + (MIN_CURVATURE_ROWS - 1) * per_row))), \
+            pytest.raises(memory.MemoryBudgetError, match=r"memory_budget .* cannot hold the matrix-free Newton iteration"
+                                                          r" .* with 1024 curvature rows .* raise memory_budget"):
+        run(sgd_mlp, digits, forget, **settings)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from pipeline import memory
 from pipeline.memory import MemoryBudget, MemoryBudgetError, ModelCost, chunk_size, parse_bytes
@@ -215,8 +216,10 @@ CHILD = textwrap.dedent("""
         print("RESULT " + json.dumps(out), flush=True)
 """)
 
-SETTINGS = {"selection": "all", "dense_max": 4096, "damping": 0.01, "newton_max_steps": 2,
-            "min_gradient_reduction": 0.0}
+# the dense Newton system (small_block_solver: dense; auto would solve this damped system by CG and
+# never build the 1210 x 1210 matrix whose memory these tests bound)
+SETTINGS = {"selection": "all", "dense_max": 4096, "small_block_solver": "dense", "damping": 0.01,
+            "newton_max_steps": 2, "min_gradient_reduction": 0.0}
 
 
 def _children(model_dir: Path, budgets: list[str], batch_size: int = 1024) -> dict[str, dict]:
@@ -293,3 +296,54 @@ def test_a_budget_too_small_for_one_chunk_fails_up_front_and_writes_nothing(mlp_
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
     assert "memory_budget 1 KiB cannot hold one sample's gradient pass" in proc.stderr
     assert not out.exists()
+
+
+def test_workers_sharing_a_machine_split_its_budget():
+    """Ray workers on one machine together stay inside one budget: a set budget is split between
+    them, auto takes AUTO_FRACTION / sharing of the available memory; a lone worker (or a CUDA
+    worker, which computes in its own device's memory) keeps the whole of it."""
+    from pipeline import memory
+
+    assert memory.worker_budget(3 * 2**20, 1).bytes == 3 * 2**20
+    split = memory.worker_budget(3 * 2**20, 4)
+    assert split.bytes == 3 * 2**20 // 4 and "shared by 4 workers" in split.source
+    assert split.named().startswith("memory_budget 768 KiB (the set 3 MiB shared by 4 workers")
+    lone, shared = memory.worker_budget(None, 1), memory.worker_budget(None, 4)
+    # auto is measured at each call; the machine's free memory moves a little in between
+    assert shared.bytes == pytest.approx(lone.bytes / 4, rel=0.05)
+    assert memory.worker_budget(2**20, 4, "cuda").bytes == 2**20
+
+
+def test_retrieval_features_are_batched_within_the_budget():
+    """features_of sizes its batches from the bytes of a one-sample call of the feature method:
+    a small budget gives more, smaller batches and the same features; one that cannot hold a
+    single sample's call is refused, naming memory_budget."""
+    from pipeline import memory
+    from pipeline.data import SampleSet
+    from pipeline.evaluate.predict import features_of
+
+    class Embedder(nn.Module):
+        retrieval_method = "features"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 16))
+            self.calls: list[int] = []
+
+        def features(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.append(len(x))
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model = Embedder()
+    data = SampleSet({"x": torch.randn(300, 32), "y": torch.zeros(300, dtype=torch.long)}, torch.arange(300))
+    whole = features_of(model, data, batch_size=256)
+    assert max(model.calls) == 256
+    model.calls.clear()
+    per_sample = 4 * (512 + 512 + 16)  # the operator outputs of one sample's call, float32
+    with memory.use_budget(memory.MemoryBudget(int(ModelCost.FORWARD * per_sample * 40.5))):
+        small = features_of(model, data, batch_size=256)
+    assert model.calls[1:] and max(model.calls[1:]) == 40  # (the first call measured one sample)
+    assert torch.allclose(small, whole, rtol=0, atol=1e-6)
+    with memory.use_budget(memory.MemoryBudget(64)), pytest.raises(MemoryBudgetError, match="memory_budget 64 B"):
+        features_of(model, data, batch_size=256)

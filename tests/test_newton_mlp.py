@@ -99,7 +99,7 @@ def test_mlp_indefinite_retained_hessian_is_damped_and_recorded(mlp_digits):
     work = copy.deepcopy(model)
     method = get_method("lfoci-newton")
     out = method.run(RemovalProblem(work, task, data, forget_draw(len(data), 50, draw=1), LAMBDA, seed=1),
-                     method.Settings(selection="all"))
+                     method.Settings(selection="all", small_block_solver="dense"))
     rec = out.record
     first = rec["curvature"]["solvers"][0]
     assert first["positive_definite"] is False and first["min_eigenvalue"] < 0
@@ -165,3 +165,32 @@ def test_mlp_lfoci_block_converges_on_its_rows_and_moves_nothing_else(mlp_digits
         loss0 = task.per_sample_loss(model(forget.columns["x"]), forget.columns).mean()
         loss1 = task.per_sample_loss(work(forget.columns["x"]), forget.columns).mean()
     assert loss1 > loss0
+
+
+def test_small_autograd_block_is_solved_by_cg_when_that_is_cheaper_and_densely_when_not(mlp_digits):
+    """small_block_solver auto: a 2,410-entry block whose curvature is Hessian-vector products
+    through the MLP is solved by CG within a quarter of its columns where CG reaches cg_rtol
+    (the same Newton step as the dense solve, far fewer products), and densely, with the reason
+    recorded, where it does not."""
+    model, task, data = mlp_digits
+    method = get_method("lfoci-newton")
+    forget = forget_draw(len(data), 10, draw=0)
+
+    def removal(**settings):
+        work = copy.deepcopy(model)
+        out = method.run(RemovalProblem(work, task, data, forget, LAMBDA, seed=1),
+                         method.Settings(selection="all", cg_rtol=1e-9, newton_max_steps=1, **settings))
+        return work, out.record["curvature"]["solvers"]
+
+    dense, dense_solvers = removal(small_block_solver="dense")
+    by_cg, cg_solvers = removal()
+    assert {s["solver"] for s in dense_solvers} == {"cholesky"}
+    assert cg_solvers[0]["solver"] == "cg" and cg_solvers[0]["iterations"] <= 2410 // 4
+    assert any("CG instead of materialising the 2410 x 2410 block" in note for note in cg_solvers[0]["notes"])
+    x = data.columns["x"]
+    moved = float(torch.linalg.vector_norm(probabilities(dense, x) - probabilities(model, x)))
+    assert moved > 0
+    assert float(torch.linalg.vector_norm(probabilities(by_cg, x) - probabilities(dense, x))) <= 1e-4 * moved
+    _, capped = removal(cg_max_iter=2)
+    assert capped[0]["solver"] == "cholesky"
+    assert any("CG did not reach cg_rtol 1.0e-09 within 2 products" in note for note in capped[0]["notes"])

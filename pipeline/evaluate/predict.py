@@ -59,10 +59,12 @@ def retrieval_method(model: nn.Module) -> str | None:
 
 @torch.no_grad()
 def features_of(model: nn.Module, data: SampleSet, batch_size: int = 256, method: str | None = None) -> Tensor:
-    """Retrieval features: ``model.<method>(x)`` batched (default: the model's declared method)."""
+    """Retrieval features: ``model.<method>(x)`` batched (default: the model's declared method).
+    ``batch_size`` is lowered to fit the memory budget."""
     method = method or retrieval_method(model)
     fn = getattr(model, method, None) if method else None
     if not callable(fn):
         raise ValueError(f"{type(model).__name__} declares no retrieval-feature method (retrieval_method)")
+    batch_size = memory.call_batch_size(model, fn, data, batch_size)
     with eval_mode_restored(model):
         return torch.cat([fn(batch["x"]).float().cpu() for batch in data.batches(batch_size)])

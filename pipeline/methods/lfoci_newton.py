@@ -69,7 +69,8 @@ from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
 from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
-from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise
+from pipeline import memory
+from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise, working_bytes
 from pipeline.linear_curvature import (LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer,
                                        native_bfloat16, products_dtype)
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
@@ -108,6 +109,12 @@ class LFociNewtonSettings(MethodSettings):
         None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples "
                                 "(matrix_free: Hessian products on this many retained samples; gradients stay exact)")
     dense_max: int = Field(4096, gt=0, description="largest block solved densely (Cholesky); CG above")
+    small_block_solver: Literal["auto", "dense"] = Field(
+        "auto", description="a block of at most dense_max entries: dense = Cholesky of the materialised block; auto = "
+                            "Cholesky where materialising is cheap (closed-form curvature, or first_step, which "
+                            "reuses the factor), else CG first, capped at a quarter of the block's entries in "
+                            "products (one column of the dense block costs about one product), and Cholesky only "
+                            "when CG did not reach cg_rtol within them")
     damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
                                                   "when H' + mu I is indefinite)")
     dense_rtol: float = Field(1e-8, gt=0, description="relative residual a dense solve must reach")
@@ -402,10 +409,9 @@ class LFociNewton(RemovalMethod):
                         else:
                             h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
                                                  warm if k == 0 else None, curvature_notes)
-                            direction, info = solve_newton_system(
-                                h_new, residual, dense=dense, damping=settings.damping,
-                                rtol=settings.dense_rtol if dense else settings.cg_rtol,
-                                max_iter=settings.cg_max_iter, max_attempts=settings.max_damping_attempts)
+                            direction, info = _newton_direction(
+                                h_new, residual, settings, dense=dense,
+                                cheap_dense=factory is LinearCrossEntropyHessian or settings.curvature_refresh == "first_step")
                             if settings.curvature_refresh == "first_step" and dense:
                                 chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                         solvers.append(dict(info.__dict__))
@@ -536,7 +542,19 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
 
     smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
     keep = xt = x_norm = start_logits = None
-    if warm is not None and warm.inputs is not None and warm.inputs.shape == (len(work.train), d + 1):
+    prepared = warm is not None and warm.inputs is not None and warm.inputs.shape == (len(work.train), d + 1)
+    n_retain = len(work.train) - len(work.forget_positions)
+    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else),
+    # or in bfloat16 (``curvature_products``); the preconditioner keeps the layer's
+    product_dtype = products_dtype(layer)
+    device = warm.inputs.device if prepared else torch.device("cpu")
+    curvature_dtype = torch.bfloat16 if settings.curvature_products == "bfloat16" or (
+        settings.curvature_products == "auto" and product_dtype == torch.float32 and native_bfloat16(device)) \
+        else product_dtype
+    count, budget_note = _curvature_rows_within_budget(
+        n_retain, len(work.train) if prepared else n_retain, d, k, settings.curvature_samples, product_dtype,
+        curvature_dtype, copies_inputs=not prepared, preconditioned=warm is not None and warm.inverse is not None)
+    if prepared:
         # the prepared X~ of D (and X~^T, logits, ||X~||_F), the forgotten rows masked: no copy of D_r
         # per removal, and no pass over X~ at the start
         x, xt, x_norm, start_logits = warm.inputs, warm.inputs_t, warm.inputs_norm, warm.logits
@@ -554,18 +572,11 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
     w_start = block.gather({name: p.detach() for name, p in params.items()}).to("cpu", torch.float64)
     theta0 = to_theta(w_start)
     rows = None
-    n_retain = len(work.train) - len(work.forget_positions)
-    if settings.curvature_samples is not None and settings.curvature_samples < n_retain:
+    if count < n_retain:
         gen = work.generator(RandomStream.CURVATURE_SUBSAMPLE)
-        rows = torch.randperm(n_retain, generator=gen)[: settings.curvature_samples].sort().values
+        rows = torch.randperm(n_retain, generator=gen)[:count].sort().values
         if keep is not None:  # the same retained samples, as rows of D
             rows = torch.nonzero(keep).squeeze(1)[rows]
-    # products in the layer's own precision (float32 model: float32 products, float64 everywhere else),
-    # or in bfloat16 (``curvature_products``); the preconditioner keeps the layer's
-    product_dtype = products_dtype(layer)
-    curvature_dtype = torch.bfloat16 if settings.curvature_products == "bfloat16" or (
-        settings.curvature_products == "auto" and product_dtype == torch.float32 and native_bfloat16(x.device)) \
-        else product_dtype
     objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, curvature_dtype, keep, xt, x_norm)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
@@ -590,7 +601,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
                 f"float32 for {result.float64_from - 1} steps, then float64 (float32 could not certify or resolve "
                 "the tolerance)",
                 "gradient_rounding_floor": result.gradient_floor,
-                "curvature_rows": n_retain if rows is None else len(rows), "inputs": inputs_note}]
+                "curvature_rows": n_retain if rows is None else len(rows), "inputs": inputs_note,
+                **({"curvature_rows_cut": budget_note} if budget_note else {})}]
     if not result.converged:
         raise RemovalNotServed(
             f"matrix-free Newton did not reach ||grad|| <= {tol:.3g} in {settings.newton_max_steps} steps "
@@ -607,6 +619,73 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
         return gradient.reshape(-1)[order]
 
     return history, solvers, verify
+
+
+def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings, *, dense: bool,
+                      cheap_dense: bool) -> tuple[torch.Tensor, Any]:
+    """The Newton system's solution and its ``SolveInfo``: CG above dense_max; at or below it,
+    Cholesky, unless ``small_block_solver: auto`` and materialising the block is not
+    ``cheap_dense`` (each of its dim columns costs about one Hessian-vector product through the
+    model): then CG capped at dim / 4 products, and the dense solve only when CG did not reach
+    cg_rtol within them (at most 1.25x the dense cost; a CG that converges costs a fraction)."""
+    def solve(as_dense: bool, max_iter: int | None) -> tuple[torch.Tensor, Any]:
+        return solve_newton_system(op, rhs, dense=as_dense, damping=settings.damping,
+                                   rtol=settings.dense_rtol if as_dense else settings.cg_rtol, max_iter=max_iter,
+                                   max_attempts=settings.max_damping_attempts)
+
+    if not dense:
+        return solve(False, settings.cg_max_iter)
+    if settings.small_block_solver == "dense" or cheap_dense:
+        return solve(True, None)
+    cap = max(1, op.dim // 4)
+    if settings.cg_max_iter is not None:
+        cap = min(cap, settings.cg_max_iter)
+    try:
+        direction, info = solve(False, cap)
+    except UnsolvedSystemError as err:
+        left = err.diagnostics.get("solver", {}).get("relative_residual")
+        direction, info = solve(True, None)
+        info.notes.append(f"CG did not reach cg_rtol {settings.cg_rtol:.1e} within {cap} products (a quarter of the "
+                          f"{op.dim} columns a dense block costs; relative residual left "
+                          f"{left if left is None else format(left, '.1e')}): solved densely")
+        return direction, info
+    info.notes.append(f"CG instead of materialising the {op.dim} x {op.dim} block: {info.iterations} products "
+                      f"(small_block_solver: auto)")
+    return direction, info
+
+
+#: The fewest curvature rows a memory budget may cut the matrix-free products to (all of R when
+#: it has fewer): below this a subsampled Hessian steers the Newton steps poorly.
+MIN_CURVATURE_ROWS = 1024
+
+
+def _curvature_rows_within_budget(n_retain: int, n_rows: int, d: int, k: int, wanted: int | None,
+                                  product_dtype: torch.dtype, curvature_dtype: torch.dtype, *, copies_inputs: bool,
+                                  preconditioned: bool) -> tuple[int, str | None]:
+    """How many retained rows the matrix-free products may use: ``wanted`` (all of R when None),
+    cut to what the memory budget holds beside the iteration's fixed arrays
+    (``decision_layer_newton.working_bytes``; a subsampled Hessian leaves the minimiser as it
+    is), never below MIN_CURVATURE_ROWS; ``MemoryBudgetError`` before anything is allocated
+    when even that does not fit. Returns (rows, a note when the budget cut them)."""
+    budget = memory.available_in(memory.current_budget())
+    want = n_retain if wanted is None else min(int(wanted), n_retain)
+    itemsize = torch.empty(0, dtype=curvature_dtype).element_size()
+    fixed, per_row = working_bytes(n_rows, d, k, input_itemsize=torch.empty(0, dtype=product_dtype).element_size(),
+                                   curvature_itemsize=itemsize, copies_inputs=copies_inputs,
+                                   preconditioner_itemsize=torch.empty(0, dtype=product_dtype).element_size()
+                                   if preconditioned else 0)
+    least = min(want, MIN_CURVATURE_ROWS)
+    room = budget.bytes - fixed
+    fit = int(room // per_row) if room > 0 else 0
+    if fit < least:
+        raise memory.MemoryBudgetError(
+            f"{budget.named()} cannot hold the matrix-free Newton iteration on the {k} x {d + 1} decision layer "
+            f"with {least} curvature rows (needs ~{memory.format_bytes(fixed + least * per_row)}): raise "
+            f"{memory.SETTING}")
+    if fit >= want:
+        return want, None
+    return fit, (f"{want} curvature rows asked, {fit} fit {budget.named()} "
+                 f"(~{memory.format_bytes(fixed)} fixed, {memory.format_bytes(per_row)} per row)")
 
 
 class _Chord:
