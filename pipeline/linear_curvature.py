@@ -45,11 +45,7 @@ def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Lin
     layers = [m for m in model.modules() if not isinstance(m, (nn.Sequential, nn.Identity))]
     if len(layers) != 1 or not isinstance(layers[0], nn.Linear):
         return None
-    layer = layers[0]
-    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
-    if {p.name for p in block.parts} != names or any(p.rows is not None for p in block.parts):
-        return None
-    return layer
+    return layers[0] if block.is_whole(model, layers[0]) else None
 
 
 def _block_order(block: ParamBlock, layer_names: dict[str, str], k: int, d: int) -> Tensor:

@@ -194,12 +194,7 @@ def output_linear(model: nn.Module, block: ParamBlock) -> nn.Linear | None:
     if not isinstance(model, nn.Sequential) or len(model) == 0 or not isinstance(model[-1], nn.Linear):
         return None
     layer = model[-1]
-    if layer.bias is None:
-        return None
-    names = {n for n, p in model.named_parameters() if p is layer.weight or p is layer.bias}
-    if {part.name for part in block.parts} != names or any(part.rows is not None for part in block.parts):
-        return None
-    return layer
+    return layer if layer.bias is not None and block.is_whole(model, layer) else None
 
 
 def outputs_and_inputs(lin: LinearizedModel, layer: nn.Linear, batch: Batch) -> tuple[Tensor, Tensor]:

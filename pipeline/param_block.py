@@ -122,6 +122,13 @@ class ParamBlock:
             p = params[part.name]
             p.copy_(part.add(p, piece.to(device=p.device, dtype=p.dtype)))
 
+    def is_whole(self, model: nn.Module, module: nn.Module) -> bool:
+        """True when the block is exactly every parameter of ``module`` (a submodule of
+        ``model``), each whole: no other parameter, no row subset."""
+        owned = {id(p) for p in module.parameters()}
+        names = {name for name, p in model.named_parameters() if id(p) in owned}
+        return {part.name for part in self.parts} == names and all(part.rows is None for part in self.parts)
+
     def describe(self) -> list[dict]:
         return [
             {"parameter": part.name, "rows": None if part.rows is None else part.rows.tolist(), "numel": part.numel}
