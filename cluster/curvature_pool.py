@@ -90,6 +90,8 @@ class ShardedBlockHessian(LinearOperator):
 
     def _fan_out(self, method: str, x: np.ndarray, per_batch: bool) -> Tensor:
         x_ref = ray.put(x)
+        for spec in self._specs:  # the pool's share as it is now (it changes when a worker is replaced)
+            spec[5] = self.pool.sharing
         calls = [Call(method, (self.key, self.weights, spec, x_ref, per_batch)) for spec in self._specs]
         outs = self.pool.map(calls, pinned=True)
         acc = torch.zeros(x.shape, dtype=torch.float64)

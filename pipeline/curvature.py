@@ -411,7 +411,7 @@ def solve_newton_system(
         info = SolveInfo("zero-rhs", damping=damping, tolerance=rtol, attempts=0)
         return torch.zeros_like(b), info
     if dense:
-        _check_dense_solve(op)
+        check_dense_solve(op)
         x, info = _solve_dense_damped(op.to_dense(), b, damping, rtol, max_attempts)
     else:
         x, info = _solve_cg_damped(op, b, damping, rtol, max_iter, max_attempts)
@@ -427,7 +427,7 @@ def solve_newton_system(
     return _check_finite(x, "Newton direction"), info
 
 
-def _check_dense_solve(op: LinearOperator) -> None:
+def check_dense_solve(op: LinearOperator) -> None:
     """The dense solve holds the matrix, a damped copy and its Cholesky factor (3 dim^2 float64)."""
     budget = memory.available_in(getattr(op, "budget", None) or memory.current_budget())
     needs = 3 * 8 * op.dim * op.dim

@@ -115,7 +115,9 @@ class SoftmaxLayerObjective:
         if self.precise:
             self.x_scale = 0.0
         else:
-            norm = self.x_norm if self.x_norm is not None else float(torch.linalg.vector_norm(self.x, dtype=torch.float64))
+            norm = self.x_norm if self.x_norm is not None else math.sqrt(sum(
+                float(torch.linalg.vector_norm(self.x[i:i + self.PRECISE_CHUNK], dtype=torch.float64)) ** 2
+                for i in self._spans()))  # (a float64 cast of one chunk at a time, not of all of X~)
             self.x_scale = norm / self.n
         # relative accuracy a CG solve can ask of these products
         self.product_rtol = {torch.float64: 0.0, torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps}.get(
@@ -212,21 +214,30 @@ class SoftmaxLayerObjective:
         return self.curvature_at(p)(v)
 
 
-def working_bytes(n: int, d: int, k: int, *, input_itemsize: int, curvature_itemsize: int,
-                  copies_inputs: bool, preconditioner_itemsize: int = 0) -> tuple[float, float]:
+def working_bytes(n: int, d: int, k: int, *, input_itemsize: int, curvature_itemsize: int, work_itemsize: int,
+                  copies_inputs: bool, copies_curvature_rows: bool = True, preconditioner_bytes: float = 0.0,
+                  kronecker: bool = False, recycle: int = 0, max_cg: int = 200) -> tuple[float, float]:
     """(fixed, per curvature row) bytes ``newton_minimise`` and its objective allocate for a
-    layer of K classes over d inputs and n rows of X~ (the prepared X~ is resident, not counted;
-    ``copies_inputs``: X~ and X~^T of R are copied here). Fixed: the targets, the mask and up to
-    ten class-major (K, n) arrays (logits, probabilities, residuals, a line search's trial) in
-    float64, the float64 cast of one chunk of X~ and its transpose, and a dense (K (d+1))^2
-    preconditioner copy. Per curvature row: that row and its transpose in the products' storage
-    and the three (K,) float32 columns of a product (probabilities, P o X V^T, its correction)."""
+    layer of K classes over d inputs and n rows of X~ (the prepared X~ is resident, not counted).
+
+    Fixed: the targets, the mask and up to ten class-major (K, n) arrays (logits, probabilities,
+    residuals, a line search's trial) in float64; the float64 cast of one chunk of X~ and of its
+    transpose; ``preconditioner_bytes`` (a dense inverse made for this removal); the CG pairs
+    (direction and product, float64 (K, d+1) each) of up to ``recycle`` earlier systems plus the
+    ``max_cg`` of the current one, and a few CG vectors; X~ and X~^T of R when ``copies_inputs``.
+    Per curvature row: the row and its transpose in the products' storage when
+    ``copies_curvature_rows`` (not when the rows are all of X~ in its own precision), its float64
+    cast when ``kronecker`` (the Gram matrix), and four (K,) columns of a product in the work
+    precision (probabilities, X V^T and its cast, P o X V^T, its correction)."""
     width = d + 1
     fixed = 12.0 * k * n * 8 + n * 8 + 2.0 * SoftmaxLayerObjective.PRECISE_CHUNK * width * 8
-    fixed += (k * width) ** 2 * preconditioner_itemsize
+    fixed += float(preconditioner_bytes) + 16.0 * k * width * (max(0, recycle) + max_cg + 4)
     if copies_inputs:
         fixed += 2.0 * n * width * input_itemsize
-    return fixed, 2.0 * width * curvature_itemsize + 3.0 * k * 4
+    per_row = 4.0 * k * work_itemsize + (2.0 * width * curvature_itemsize if copies_curvature_rows else 0.0)
+    if kronecker:
+        per_row += width * 8.0
+    return fixed, per_row
 
 
 Preconditioner = Callable[[Tensor], Tensor]

@@ -653,10 +653,10 @@ def test_cg_never_steps_along_a_direction_of_non_positive_curvature():
 
 
 def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits):
-    """The matrix-free iteration's arrays are sized from the memory budget: a budget that holds
-    its fixed arrays and 1,100 curvature rows gets 1,100 (a subsampled Hessian: the same
-    minimiser, the cut recorded); one that cannot hold MIN_CURVATURE_ROWS is refused before
-    anything is allocated, naming memory_budget."""
+    """The matrix-free iteration's arrays are sized from the memory budget: 1,250 curvature rows
+    asked under a budget that holds its fixed arrays and 1,100 copied rows get 1,100 (a
+    subsampled Hessian: the same minimiser, the cut recorded); one that cannot hold
+    MIN_CURVATURE_ROWS is refused before anything is allocated, naming memory_budget."""
     from pipeline import memory
     from pipeline.decision_layer_newton import working_bytes
     from pipeline.methods.lfoci_newton import MIN_CURVATURE_ROWS
@@ -670,14 +670,18 @@ def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits
     assert rec_full["curvature"]["solvers"][0]["curvature_rows"] == n_retain
     assert "curvature_rows_cut" not in rec_full["curvature"]["solvers"][0]
     k, d = sgd_mlp[3].weight.shape
-    fixed, per_row = working_bytes(n_retain, d, k, input_itemsize=8, curvature_itemsize=8, copies_inputs=True)
+    # float64 layer, no prepared X~ (R copied), no preconditioner, 40 recycled pairs, CG capped at 200
+    fixed, per_row = working_bytes(n_retain, d, k, input_itemsize=8, curvature_itemsize=8, work_itemsize=8,
+                                   copies_inputs=True, recycle=40, max_cg=200)
+    # 1,250 rows asked (a subsample: copied rows), room for 1,100
     with memory.use_budget(memory.MemoryBudget(int(fixed + 1100.5 * per_row))):
-        cut, rec = run(sgd_mlp, digits, forget, **settings)
+        cut, rec = run(sgd_mlp, digits, forget, curvature_samples=1250, **settings)
     solver = rec["curvature"]["solvers"][0]
-    assert solver["curvature_rows"] == 1100 and f"{n_retain} curvature rows asked, 1100 fit" in solver["curvature_rows_cut"]
+    assert solver["curvature_rows"] == 1100 and "1250 curvature rows asked, 1100 fit" in solver["curvature_rows_cut"]
+    assert rec["curvature"]["data"].startswith("seeded subsample of 1100 retained samples")
     moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
     assert rec["newton"]["converged"] and float(torch.linalg.vector_norm(flat(cut) - flat(full))) <= 1e-6 * moved
     with memory.use_budget(memory.MemoryBudget(int(fixed + (MIN_CURVATURE_ROWS - 1) * per_row))), \
             pytest.raises(memory.MemoryBudgetError, match=r"memory_budget .* cannot hold the matrix-free Newton iteration"
                                                           r" .* with 1024 curvature rows .* raise memory_budget"):
-        run(sgd_mlp, digits, forget, **settings)
+        run(sgd_mlp, digits, forget, curvature_samples=1250, **settings)

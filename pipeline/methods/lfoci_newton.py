@@ -62,8 +62,8 @@ from torch import nn
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.curvature import (
-    BlockHessian, Combination, DenseOperator, RemovalNotServed, SolveInfo, UnsolvedSystemError, block_gradient,
-    preconditioned_conjugate_gradient, solve_newton_system,
+    BlockHessian, Combination, DenseOperator, LinearOperator, RemovalNotServed, SolveInfo, UnsolvedSystemError,
+    block_gradient, check_dense_solve, preconditioned_conjugate_gradient, solve_newton_system,
 )
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
@@ -113,8 +113,8 @@ class LFociNewtonSettings(MethodSettings):
         "auto", description="a block of at most dense_max entries: dense = Cholesky of the materialised block; auto = "
                             "Cholesky where materialising is cheap (closed-form curvature, or first_step, which "
                             "reuses the factor), else CG first, capped at a quarter of the block's entries in "
-                            "products (one column of the dense block costs about one product), and Cholesky only "
-                            "when CG did not reach cg_rtol within them")
+                            "products over all its damping restarts, and Cholesky only when CG did not reach "
+                            "cg_rtol within them (and for the removal's later steps)")
     damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
                                                   "when H' + mu I is indefinite)")
     dense_rtol: float = Field(1e-8, gt=0, description="relative residual a dense solve must reach")
@@ -378,6 +378,7 @@ class LFociNewton(RemovalMethod):
                                            else "a pass over D \\ U",
                                            "refresh": settings.curvature_refresh}
         chord: _Chord | _WarmChord | None = None
+        cg_failed = False
         dense = block.numel <= settings.dense_max
         history: list[dict[str, Any]] = []
         solvers: list[dict[str, Any]] = []  # every step's solve, in order
@@ -394,6 +395,10 @@ class LFociNewton(RemovalMethod):
                 residual = g - anchor
                 norm_g = _norm(residual)
                 curvature_notes["operator"] = "closed-form products at the current weights (matrix-free)"
+                if solvers and "curvature_rows_cut" in solvers[0]:  # the memory budget subsampled the products
+                    subsampled = True
+                    curv_note = f"seeded subsample of {solvers[0]['curvature_rows']} retained samples (stream 2; " \
+                                f"{solvers[0]['curvature_rows_cut']})"
             else:
                 for k in range(settings.newton_max_steps):
                     if norm_g <= tol and k > 0:
@@ -409,9 +414,10 @@ class LFociNewton(RemovalMethod):
                         else:
                             h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
                                                  warm if k == 0 else None, curvature_notes)
-                            direction, info = _newton_direction(
+                            direction, info, cg_failed = _newton_direction(
                                 h_new, residual, settings, dense=dense,
-                                cheap_dense=factory is LinearCrossEntropyHessian or settings.curvature_refresh == "first_step")
+                                cheap_dense=factory is LinearCrossEntropyHessian or settings.curvature_refresh == "first_step"
+                                or cg_failed)  # once CG missed its share, later steps' systems go dense at once
                             if settings.curvature_refresh == "first_step" and dense:
                                 chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                         solvers.append(dict(info.__dict__))
@@ -552,8 +558,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
         settings.curvature_products == "auto" and product_dtype == torch.float32 and native_bfloat16(device)) \
         else product_dtype
     count, budget_note = _curvature_rows_within_budget(
-        n_retain, len(work.train) if prepared else n_retain, d, k, settings.curvature_samples, product_dtype,
-        curvature_dtype, copies_inputs=not prepared, preconditioned=warm is not None and warm.inverse is not None)
+        n_retain, d, k, settings, product_dtype, curvature_dtype, prepared_rows=len(work.train) if prepared else None,
+        warm=warm, order=order)
     if prepared:
         # the prepared X~ of D (and X~^T, logits, ||X~||_F), the forgotten rows masked: no copy of D_r
         # per removal, and no pass over X~ at the start
@@ -621,37 +627,66 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
     return history, solvers, verify
 
 
+class _ProductsSpent(Exception):
+    """The CG-first solve used up its products (``_CappedProducts``)."""
+
+
+class _CappedProducts(LinearOperator):
+    """``op`` that raises ``_ProductsSpent`` at its (cap + 1)-th product: one cap for a whole
+    CG solve, every damping restart included."""
+
+    def __init__(self, op: Any, cap: int):
+        self.op, self.cap, self.dim, self.products = op, cap, op.dim, 0
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        self.products += 1
+        if self.products > self.cap:
+            raise _ProductsSpent
+        return self.op.matvec(v)
+
+
 def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings, *, dense: bool,
-                      cheap_dense: bool) -> tuple[torch.Tensor, Any]:
-    """The Newton system's solution and its ``SolveInfo``: CG above dense_max; at or below it,
+                      cheap_dense: bool) -> tuple[torch.Tensor, Any, bool]:
+    """The Newton system's solution, its ``SolveInfo`` and whether a CG-first solve fell back to
+    the dense one: CG above dense_max; at or below it,
     Cholesky, unless ``small_block_solver: auto`` and materialising the block is not
-    ``cheap_dense`` (each of its dim columns costs about one Hessian-vector product through the
-    model): then CG capped at dim / 4 products, and the dense solve only when CG did not reach
-    cg_rtol within them (at most 1.25x the dense cost; a CG that converges costs a fraction)."""
-    def solve(as_dense: bool, max_iter: int | None) -> tuple[torch.Tensor, Any]:
-        return solve_newton_system(op, rhs, dense=as_dense, damping=settings.damping,
+    ``cheap_dense`` (its dim columns are Hessian-vector products through the model, taken
+    ``columns_per_pass`` at a time): then CG first, with at most dim / 4 products over all its
+    damping restarts, and the dense solve only when CG did not reach cg_rtol within them. A CG
+    that converges costs a fraction of the dense build; one that does not adds dim / 4 products
+    to it, which is (1 + c / 4)x the dense cost where a product costs c vmapped columns (c about
+    4.5 on the test MLP, under 1 through the bench CNN). When the dense system does not fit the
+    memory budget, CG goes on to cg_max_iter instead. After a fallback the caller solves the
+    removal's later systems densely at once."""
+    def solve(target: Any, as_dense: bool, max_iter: int | None) -> tuple[torch.Tensor, Any]:
+        return solve_newton_system(target, rhs, dense=as_dense, damping=settings.damping,
                                    rtol=settings.dense_rtol if as_dense else settings.cg_rtol, max_iter=max_iter,
                                    max_attempts=settings.max_damping_attempts)
 
     if not dense:
-        return solve(False, settings.cg_max_iter)
+        return (*solve(op, False, settings.cg_max_iter), False)
     if settings.small_block_solver == "dense" or cheap_dense:
-        return solve(True, None)
+        return (*solve(op, True, None), False)
     cap = max(1, op.dim // 4)
-    if settings.cg_max_iter is not None:
-        cap = min(cap, settings.cg_max_iter)
+    capped = _CappedProducts(op, cap if settings.cg_max_iter is None else min(cap, settings.cg_max_iter))
     try:
-        direction, info = solve(False, cap)
-    except UnsolvedSystemError as err:
-        left = err.diagnostics.get("solver", {}).get("relative_residual")
-        direction, info = solve(True, None)
-        info.notes.append(f"CG did not reach cg_rtol {settings.cg_rtol:.1e} within {cap} products (a quarter of the "
-                          f"{op.dim} columns a dense block costs; relative residual left "
-                          f"{left if left is None else format(left, '.1e')}): solved densely")
-        return direction, info
-    info.notes.append(f"CG instead of materialising the {op.dim} x {op.dim} block: {info.iterations} products "
-                      f"(small_block_solver: auto)")
-    return direction, info
+        direction, info = solve(capped, False, settings.cg_max_iter)
+    except (UnsolvedSystemError, _ProductsSpent) as err:
+        why = (f"relative residual left {err.diagnostics.get('solver', {}).get('relative_residual', float('nan')):.1e}"
+               if isinstance(err, UnsolvedSystemError) else "its damping restarts included")
+        spent = f"CG did not reach cg_rtol {settings.cg_rtol:.1e} within {capped.cap} products ({why})"
+        try:
+            check_dense_solve(op)
+        except memory.MemoryBudgetError as too_big:
+            direction, info = solve(op, False, settings.cg_max_iter)
+            info.notes.append(f"{spent}; the dense system does not fit ({too_big}): CG went on")
+            return direction, info, False
+        direction, info = solve(op, True, None)
+        info.notes.append(f"{spent}, a quarter of the {op.dim} columns of the dense block: solved densely")
+        return direction, info, True
+    info.notes.append(f"CG instead of materialising the {op.dim} x {op.dim} block: {capped.products} products, "
+                      "damping restarts included (small_block_solver: auto)")
+    return direction, info, False
 
 
 #: The fewest curvature rows a memory budget may cut the matrix-free products to (all of R when
@@ -659,31 +694,51 @@ def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings,
 MIN_CURVATURE_ROWS = 1024
 
 
-def _curvature_rows_within_budget(n_retain: int, n_rows: int, d: int, k: int, wanted: int | None,
-                                  product_dtype: torch.dtype, curvature_dtype: torch.dtype, *, copies_inputs: bool,
-                                  preconditioned: bool) -> tuple[int, str | None]:
-    """How many retained rows the matrix-free products may use: ``wanted`` (all of R when None),
-    cut to what the memory budget holds beside the iteration's fixed arrays
+def _curvature_rows_within_budget(n_retain: int, d: int, k: int, settings: LFociNewtonSettings,
+                                  product_dtype: torch.dtype, curvature_dtype: torch.dtype, *,
+                                  prepared_rows: int | None, warm: "WarmCurvature | None",
+                                  order: torch.Tensor) -> tuple[int, str | None]:
+    """How many retained rows the matrix-free products may use: ``curvature_samples`` (all of R
+    when unset), cut to what the memory budget holds beside the iteration's other arrays
     (``decision_layer_newton.working_bytes``; a subsampled Hessian leaves the minimiser as it
     is), never below MIN_CURVATURE_ROWS; ``MemoryBudgetError`` before anything is allocated
-    when even that does not fit. Returns (rows, a note when the budget cut them)."""
+    when even that does not fit. ``prepared_rows``: the rows of a prepared X~ of D (else R is
+    copied). Returns (rows, a note when the budget cut them)."""
+    def size(dtype: torch.dtype) -> int:
+        return torch.empty(0, dtype=dtype).element_size()
+
     budget = memory.available_in(memory.current_budget())
-    want = n_retain if wanted is None else min(int(wanted), n_retain)
-    itemsize = torch.empty(0, dtype=curvature_dtype).element_size()
-    fixed, per_row = working_bytes(n_rows, d, k, input_itemsize=torch.empty(0, dtype=product_dtype).element_size(),
-                                   curvature_itemsize=itemsize, copies_inputs=copies_inputs,
-                                   preconditioner_itemsize=torch.empty(0, dtype=product_dtype).element_size()
-                                   if preconditioned else 0)
+    want = n_retain if settings.curvature_samples is None else min(int(settings.curvature_samples), n_retain)
+    preconditioner = 0.0
+    if settings.newton_preconditioner == "auto" and warm is not None and warm.inverse is not None:
+        cached = warm.layer_inverse_cache
+        if cached is None or cached[1] != product_dtype or not torch.equal(cached[0], order):
+            # layer_ordered: a float64 permuted copy, its symmetrised sum, and the cast that is kept
+            preconditioner = (k * (d + 1)) ** 2 * (2 * 8 + size(product_dtype))
+    kronecker = settings.newton_preconditioner == "kronecker"
+
+    def plan(copies_rows: bool) -> tuple[float, float]:
+        return working_bytes(prepared_rows or n_retain, d, k, input_itemsize=size(product_dtype),
+                             curvature_itemsize=size(curvature_dtype),
+                             work_itemsize=4 if curvature_dtype in (torch.bfloat16, torch.float32) else 8,
+                             copies_inputs=prepared_rows is None, copies_curvature_rows=copies_rows,
+                             preconditioner_bytes=preconditioner, kronecker=kronecker,
+                             recycle=settings.newton_recycle, max_cg=settings.cg_max_iter or 200)
+
+    # the rows are all of X~ in its own precision (no copy) only when R is copied whole, in that precision
+    fixed, per_row = plan(copies_rows=not (want == n_retain and prepared_rows is None
+                                           and curvature_dtype == product_dtype))
+    if fixed + want * per_row <= budget.bytes:
+        return want, None
+    fixed, per_row = plan(copies_rows=True)  # a subsample is a copy
     least = min(want, MIN_CURVATURE_ROWS)
     room = budget.bytes - fixed
-    fit = int(room // per_row) if room > 0 else 0
+    fit = min(want, int(room // per_row)) if room > 0 else 0
     if fit < least:
         raise memory.MemoryBudgetError(
             f"{budget.named()} cannot hold the matrix-free Newton iteration on the {k} x {d + 1} decision layer "
             f"with {least} curvature rows (needs ~{memory.format_bytes(fixed + least * per_row)}): raise "
             f"{memory.SETTING}")
-    if fit >= want:
-        return want, None
     return fit, (f"{want} curvature rows asked, {fit} fit {budget.named()} "
                  f"(~{memory.format_bytes(fixed)} fixed, {memory.format_bytes(per_row)} per row)")
 
