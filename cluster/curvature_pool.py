@@ -78,7 +78,7 @@ class ShardedBlockHessian(LinearOperator):
             columns = {k: v.detach().to("cpu").numpy() for k, v in part.columns.items()}
             ref = ray.put((columns, part.sample_ids.numpy()))
             self._refs.append(ref)
-            self._specs.append([ref, block_ref, batch_size, columns_per_pass, budget, pool.sharing])
+            self._specs.append([ref, block_ref, batch_size, columns_per_pass, budget])
         self.products = 0
 
     def _batches_in(self, shard: tuple[int, int]) -> int:
@@ -90,9 +90,9 @@ class ShardedBlockHessian(LinearOperator):
 
     def _fan_out(self, method: str, x: np.ndarray, per_batch: bool) -> Tensor:
         x_ref = ray.put(x)
-        for spec in self._specs:  # the pool's share as it is now (it changes when a worker is replaced)
-            spec[5] = self.pool.sharing
-        calls = [Call(method, (self.key, self.weights, spec, x_ref, per_batch)) for spec in self._specs]
+        # each spec with the pool's share as it is now (it changes when a worker is replaced)
+        calls = [Call(method, (self.key, self.weights, [*spec, self.pool.sharing], x_ref, per_batch))
+                 for spec in self._specs]
         outs = self.pool.map(calls, pinned=True)
         acc = torch.zeros(x.shape, dtype=torch.float64)
         for out in outs:  # shard order, then batch order inside a shard: the global batch order

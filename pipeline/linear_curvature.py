@@ -20,6 +20,8 @@ which is then exact, not an approximation; at any other weights or data it is no
 """
 from __future__ import annotations
 
+import functools
+
 import time
 from dataclasses import dataclass, field
 
@@ -163,8 +165,10 @@ def products_dtype(layer: nn.Linear) -> torch.dtype:
     return torch.float32 if layer.weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as the Linux kernel lists them (empty elsewhere or unreadable)."""
+    """The CPU's feature flags as the Linux kernel lists them (empty elsewhere or unreadable);
+    read once per process."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             for line in fh:
@@ -272,10 +276,14 @@ class WarmCurvature:
             return None
         from pipeline.decision_layer_newton import layer_ordered
 
+        if not self.has_layer_inverse(order, dtype):
+            self.layer_inverse_cache = (order.clone(), dtype, layer_ordered(self.inverse, order, dtype))
+        return self.layer_inverse_cache[2]
+
+    def has_layer_inverse(self, order: Tensor, dtype: torch.dtype) -> bool:
+        """True when ``layer_inverse(order, dtype)`` is already made (no new copy)."""
         cached = self.layer_inverse_cache
-        if cached is None or cached[1] != dtype or not torch.equal(cached[0], order):
-            cached = self.layer_inverse_cache = (order.clone(), dtype, layer_ordered(self.inverse, order, dtype))
-        return cached[2]
+        return cached is not None and cached[1] == dtype and torch.equal(cached[0], order)
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""

@@ -254,6 +254,17 @@ class _OutputBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def _output_bytes(model: nn.Module, call: Any) -> int:
+    """Bytes of every operator output of ``call()`` (at least 1), run no-grad with ``model`` in
+    eval mode."""
+    from pipeline.probe import eval_mode_restored  # probe sizes its passes with this module
+
+    mode = _OutputBytes()
+    with eval_mode_restored(model), torch.no_grad(), mode:
+        call()
+    return max(int(mode.total), 1)
+
+
 def _storage(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -278,14 +289,10 @@ class ModelCost:
     @classmethod
     def measure(cls, model: nn.Module, task: Any, batch_of_one: Mapping[str, torch.Tensor]) -> "ModelCost":
         """One no-grad forward of one sample under a dispatch mode summing every output."""
-        from pipeline.probe import eval_mode_restored  # probe sizes its passes with this module
-
-        mode = _OutputBytes()
-        with eval_mode_restored(model), torch.no_grad(), mode:
-            logits = task.forward(model, dict(batch_of_one))
-            task.per_sample_loss(logits, dict(batch_of_one))
+        activations = _output_bytes(model, lambda: task.per_sample_loss(task.forward(model, dict(batch_of_one)),
+                                                                         dict(batch_of_one)))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(max(int(mode.total), 1), int(params), _dtype_bytes(model))
+        return cls(activations, int(params), _dtype_bytes(model))
 
     @classmethod
     def of(cls, model: nn.Module, task: Any, data: Any) -> "ModelCost":
@@ -414,16 +421,11 @@ def call_batch_size(model: nn.Module, fn: Any, data: Any, batch_size: int,
     operator output of a one-sample call (measured once per model, method and sample shape)."""
     if len(data) == 0:
         return batch_size
-    from pipeline.probe import eval_mode_restored
-
     key = ("call", getattr(fn, "__name__", repr(fn)), tuple(data.columns["x"].shape[1:]), str(data.columns["x"].dtype))
     per_model = _COSTS.setdefault(model, {})
     if key not in per_model:
-        mode = _OutputBytes()
         first = next(iter(data.batches(1)))
-        with eval_mode_restored(model), torch.no_grad(), mode:
-            fn(first["x"])
-        per_model[key] = max(int(mode.total), 1)
+        per_model[key] = _output_bytes(model, lambda: fn(first["x"]))
     return chunk_size(available_in(resolve(budget, model_device(model))), ModelCost.FORWARD * per_model[key],
                       limit=min(batch_size, len(data)), what=f"sample's {key[1]} pass", fix="use a smaller model")
 

@@ -593,7 +593,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, retain_set: Callable[[
             choice = "warm H_P(D)^-1"
     result = newton_minimise(objective, theta0, tol=tol, max_steps=settings.newton_max_steps,
                              preconditioner=preconditioner, forcing=settings.newton_forcing,
-                             max_cg=settings.cg_max_iter or 200, max_backtracks=settings.max_backtracks,
+                             max_cg=settings.cg_max_iter or MATRIX_FREE_MAX_CG, max_backtracks=settings.max_backtracks,
                              recycle=settings.newton_recycle,
                              start=None if start_logits is None else (start_logits, to_theta(residual)))
     history = [{"step": h["step"], "residual_norm_after": h["gradient_norm"], "step_length": h["step_length"],
@@ -689,6 +689,9 @@ def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings,
     return direction, info, False
 
 
+#: CG iterations per matrix-free Newton system when cg_max_iter is unset.
+MATRIX_FREE_MAX_CG = 200
+
 #: The fewest curvature rows a memory budget may cut the matrix-free products to (all of R when
 #: it has fewer): below this a subsampled Hessian steers the Newton steps poorly.
 MIN_CURVATURE_ROWS = 1024
@@ -704,26 +707,22 @@ def _curvature_rows_within_budget(n_retain: int, d: int, k: int, settings: LFoci
     is), never below MIN_CURVATURE_ROWS; ``MemoryBudgetError`` before anything is allocated
     when even that does not fit. ``prepared_rows``: the rows of a prepared X~ of D (else R is
     copied). Returns (rows, a note when the budget cut them)."""
-    def size(dtype: torch.dtype) -> int:
-        return torch.empty(0, dtype=dtype).element_size()
-
     budget = memory.available_in(memory.current_budget())
     want = n_retain if settings.curvature_samples is None else min(int(settings.curvature_samples), n_retain)
     preconditioner = 0.0
     if settings.newton_preconditioner == "auto" and warm is not None and warm.inverse is not None:
-        cached = warm.layer_inverse_cache
-        if cached is None or cached[1] != product_dtype or not torch.equal(cached[0], order):
+        if not warm.has_layer_inverse(order, product_dtype):
             # layer_ordered: a float64 permuted copy, its symmetrised sum, and the cast that is kept
-            preconditioner = (k * (d + 1)) ** 2 * (2 * 8 + size(product_dtype))
+            preconditioner = (k * (d + 1)) ** 2 * (2 * 8 + product_dtype.itemsize)
     kronecker = settings.newton_preconditioner == "kronecker"
 
     def plan(copies_rows: bool) -> tuple[float, float]:
-        return working_bytes(prepared_rows or n_retain, d, k, input_itemsize=size(product_dtype),
-                             curvature_itemsize=size(curvature_dtype),
+        return working_bytes(prepared_rows or n_retain, d, k, input_itemsize=product_dtype.itemsize,
+                             curvature_itemsize=curvature_dtype.itemsize,
                              work_itemsize=4 if curvature_dtype in (torch.bfloat16, torch.float32) else 8,
                              copies_inputs=prepared_rows is None, copies_curvature_rows=copies_rows,
                              preconditioner_bytes=preconditioner, kronecker=kronecker,
-                             recycle=settings.newton_recycle, max_cg=settings.cg_max_iter or 200)
+                             recycle=settings.newton_recycle, max_cg=settings.cg_max_iter or MATRIX_FREE_MAX_CG)
 
     # the rows are all of X~ in its own precision (no copy) only when R is copied whole, in that precision
     fixed, per_row = plan(copies_rows=not (want == n_retain and prepared_rows is None
