@@ -414,10 +414,11 @@ class LFociNewton(RemovalMethod):
                         else:
                             h_new = self._system(problem, work, settings, block, curv_data, forget, factory, n, m, lam,
                                                  warm if k == 0 else None, curvature_notes)
-                            direction, info, cg_failed = _newton_direction(
+                            direction, info, fell_back = _newton_direction(
                                 h_new, residual, settings, dense=dense,
                                 cheap_dense=factory is LinearCrossEntropyHessian or settings.curvature_refresh == "first_step"
-                                or cg_failed)  # once CG missed its share, later steps' systems go dense at once
+                                or cg_failed)
+                            cg_failed = cg_failed or fell_back  # once CG missed its share, later systems go dense at once
                             if settings.curvature_refresh == "first_step" and dense:
                                 chord = _Chord(h_new.to_dense(), info.damping, settings.dense_rtol)
                         solvers.append(dict(info.__dict__))
@@ -674,7 +675,8 @@ def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings,
     except (UnsolvedSystemError, _ProductsSpent) as err:
         why = (f"relative residual left {err.diagnostics.get('solver', {}).get('relative_residual', float('nan')):.1e}"
                if isinstance(err, UnsolvedSystemError) else "its damping restarts included")
-        spent = f"CG did not reach cg_rtol {settings.cg_rtol:.1e} within {capped.cap} products ({why})"
+        spent = (f"CG did not reach cg_rtol {settings.cg_rtol:.1e} within {capped.cap} products (a quarter of the "
+                 f"block's {op.dim} columns, or cg_max_iter; {why})")
         try:
             check_dense_solve(op)
         except memory.MemoryBudgetError as too_big:
@@ -682,7 +684,7 @@ def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings,
             info.notes.append(f"{spent}; the dense system does not fit ({too_big}): CG went on")
             return direction, info, False
         direction, info = solve(op, True, None)
-        info.notes.append(f"{spent}, a quarter of the {op.dim} columns of the dense block: solved densely")
+        info.notes.append(f"{spent}: solved densely")
         return direction, info, True
     info.notes.append(f"CG instead of materialising the {op.dim} x {op.dim} block: {capped.products} products, "
                       "damping restarts included (small_block_solver: auto)")
