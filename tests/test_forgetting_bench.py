@@ -70,6 +70,19 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
             continue
         assert 0.0 <= res["accuracy"] <= 100.0 and res["shadow_pairs"] == 3, name
     assert smoke_result["scenarios"]["class"]["runs"][0]["classes"] is not None
+    # newton-head-gn: the hidden layer moved by the Gauss-Newton step from the prepared factors (charged
+    # to the row's preparation), the output layer as newton-head's
+    prep = smoke_result["preparation"]
+    assert set(prep["head_curvature_seconds"]) == {"0", "1", "2"} and set(prep["seconds"]) == {"0", "1", "2"}
+    served = [run for block in smoke_result["scenarios"].values() for run in block["runs"] if "newton-head-gn" in run["records"]]
+    assert served
+    for run in served:
+        hidden = run["records"]["newton-head-gn"]["hidden_step"]
+        assert hidden["parameters"] == ["1.weight", "1.bias"] and hidden["prepared"] == "prepared for these weights"
+        assert hidden["step_norm_outside_block"] > 0 and hidden["products"] == 3
+        assert run["rows"]["newton-head-gn"]["preparation_seconds"] == pytest.approx(
+            prep["seconds"]["0"] + prep["head_curvature_seconds"]["0"])
+        assert run["records"]["newton-head"]["hidden_step"] is None
 
 
 def test_json_is_strict_and_tables_render(smoke_result: dict, tmp_path: Path) -> None:

@@ -34,6 +34,12 @@ a class is forgotten overstates the curvature of its row by orders of magnitude,
 stall there. With the anchor, the rows of a class that has no retained sample are not anchored
 (``anchor_absent_classes: false``): their residual is the forgotten samples' unfinished fit.
 
+Hidden step (``hidden_step: gauss_newton``; the model is a head of Linear layers under cross-entropy):
+the parameters outside the block move by their part of one anchored Gauss-Newton step on the whole
+head, w + (G_{D\\U} + lambda I)^{-1} (1/(n-m)) sum_U (grad loss(w, z) - mean_D grad loss), taken at
+the start weights and truncated (``pipeline.head_gauss_newton``); the block is solved as without it.
+A heuristic: no noise on those parameters, and the release says so.
+
 Robust solve: mu >= ``damping``; an indefinite H' + damping I gets Levenberg-Marquardt damping
 (recorded), and a system not solved to the stated tolerance is never published: it raises
 ``RemovalNotServed`` (``UnsolvedSystemError``), as does a step that removes less than
@@ -70,6 +76,7 @@ from pipeline.methods.base import (
 )
 from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
 from pipeline import memory
+from pipeline.head_gauss_newton import GaussNewtonStep, HeadCurvature, gauss_newton_step, head_layout
 from pipeline.decision_layer_newton import SoftmaxLayerObjective, dense_preconditioner, newton_minimise, working_bytes
 from pipeline.linear_curvature import (LinearCrossEntropyHessian, WarmCurvature, _block_order, closed_form_layer,
                                        native_bfloat16, products_dtype)
@@ -170,6 +177,18 @@ class LFociNewtonSettings(MethodSettings):
                                      "is not served (RemovalNotServed)")
     exact_start_tol: float = Field(1e-8, gt=0, description="certification: ||grad L_D(w)|| below this counts "
                                                            "as the exact minimiser")
+    hidden_step: Literal["none", "gauss_newton"] = Field(
+        "none", description="gauss_newton: also move the parameters outside the block (a head of Linear layers under "
+                            "cross-entropy, e.g. its hidden layers) by their part of one anchored, truncated Gauss-"
+                            "Newton step on the whole head, taken at the start weights (pipeline.head_gauss_newton); "
+                            "heuristic, no noise on those parameters")
+    hidden_step_rows: int = Field(1024, gt=0, description="hidden_step: Gauss-Newton products over this many retained "
+                                                          "samples of largest curvature trace 1 - sum_c p_c^2")
+    hidden_step_iterations: int = Field(2, ge=0, description="hidden_step: PCG iterations from the EK-FAC solution")
+    hidden_step_damping: float = Field(0.0, ge=0, description="hidden_step: damping added to the weight decay")
+    hidden_step_min_trace_share: float = Field(
+        0.9, ge=0, le=1, description="hidden_step: no step (recorded) where the rows kept hold less than this share of "
+                                     "the retained curvature trace (the truncated Gauss-Newton matrix would understate it)")
     epsilon: float = Field(math.inf, description="privacy budget of this removal; inf = no noise")
     delta: float = Field(1e-5)
     lipschitz_loss: float = Field(DEFAULT_LIPSCHITZ_LOSS, gt=0)
@@ -219,20 +238,24 @@ def convex_model_reason(model: nn.Module, task: Task) -> str | None:
 def privacy_release(
     problem: RemovalProblem, settings: LFociNewtonSettings, cal: NoiseCalibration, *, full_block: bool,
     steps: int, damping_used: float, subsampled: bool, shortened: bool, start_gradient_norm: float, final_gradient_norm: float,
-    inexact_solve: str | None = None,
+    inexact_solve: str | None = None, moved_outside_block: bool = False,
 ) -> PrivacyRelease:
     """``certified`` only where Sekhari et al. (2021, Thm 3.2) holds: a full-parameter step on a
     convex model with weight decay lambda > 0 (strong convexity no larger than lambda), and
     either (a) one undamped Newton step with the exact Hessian from the exact minimiser
     (||grad L_D|| <= exact_start_tol), or (b) a result whose retained gradient proves it lies
     within gamma of the retrained optimum: ||w - w*|| <= ||grad L_{D\\U}(w)|| / lambda <= gamma
-    (lambda-strong convexity). Otherwise ``heuristic`` with every reason."""
+    (lambda-strong convexity). Otherwise ``heuristic`` with every reason (``moved_outside_block``:
+    the hidden step moved parameters the noise does not cover)."""
     if math.isinf(cal.epsilon) or cal.sigma == 0.0:
         return PrivacyRelease.non_private()
     lam = problem.weight_decay
     reasons: list[str] = []
     if not full_block:
         reasons.append("blockwise step: the bound covers a full-parameter Newton step")
+    if moved_outside_block:
+        reasons.append("hidden_step: parameters outside the block were moved by a truncated Gauss-Newton step, "
+                       "without noise")
     convex = convex_model_reason(problem.model, problem.task)
     if convex:
         reasons.append(convex)
@@ -328,6 +351,10 @@ class LFociNewton(RemovalMethod):
         # needs it (a copy of n - m rows it would make only to read their labels)
         retain_set: Callable[[], SampleSet] = functools.cache(lambda: work.retain)
 
+        hidden: GaussNewtonStep | None = None
+        if settings.hidden_step == "gauss_newton":  # at the start weights, before the block moves
+            with problem.stage("hidden_step", timings):
+                hidden = _hidden_step(problem, block, settings)
         with problem.stage("gradients", timings):
             g_forget = block_gradient(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
             if warm is not None and warm.training_gradient is not None:
@@ -457,10 +484,16 @@ class LFociNewton(RemovalMethod):
             start_gradient_norm=start_norm, final_gradient_norm=raw_after,
             inexact_solve=("matrix_free: each Newton system solved inexactly (PCG to the forcing term "
                            f"{settings.newton_forcing:g} or better), not Sekhari's exact-Hessian step"
-                           if settings.curvature_refresh == "matrix_free" else None))
+                           if settings.curvature_refresh == "matrix_free" else None),
+            moved_outside_block=hidden is not None and bool(hidden.delta))
         noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
         block.add_to_model(model, noise)
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
+        if hidden is not None:
+            with torch.no_grad():
+                for name, delta in hidden.delta.items():
+                    params[name].add_(delta.to(params[name].dtype))
+                    new_parameters[name] = params[name].detach().clone()
         record = {
             "block": {"numel": block.numel, "full_model": full_block,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
@@ -489,12 +522,37 @@ class LFociNewton(RemovalMethod):
                 "retained_removed": reduction,  # 1 - ||residual after|| / before (pre-noise)
                 "forget_in_block": share,       # ||g_P(U)|| / ||g(U)|| (None: record_gradient_share off)
             },
+            "hidden_step": None if hidden is None else hidden.record,
             "step_norm": _norm(w_solved - w_start),
             "noise_norm": _norm(noise),
             "timings": timings,
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+def _hidden_step(problem: RemovalProblem, block, settings: LFociNewtonSettings) -> GaussNewtonStep:
+    """The parameters outside the block, moved by their part of one Gauss-Newton step on the head
+    (none where the step was skipped: its record says why)."""
+    inside = {part.name for part in block.parts}
+    partial = [part.name for part in block.parts if part.rows is not None]
+    if partial:
+        raise ValueError(f"hidden_step: gauss_newton needs whole parameters in the block; {partial} are "
+                         "row slices: name whole parameters (selection: parameters) or set hidden_step: none")
+    outside_names = [k for k in head_layout(problem.model, problem.task).parameter_names() if k not in inside]
+    if not outside_names:
+        raise ValueError("hidden_step: gauss_newton has nothing to move: the block already holds every parameter "
+                         "of the head; set hidden_step: none")
+    prepared = problem.extras.get("head_curvature")
+    step = gauss_newton_step(problem.model, problem.task, problem.train, problem.forget_positions,
+                             problem.weight_decay, rows=settings.hidden_step_rows,
+                             iterations=settings.hidden_step_iterations, damping=settings.hidden_step_damping,
+                             min_trace_share=settings.hidden_step_min_trace_share,
+                             prepared=prepared if isinstance(prepared, HeadCurvature) else None,
+                             batch_size=problem.batch_size)
+    outside = {k: step.delta[k] for k in outside_names if k in step.delta}
+    moved = _norm(torch.cat([v.reshape(-1) for v in outside.values()])) if outside else 0.0
+    return GaussNewtonStep(outside, {**step.record, "parameters": outside_names, "step_norm_outside_block": moved})
 
 
 def _layer_order(model: nn.Module, block, layer: nn.Linear) -> torch.Tensor:
