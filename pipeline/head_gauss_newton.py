@@ -51,6 +51,7 @@ from torch.func import functional_call, jvp, vjp
 from pipeline import memory
 from pipeline.curvature import LinearOperator
 from pipeline.data.sampleset import SampleSet
+from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task, output_logits
 
 __all__ = ["HeadCurvature", "HeadGaussNewton", "HeadLayout", "GaussNewtonStep", "head_layout", "gauss_newton_step"]
@@ -122,7 +123,10 @@ def head_layout(model: nn.Module, task: Task) -> HeadLayout:
         raise ValueError(f"hidden_step: gauss_newton covers an nn.Sequential head of Linear layers and parameter-free "
                          f"modules; this model is a {type(model).__name__}: set hidden_step: none, or give the head "
                          "alone over cached features")
-    chain = tuple(m for m in model.modules() if not isinstance(m, nn.Sequential))
+    chain = tuple(_run_order(model))
+    if len({id(m) for m in chain}) != len(chain):
+        raise ValueError("hidden_step: gauss_newton needs each module of the head to run once; this head calls one "
+                         "module instance twice: give each position its own module, or set hidden_step: none")
     other = sorted({type(m).__name__ for m in chain if not isinstance(m, (nn.Linear, *_PARAMETER_FREE))})
     if other:
         raise ValueError(f"hidden_step: gauss_newton covers a head of Linear layers and parameter-free modules; "
@@ -132,10 +136,22 @@ def head_layout(model: nn.Module, task: Task) -> HeadLayout:
     if devices and devices != ["cpu"]:
         raise ValueError(f"hidden_step: gauss_newton runs on a head held on the CPU (this one is on {devices}); "
                          "move the head to the CPU or set hidden_step: none")
+    frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
+    if frozen:
+        raise ValueError(f"hidden_step: gauss_newton moves every weight of the head, and {frozen} are frozen "
+                         "(requires_grad False): give the trainable head alone, or set hidden_step: none")
     layers = tuple((name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear))
     if not layers:
         raise ValueError("hidden_step: gauss_newton found no Linear layer in the model; set hidden_step: none")
     return HeadLayout(layers, chain)
+
+
+def _run_order(module: nn.Module) -> list[nn.Module]:
+    """The leaf modules of a (nested) Sequential in the order they run, repeats kept
+    (``nn.Module.modules()`` drops a module instance it has already seen)."""
+    if not isinstance(module, nn.Sequential):
+        return [module]
+    return [leaf for child in module._modules.values() if child is not None for leaf in _run_order(child)]
 
 
 def rows_per_pass(layout: HeadLayout, classes: int, batch_size: int,
@@ -145,11 +161,16 @@ def rows_per_pass(layout: HeadLayout, classes: int, batch_size: int,
     the float64 inputs, their rotations and the autograd buffers of the pass (2x the layer widths
     in the model's precision, counted as float64)."""
     budget = memory.available_in(budget or memory.current_budget())
+    fixed, per_row = _pass_bytes(layout, classes)
+    return memory.chunk_size(budget, per_row, fixed, limit=batch_size, what="sample's Gauss-Newton pass",
+                             fix="set hidden_step: none")
+
+
+def _pass_bytes(layout: HeadLayout, classes: int) -> tuple[int, int]:
     shapes = [layout.shape(m) for _, m in layout.layers]
     fixed = 8 * sum(3 * i * i + 3 * o * o + 3 * o * i for o, i in shapes)
     per_row = 8 * sum((classes + 2) * o + 3 * i for o, i in shapes)
-    return memory.chunk_size(budget, per_row, fixed, limit=batch_size, what="sample's Gauss-Newton pass",
-                             fix="set hidden_step: none")
+    return fixed, per_row
 
 
 def _with_ones(a: Tensor, bias: bool) -> Tensor:
@@ -226,8 +247,12 @@ class HeadCurvature:
         layout = head_layout(model, task)
         work = next(model.parameters()).dtype
         batch_size = rows_per_pass(layout, layout.layers[-1][1].out_features, batch_size)
-        was_training = model.training
-        model.eval()
+        with eval_mode_restored(model):
+            return cls._prepare(model, task, train, layout, work, batch_size, started)
+
+    @classmethod
+    def _prepare(cls, model: nn.Module, task: Task, train: SampleSet, layout: HeadLayout, work: torch.dtype,
+                 batch_size: int, started: float) -> "HeadCurvature":
         n = len(train)
         a_acc = [torch.zeros(i, i, dtype=torch.float64) for i in (layout.shape(m)[1] for _, m in layout.layers)]
         g_acc = [torch.zeros(o, o, dtype=torch.float64) for o in (layout.shape(m)[0] for _, m in layout.layers)]
@@ -266,7 +291,6 @@ class HeadCurvature:
                     scale[li] += (d_sq.T @ a_rot).to(torch.float64)
         finally:
             capture.close()
-            model.train(was_training)
         factors = [LayerFactors(qi, qo, (s / n).to(work)) for qi, qo, s in zip(eig_in, eig_out, scale)]
         # one product on two samples: a process's first torch.func transforms cost tens of ms to set
         # up; a serving process pays that here, once, not in its first removal
@@ -374,7 +398,8 @@ class HeadGaussNewton(LinearOperator):
 def _truncated_pcg(op: LinearOperator, b: Tensor, precondition: Any, iterations: int
                    ) -> tuple[Tensor, float, list[str]]:
     """``iterations`` steps of PCG on op x = b from x0 = P^{-1} b (float64); the relative residual
-    ||b - op x|| / ||b|| reached. No preconditioner application after the last update."""
+    reached, ||r|| / ||b|| with r the CG recurrence's residual (b - op x in exact arithmetic; the
+    products may run in float32). No preconditioner application after the last update."""
     x = precondition(b)
     r = b - op.matvec(x)
     notes: list[str] = []
@@ -418,6 +443,10 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
     Fashion-MNIST's head, 52-55% of the trace in the rows kept still made every removal worse; R8's
     MiniLM head keeps 92-94%.)"""
     started = time.perf_counter()
+    if not weight_decay + damping > 0:
+        raise ValueError(f"hidden_step: the Gauss-Newton system needs a ridge: weight decay {weight_decay:g} + "
+                         f"hidden_step_damping {damping:g} must be > 0 (G is singular on dead units and unseen "
+                         "directions); set hidden_step_damping > 0")
     layout = head_layout(model, task)
     batch_size = rows_per_pass(layout, layout.layers[-1][1].out_features, batch_size)
     if prepared is None or not prepared.holds_for(model, train):
@@ -445,23 +474,26 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
                              "matrix would understate the curvature, so no hidden step was taken")
         record["seconds"] = time.perf_counter() - started
         return GaussNewtonStep({}, record)
+    # the operator keeps every pass's activations and pullback: all ``count`` rows at once
+    fixed, per_row = _pass_bytes(layout, layout.layers[-1][1].out_features)
+    memory.chunk_size(memory.available_in(memory.current_budget()), count * per_row, fixed, limit=1,
+                      what=f"set of {count} Gauss-Newton rows", fix="lower hidden_step_rows or set hidden_step: none")
     forget = train.take(forget_positions)
-    was_training = model.training
-    model.eval()
-    capture = _Capture(layout)
-    try:
-        forget_sum = torch.zeros(layout.numel, dtype=torch.float64)
-        for batch in forget.batches(batch_size):
-            with torch.enable_grad():
-                logits, _, inputs = _pass(model, task, batch, capture)
-                loss = task.per_sample_loss(logits, batch).sum()
-                out_grads = torch.autograd.grad(loss, capture.outputs)
-            forget_sum += torch.cat([(go.to(torch.float64).T @ a).reshape(-1) for go, a in zip(out_grads, inputs)])
-    finally:
-        capture.close()
-    g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)
     ridge = weight_decay + damping
-    try:
+    with eval_mode_restored(model):
+        capture = _Capture(layout)
+        try:
+            forget_sum = torch.zeros(layout.numel, dtype=torch.float64)
+            for batch in forget.batches(batch_size):
+                with torch.enable_grad():
+                    logits, _, inputs = _pass(model, task, batch, capture)
+                    loss = task.per_sample_loss(logits, batch).sum()
+                    out_grads = torch.autograd.grad(loss, capture.outputs)
+                forget_sum += torch.cat([(go.to(torch.float64).T @ a).reshape(-1)
+                                         for go, a in zip(out_grads, inputs)])
+        finally:
+            capture.close()
+        g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)
         op = HeadGaussNewton(model, task, train.take(picked), layout, divisor=n - m, ridge=ridge,
                              batch_size=batch_size)
 
@@ -469,8 +501,6 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
             return prepared.precondition(layout, v, ridge)
 
         direction, relative, notes = _truncated_pcg(op, g_u, precondition, iterations)
-    finally:
-        model.train(was_training)
     record.update({
         "preconditioner": "EK-FAC of the Gauss-Newton matrix on D",
         "iterations": iterations, "products": op.products,

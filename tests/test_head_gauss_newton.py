@@ -56,6 +56,21 @@ def test_ggn_products_equal_dense_jacobian_form(head):
     assert float(torch.linalg.eigvalsh(dense).min()) > -1e-9 * float(dense.diagonal().max())
 
 
+def test_float32_head_products_match_the_float64_oracle(head):
+    """The benchmark's heads are float32: the products run in float32 (tangents, chain, pullback)
+    and must still be J^T M J to float32 accuracy."""
+    model, task, data = head
+    rows = data.take(torch.arange(150))
+    layout = head_layout(model, task)
+    dense = dense_ggn(model, task, rows, layout)
+    single = copy.deepcopy(model).float()
+    op = HeadGaussNewton(single, task, rows.astype(torch.float32), head_layout(single, task), divisor=150.0,
+                         ridge=0.0, batch_size=64)
+    v = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expect = dense @ v / 150.0
+    assert float((op.matvec(v) - expect).norm()) <= 1e-5 * float(expect.norm())
+
+
 def test_ekfac_diagonal_and_preconditioner_match_per_sample_projections(head):
     model, task, data = head
     small = data.take(torch.arange(120))
@@ -71,6 +86,20 @@ def test_ekfac_diagonal_and_preconditioner_match_per_sample_projections(head):
     p = torch.softmax(model(x).detach(), 1)
     eye = torch.eye(p.shape[1], dtype=torch.float64)
     start = 0
+    # oracle A = E[a~ a~^T] of each layer's input (with the ones column) and G_out = E[sum_c d_c d_c^T]
+    hidden = torch.relu(model[1](x)).detach()
+    a_oracle = [torch.cat([x, torch.ones(n, 1, dtype=x.dtype)], 1), torch.cat([hidden, torch.ones(n, 1, dtype=x.dtype)], 1)]
+    coeff_all = torch.stack([(eye[c] - p) * p[:, c:c + 1].sqrt() for c in range(p.shape[1])])   # (K, n, K)
+    w2 = model[3].weight.detach()
+    mask = (model[1](x) > 0).to(x.dtype)
+    g_oracle = [sum((coeff_all[c] @ w2 * mask).T @ (coeff_all[c] @ w2 * mask) for c in range(p.shape[1])) / n,
+                sum(coeff_all[c].T @ coeff_all[c] for c in range(p.shape[1])) / n]
+    for f, a_mat, g_mat in zip(prepared.factors, a_oracle, g_oracle):
+        rot_a = f.q_in.T @ (a_mat.T @ a_mat / n) @ f.q_in
+        rot_g = f.q_out.T @ g_mat @ f.q_out
+        for rot in (rot_a, rot_g):   # Q_A, Q_G are the eigenbases of exactly these matrices
+            off = rot - torch.diag(rot.diagonal())
+            assert float(off.abs().max()) <= 1e-9 * float(rot.diagonal().abs().max())
     for f, (name, layer) in zip(prepared.factors, layout.layers):
         rows, cols = layout.shape(layer)
         size = rows * cols
@@ -184,6 +213,14 @@ def test_prepared_state_is_used_only_at_its_weights(head):
 
 def test_heads_it_cannot_cover_are_refused_by_name():
     task = DenseInputTask()
+    shared = nn.ReLU()
+    twice = nn.Sequential(nn.Linear(4, 4), shared, nn.Linear(4, 4), shared, nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="hidden_step.*module instance twice"):
+        head_layout(twice, task)
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    frozen[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"hidden_step.*\['0.weight'\] are frozen"):
+        head_layout(frozen, task)
     conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 10))
     with pytest.raises(ValueError, match="hidden_step.*Conv2d"):
         head_layout(conv, task)
@@ -245,8 +282,10 @@ def test_lfoci_newton_hidden_step_moves_the_hidden_layer_by_the_step(head):
 
 
 def test_passes_are_sized_from_the_memory_budget(head):
-    """A budget that holds the factors and about 60 samples' pass gives passes of at most that many
-    samples and the same step; one that cannot hold one sample is refused up front, by name."""
+    """A budget that holds the factors and about 320 samples' pass gives passes of at most that many
+    samples (preparation, forget gradient) and the same step; the Gauss-Newton rows, all held at
+    once, must fit whole (else refused naming hidden_step_rows); a budget that cannot hold one
+    sample is refused up front, by name."""
     from pipeline import memory
     from pipeline.head_gauss_newton import rows_per_pass
 
@@ -257,13 +296,15 @@ def test_passes_are_sized_from_the_memory_budget(head):
     forget = torch.arange(7, 600, 29)
     free = gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2, batch_size=4096,
                              min_trace_share=0.0)
-    with memory.use_budget(fixed + 60 * per_row):
-        assert rows_per_pass(layout, 10, 4096) == 60
+    with memory.use_budget(fixed + 320 * per_row):
+        assert rows_per_pass(layout, 10, 4096) == 320
         tight = gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2, batch_size=4096,
                                   min_trace_share=0.0)
     assert set(free.delta) == set(tight.delta) == {"1.weight", "1.bias", "3.weight", "3.bias"}
     for k in free.delta:
         assert torch.allclose(tight.delta[k], free.delta[k], rtol=1e-4, atol=1e-8)   # chunked sums only
+    with memory.use_budget(fixed + 100 * per_row), pytest.raises(memory.MemoryBudgetError, match="hidden_step_rows"):
+        gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2, min_trace_share=0.0)
     with memory.use_budget(fixed + per_row // 2), pytest.raises(memory.MemoryBudgetError, match="memory_budget.*hidden_step"):
         gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2)
 
@@ -290,3 +331,22 @@ def test_model_directory_removal_with_hidden_step(trained_model_dir):
     assert hidden["parameters"] == ["1.weight", "1.bias"] and hidden["step_norm_outside_block"] > 0
     assert hidden["prepared"] == "computed in this removal" and "skipped" not in hidden
     assert run.record["newton"]["converged"]
+
+
+def test_no_ridge_and_unanchored_targets_are_refused_and_the_mode_is_restored(head):
+    model, task, data = head
+    with pytest.raises(ValueError, match="hidden_step_damping"):
+        gauss_newton_step(model, task, data, torch.arange(5), 0.0, rows=256, iterations=2)
+    # an error inside a pass leaves the model as it was (mode and hooks)
+    broken = copy.deepcopy(model).train()
+    bad = data.take(torch.arange(20))
+    bad = type(bad)({**bad.columns, "x": bad.columns["x"][:, :60]}, bad.sample_ids)   # 60 features, not 64
+    with pytest.raises(RuntimeError):
+        gauss_newton_step(broken, task, bad, torch.arange(3), LAMBDA, rows=16, iterations=1, min_trace_share=0.0)
+    assert broken.training and all(m.training for m in broken.modules())
+    assert all(not m._forward_hooks for m in broken.modules())
+    method = get_method("lfoci-newton")
+    problem = RemovalProblem(copy.deepcopy(model), task, data, torch.arange(5), LAMBDA, seed=0, batch_size=512)
+    with pytest.raises(ValueError, match="hidden_step.*anchor: training_residual"):
+        method.run(problem, method.Settings.model_validate(
+            {"selection": "parameters", "parameters": ["3.weight", "3.bias"], "hidden_step": "gauss_newton"}))

@@ -534,6 +534,10 @@ class LFociNewton(RemovalMethod):
 def _hidden_step(problem: RemovalProblem, block, settings: LFociNewtonSettings) -> GaussNewtonStep:
     """The parameters outside the block, moved by their part of one Gauss-Newton step on the head
     (none where the step was skipped: its record says why)."""
+    if settings.anchor != "training_residual":
+        raise ValueError("hidden_step: gauss_newton takes the anchored step (grad L_{D\\U}(w') = grad L_D(w)); "
+                         "set anchor: training_residual so that the block aims at the same target, or set "
+                         "hidden_step: none")
     inside = {part.name for part in block.parts}
     partial = [part.name for part in block.parts if part.rows is not None]
     if partial:
@@ -552,7 +556,10 @@ def _hidden_step(problem: RemovalProblem, block, settings: LFociNewtonSettings) 
                              batch_size=problem.batch_size)
     outside = {k: step.delta[k] for k in outside_names if k in step.delta}
     moved = _norm(torch.cat([v.reshape(-1) for v in outside.values()])) if outside else 0.0
-    return GaussNewtonStep(outside, {**step.record, "parameters": outside_names, "step_norm_outside_block": moved})
+    return GaussNewtonStep(outside, {**step.record, "parameters": outside_names, "step_norm_outside_block": moved,
+                                     "block_solved_over": "the start weights of these parameters: the record's "
+                                     "newton, gradient_norms and gradient_share describe the weights before this "
+                                     "step was added"})
 
 
 def _layer_order(model: nn.Module, block, layer: nn.Linear) -> torch.Tensor:
