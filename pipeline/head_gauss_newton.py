@@ -51,6 +51,7 @@ from torch.func import functional_call, jvp, vjp
 from pipeline import memory
 from pipeline.curvature import LinearOperator
 from pipeline.data.sampleset import SampleSet
+from pipeline.linear_curvature import same_weights_and_data
 from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task, output_logits
 
@@ -196,6 +197,12 @@ class _Capture:
             h.remove()
 
 
+def _flat_gradient(output_grads: tuple[Tensor, ...], inputs: list[Tensor]) -> Tensor:
+    """The loss gradient of every layer's [W | b] on the flat layout (float64) from the gradients
+    at the layers' outputs and their inputs a~: dL/d[W | b] = (dL/d out)^T a~."""
+    return torch.cat([(go.to(torch.float64).T @ a).reshape(-1) for go, a in zip(output_grads, inputs)])
+
+
 def _class_deltas(logits: Tensor, p: Tensor, outputs: list[Tensor]) -> list[list[Tensor]]:
     """For each class c: delta_c at every layer's output, J_out^T sqrt(p_c) (e_c - p), float64."""
     k = p.shape[1]
@@ -228,7 +235,6 @@ class HeadCurvature:
     """What a Gauss-Newton step needs from D, at the weights it was computed at (once per model):
     the EK-FAC factors of every Linear layer, mean_D grad loss (no weight decay) and tr M_z."""
 
-    layout_names: tuple[str, ...]
     parameters: dict[str, Tensor]   # every parameter of the model then
     sample_ids: Tensor              # D, in order
     factors: list[LayerFactors]
@@ -268,7 +274,7 @@ class HeadCurvature:
                     loss = task.per_sample_loss(logits, batch).sum()
                     out_grads = torch.autograd.grad(loss, capture.outputs, retain_graph=True)
                     per_class = _class_deltas(logits, p, capture.outputs)
-                grad_sum += torch.cat([(go.to(torch.float64).T @ a).reshape(-1) for go, a in zip(out_grads, inputs)])
+                grad_sum += _flat_gradient(out_grads, inputs)
                 trace[start:start + size] = 1.0 - (p * p).sum(1)
                 for li, a in enumerate(inputs):
                     a = a.to(work)
@@ -298,15 +304,12 @@ class HeadCurvature:
                         ridge=0.0).matvec(torch.zeros(layout.numel, dtype=torch.float64))
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         seconds = time.perf_counter() - started
-        return cls(tuple(layout.parameter_names()), params, train.sample_ids.clone(), factors, grad_sum / n, trace,
+        return cls(params, train.sample_ids.clone(), factors, grad_sum / n, trace,
                    seconds, {"factors_and_gradient": t_kfac, "eigenbasis_diagonal": seconds - t_kfac})
 
     def holds_for(self, model: nn.Module, train: SampleSet) -> bool:
         """True only at exactly the weights (all of them) and data it was computed for."""
-        params = dict(model.named_parameters())
-        return (params.keys() == self.parameters.keys()
-                and all(torch.equal(params[k].detach(), v) for k, v in self.parameters.items())
-                and torch.equal(train.sample_ids, self.sample_ids))
+        return same_weights_and_data(model, self.parameters, train, self.sample_ids)
 
     def precondition(self, layout: HeadLayout, v: Tensor, ridge: float) -> Tensor:
         out = torch.empty_like(v)
@@ -489,8 +492,7 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
                     logits, _, inputs = _pass(model, task, batch, capture)
                     loss = task.per_sample_loss(logits, batch).sum()
                     out_grads = torch.autograd.grad(loss, capture.outputs)
-                forget_sum += torch.cat([(go.to(torch.float64).T @ a).reshape(-1)
-                                         for go, a in zip(out_grads, inputs)])
+                forget_sum += _flat_gradient(out_grads, inputs)
         finally:
             capture.close()
         g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)

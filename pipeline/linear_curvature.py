@@ -21,7 +21,6 @@ which is then exact, not an approximation; at any other weights or data it is no
 from __future__ import annotations
 
 import functools
-
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +35,8 @@ from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Task
 
-__all__ = ["closed_form_layer", "products_dtype", "native_bfloat16", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature"]
+__all__ = ["closed_form_layer", "products_dtype", "native_bfloat16", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature",
+           "same_weights_and_data"]
 
 
 def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Linear | None:
@@ -287,8 +287,15 @@ class WarmCurvature:
 
     def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
         """True only at exactly the weights (all of them), data and regulariser it was computed for."""
-        params = dict(model.named_parameters())
         return (tuple(p.name for p in block.parts) == self.block_names and weight_decay == self.weight_decay
-                and params.keys() == self.parameters.keys()
-                and all(torch.equal(params[k].detach(), v) for k, v in self.parameters.items())
-                and torch.equal(train.sample_ids, self.sample_ids))
+                and same_weights_and_data(model, self.parameters, train, self.sample_ids))
+
+
+def same_weights_and_data(model: nn.Module, parameters: dict[str, Tensor], train: SampleSet,
+                          sample_ids: Tensor) -> bool:
+    """True when ``model`` has exactly ``parameters`` (every one, bit for bit) and ``train`` is
+    exactly the samples ``sample_ids``, in order: where a state prepared from them still holds."""
+    params = dict(model.named_parameters())
+    return (params.keys() == parameters.keys()
+            and all(torch.equal(params[k].detach(), v) for k, v in parameters.items())
+            and torch.equal(train.sample_ids, sample_ids))
