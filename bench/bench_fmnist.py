@@ -206,12 +206,12 @@ def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int
     exact = train_user_weights(lin, sets.retain, lam, rtol=parsed.cg_rtol)
     retrain_seconds = time.perf_counter() - t
     problem = RemovalProblem(core, task, train_set, train_set.positions_of(forget_ids), lam, seed=0,
-                             batch_size=256, extras={"user_weights": UserWeights(trained.user_weights.clone(), lam,
-                                                                                 train_set.sample_ids.tolist())})
+                             batch_size=256, user_weights=UserWeights(trained.user_weights.clone(), lam,
+                                                                      train_set.sample_ids.tolist()))
     t = time.perf_counter()
     outcome = method.run(problem, parsed)
     forget_seconds = time.perf_counter() - t
-    forgotten = problem.extras["user_weights"].weights
+    forgotten = outcome.user_weights.weights
 
     rows: dict[str, dict[str, Any]] = {}
     for name, w, seconds in (("ml-original", trained.user_weights, 0.0), ("ml-retrain", exact.user_weights, retrain_seconds),
@@ -234,6 +234,9 @@ def mixed_linear_block(model_dir: Path, forget_ids: list[int], classes: list[int
 
 
 # -- one scenario -----------------------------------------------------------------------------------
+LINEAR_HEAD_ONLY = frozenset({"head-gauss-newton"})
+
+
 def run_scenario(model_dir: Path, forget: dict[str, Any], methods: list[str], settings: dict[str, dict[str, Any]],
                  cache: Path, finetune_epochs: int) -> dict[str, Any]:
     from pipeline.evaluate.protocol import EvalConfig, evaluate
@@ -323,7 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile["perturbations"] = args.perturbations
     set_threads(args.threads)
     settings = method_settings(profile)
-    methods = args.methods.split(",") if args.methods else sorted(m for m in METHODS if m not in BASELINE_NAMES)
+    # every registered method that applies to this end-to-end CNN (head-gauss-newton covers heads of
+    # Linear layers only)
+    methods = args.methods.split(",") if args.methods else sorted(
+        m for m in METHODS if m not in BASELINE_NAMES and m not in LINEAR_HEAD_ONLY)
     work = args.workdir or ROOT / "runs" / "bench" / "fmnist" / mode_name
     out_path = args.out or RESULTS_DIR / ("fmnist.json" if mode_name == "default" else f"fmnist_{mode_name}.json")
     started = time.perf_counter()

@@ -26,12 +26,11 @@ Rows: original (no removal), Retrain (same recipe on D_r), retrain-reseed (the s
   from another seed: how far two equally valid Retrains are apart, the table's noise floor),
   every registered removal method
   (``METHOD_SETTINGS``: ours and the field's reference baselines finetune, gradient-ascent,
-  random-labels, salun) and the variant rows (``VARIANT_ROWS``): newton-head = lfoci-newton on
-  the head's output layer with the anchored target, over cached hidden features, starting from
-  the original's prepared curvature (``WARM_ROWS``; its one-time seconds are reported apart and
-  in ``ratio_with_preparation``); newton-head-gn = newton-head plus the hidden layer moved by one
-  truncated Gauss-Newton step on the whole head (``hidden_step: gauss_newton``, its EK-FAC factors
-  prepared once per model too, ``HEAD_CURVATURE_ROWS``). A method that raises is recorded with its error (never
+  random-labels, salun) and the variant rows (``VARIANT_ROWS``: files in configs/methods/, the
+  same a user names with ``--method``). Every row's method prepares once per trained original
+  (``pipeline.methods.base.prepare``: the decision layer's state, the head's Gauss-Newton factors,
+  NTK's start weights, ...), as a serving process or a campaign keeps it between requests; its
+  seconds are reported apart and in ``ratio_with_preparation``. A method that raises is recorded with its error (never
   dropped); a removal the method refuses (``RemovalNotServed``: system not solved to its
   tolerance, or too little of the retained gradient removed; nothing published) is recorded as
   ``needs_retrain`` with the method's reason and numbers: the request goes to retraining.
@@ -74,7 +73,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from pipeline.curvature import RemovalNotServed  # noqa: E402
+from pipeline.errors import RemovalNotServed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -94,43 +93,14 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     "random-labels": {"epochs": 2, "lr": 0.02, "batch_size": 128, "retain_fraction": 0.1},
     "salun": {"epochs": 2, "lr": 0.02, "batch_size": 128, "retain_fraction": 0.1, "sparsity": 0.5},
 }
-# Rows that run a registered method under other settings: row name -> (method, settings).
-# newton-head: lfoci-newton on the decision layer (the head's output layer) with the anchored
-# target (pipeline/methods/lfoci_newton.py): converged block Newton to grad L_{D\\U} = grad L_D(w)
-# at the start, over cached hidden features (pipeline/frozen_prefix.py), by Newton's method with
-# the exact curvature at the current weights applied matrix-free (curvature_refresh: matrix_free,
-# pipeline/decision_layer_newton.py; Hessian products on 16,384 retained samples, PCG preconditioned
-# with the original's prepared H_P(D)^-1, updated by L-BFGS from the CG pairs of the earlier Newton
-# systems) until ||grad - r0|| <= 1e-3 of its start, else refused.
-# The rows of a class with no retained sample get no anchor (anchor_absent_classes: false): with the
-# anchor kept there the converged head left class 7 of FMNIST 42 % recognised (Avg. Gap 7.4 +- 10.1
-# over 3 classes); the plain optimum (anchor none) everywhere forgot every class (0.2) but was worse
-# on random 1 % (1.7 against 1.0) and subject (2.2 against 0.8). Measured with the matrix-free solver.
-# The block is named, not picked by L-FOCI; the row "lfoci-newton" is the default selection. The
-# diagnostic share of the forget gradient inside the block (a backward pass of the forget samples
-# through the whole head, ~50 ms of a ~0.2 s FMNIST removal) is not recorded for this row.
-NEWTON_HEAD: dict[str, Any] = {"selection": "parameters", "parameters": OUTPUT_LAYER, "anchor": "training_residual",
-                               "curvature_refresh": "matrix_free", "curvature_samples": 16384,
-                               "newton_max_steps": 60, "newton_rtol": 1e-3, "record_gradient_share": False}
-# newton-head-gn: newton-head's output layer, and the hidden layer moved by its part of one anchored
-# Gauss-Newton step on the whole head (pipeline/head_gauss_newton.py: products over the 1,024 retained
-# samples of largest curvature trace, 2 PCG iterations from the EK-FAC solution, EK-FAC prepared once
-# per model like the warm curvature). Where those rows hold under 90% of the retained curvature trace
-# (FMNIST: 8%, its head fits its data loosely; R8: 92-94%) no hidden step is taken and the record says so. The
-# 1,024 rows and 2 iterations were chosen on R8 forget sets 0-5 (which include this run's 0-2) and
-# checked on sets 6-11 (README).
-VARIANT_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
-    "newton-head": ("lfoci-newton", NEWTON_HEAD),
-    "newton-head-gn": ("lfoci-newton", {**NEWTON_HEAD, "hidden_step": "gauss_newton", "hidden_step_rows": 1024,
-                                        "hidden_step_iterations": 2}),
-}
-# Rows whose removals start from the original's prepared curvature H_P(D) (pipeline.linear_curvature.
-# WarmCurvature): computed once per trained model, as a serving process holds it between requests;
-# its seconds are reported apart (JSON "preparation") and in the ratio that includes them.
-WARM_ROWS: frozenset[str] = frozenset({"newton-head", "newton-head-gn"})
-# Rows whose removals also start from the head's prepared Gauss-Newton factors (pipeline.head_gauss_newton.
-# HeadCurvature, once per trained model; its seconds are added to the row's preparation).
-HEAD_CURVATURE_ROWS: frozenset[str] = frozenset({"newton-head-gn"})
+# Rows that are method variants: files in configs/methods/ (a method and its settings), read as
+# `unlearn forget --method <row>` reads them (pipeline.methods.base.MethodRef), nothing added here.
+#   newton-head     decision-layer-newton: the head's output layer retrained to the anchored target by
+#                   converged matrix-free Newton over the cached hidden features, from the layer's state
+#                   prepared once per trained model (pipeline/decision_layer.py)
+#   newton-head-gn  head-gauss-newton: newton-head plus the hidden layer moved by one truncated
+#                   Gauss-Newton step on the whole head (its EK-FAC factors prepared once per model too)
+VARIANT_ROWS: tuple[str, ...] = ("newton-head", "newton-head-gn")
 QUICK_OVERRIDES: dict[str, dict[str, Any]] = {"lfoci-newton": {"perturbations": 64, "curvature_samples": 512}}
 SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model family: see MIXED_LINEAR
 # Mixed-Linear (Golatkar et al. 2021) is a different model: core = the frozen features + the head's
@@ -268,13 +238,21 @@ def forget_set(scenario: str, train: Any, seed: int, num_classes: int) -> tuple[
 
 
 # ---- removals --------------------------------------------------------------------------------------
+def method_ref_of(row: str) -> Any:
+    """The method a row runs (a variant file in configs/methods/, or a registered method)."""
+    from pipeline.methods.base import MethodRef
+
+    return MethodRef.model_validate(row)
+
+
 def method_of(row: str) -> str:
     """The registered method a row runs."""
-    return VARIANT_ROWS[row][0] if row in VARIANT_ROWS else row
+    return method_ref_of(row).method
 
 
 def resolved_settings(method: str, n_retain: int, quick: bool) -> dict[str, Any]:
-    base = VARIANT_ROWS[method][1] if method in VARIANT_ROWS else METHOD_SETTINGS.get(method, {})
+    base = method_ref_of(method).settings.model_dump(mode="json") if method in VARIANT_ROWS else \
+        METHOD_SETTINGS.get(method, {})
     raw = {**base, **(QUICK_OVERRIDES.get(method, {}) if quick else {})}
     fraction = raw.pop("retain_fraction", None)
     if fraction is not None:
@@ -290,31 +268,38 @@ def needs_retrain_row(refused: Exception) -> dict[str, Any]:
             "diagnostics": _jsonable(getattr(refused, "diagnostics", {}))}
 
 
+def bench_card(head: dict[str, Any], recipe: Any, n: int) -> Any:
+    """The model card of a head trained here: preset, options and recipe, as ``unlearn train``
+    records them (methods that read the recipe, e.g. NTK's start weights, read it from here)."""
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+
+    return ModelCard(preset="mlp", options=head, data=DataRef(source="bench-cached-features"),
+                     training=TrainingRecord(weight_decay=recipe.weight_decay, n=n, epochs=recipe.epochs, lr=recipe.lr,
+                                             batch_size=recipe.batch_size, optimizer=recipe.optimizer, seed=recipe.seed,
+                                             extra={"recipe": recipe.model_dump(mode="json")}))
+
+
 def run_removal(method: str, settings: dict[str, Any], original: nn.Module, task: Any, train: Any,
-                positions: torch.Tensor, weight_decay: float, seed: int, w0: dict[str, torch.Tensor],
-                prepared: dict[str, Any] | None = None) -> tuple[nn.Module, float, dict[str, Any]]:
-    """One removal through the registry on a copy of ``original``; wall seconds of method.run.
-    ``prepared``: what the original has prepared for this row (``Context.prepared_for``: the
-    warm curvature, the head's Gauss-Newton factors), passed as the problem's extras."""
+                positions: torch.Tensor, weight_decay: float, seed: int, card: Any,
+                prepared: Any = None) -> tuple[nn.Module, float, dict[str, Any]]:
+    """One removal through the method seam (``run_removal``: prepare, then remove) on a copy of
+    ``original``, from ``prepared`` (the row's state prepared for the original, ``Context.prepared``);
+    the removal's own seconds (the record's ``removal_seconds``, preparation apart)."""
     from pipeline.methods import RemovalProblem, get_method
     from pipeline.progress import StageProgress
 
     model = copy.deepcopy(original)
     impl = get_method(method_of(method))
     parsed = impl.Settings.model_validate(settings)
-    extras: dict[str, Any] = {"w0": w0} if method == "ntk" else {}
-    extras.update(prepared or {})
-    problem = RemovalProblem(model, task, train, positions, weight_decay, seed=seed, batch_size=EVAL_BATCH,
-                             extras=extras, stage_hook=StageProgress(method))
-    started = time.perf_counter()
-    outcome = impl.run(problem, parsed)
-    seconds = time.perf_counter() - started
+    problem = RemovalProblem(model, task, train, positions, weight_decay, seed=seed, batch_size=EVAL_BATCH, card=card,
+                             stage_hook=StageProgress(method))
+    outcome = impl.run(problem, parsed, prepared)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in outcome.new_parameters.items():
             params[name].copy_(value)
     model.eval()
-    return model, seconds, _jsonable(outcome.record)
+    return model, outcome.record["removal_seconds"], _jsonable(outcome.record)
 
 
 # ---- evaluation --------------------------------------------------------------------------------
@@ -342,46 +327,30 @@ class Context:
     originals: list[nn.Module] = field(default_factory=list)
     train_seconds: list[float] = field(default_factory=list)
     task: Any = None
-    w0s: list[dict[str, torch.Tensor]] = field(default_factory=list)  # start weights of original s
+    cards: list[Any] = field(default_factory=list)  # the model card of original s (its recipe)
     methods: list[str] = field(default_factory=list)
     mixed_linear: dict[str, Any] | None = None  # lin model and user weights trained on D (lazy)
     mixed_linear_on: bool = True
-    warm: dict[int, Any] = field(default_factory=dict)  # original s -> its prepared curvature (WARM_ROWS)
-    head_curvature: dict[int, Any] = field(default_factory=dict)  # original s -> HeadCurvature (HEAD_CURVATURE_ROWS)
+    prepared: dict[tuple[str, int], Any] = field(default_factory=dict)  # (row, original s) -> its prepared state
 
-    def warm_for(self, row: str, s: int) -> Any:
-        """The prepared output-layer curvature of original ``s`` for a row in WARM_ROWS (computed
-        once per original, like the cached features; its seconds are reported apart)."""
-        if row not in WARM_ROWS:
-            return None
-        if s not in self.warm:
-            from pipeline.linear_curvature import WarmCurvature
-            from pipeline.param_block import ParamBlock
+    def prepared_for(self, row: str, s: int) -> Any:
+        """The state the row's method prepares for original ``s`` (``pipeline.methods.base.prepare``,
+        once per original, as a serving process keeps it; its seconds reported apart)."""
+        if (row, s) not in self.prepared:
+            from pipeline.methods import TrainedModel, get_method
+            from pipeline.methods.base import prepare
 
-            model = self.originals[s]
-            block = ParamBlock.from_rows(model, {name: None for name in OUTPUT_LAYER})
-            wd = recipe_for(self.name, 0, self.smoke).weight_decay
-            self.warm[s] = WarmCurvature.prepare(model, self.task, self.data.train, block, wd, EVAL_BATCH)
-        return self.warm[s]
-
-    def prepared_for(self, row: str, s: int) -> dict[str, Any]:
-        """The extras a removal of ``row`` from original ``s`` starts from (each computed once)."""
-        extras: dict[str, Any] = {}
-        if row in WARM_ROWS:
-            extras["warm_curvature"] = self.warm_for(row, s)
-        if row in HEAD_CURVATURE_ROWS:
-            if s not in self.head_curvature:
-                from pipeline.head_gauss_newton import HeadCurvature
-
-                self.head_curvature[s] = HeadCurvature.prepare(self.originals[s], self.task, self.data.train, EVAL_BATCH)
-            extras["head_curvature"] = self.head_curvature[s]
-        return extras
+            method = get_method(method_of(row))
+            settings = method.Settings.model_validate(resolved_settings(row, len(self.data.train), self.quick))
+            trained = TrainedModel(self.originals[s], self.task, self.data.train, self.cards[s].training.weight_decay,
+                                   EVAL_BATCH, self.cards[s])
+            self.prepared[(row, s)], _ = prepare(method, trained, settings)
+        return self.prepared[(row, s)]
 
     def preparation_seconds(self, row: str, s: int) -> float | None:
-        """One-time seconds of what ``row`` starts from on original ``s`` (None: nothing prepared)."""
-        if row not in WARM_ROWS or s not in self.warm:
-            return None
-        return self.warm[s].seconds + (self.head_curvature[s].seconds if row in HEAD_CURVATURE_ROWS else 0.0)
+        """One-time seconds of what ``row`` prepared on original ``s`` (None: nothing prepared yet)."""
+        state = self.prepared.get((row, s))
+        return None if state is None else state.seconds
 
 
 def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: Callable[[str], None]) -> dict[str, Any]:
@@ -409,14 +378,15 @@ def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: C
         settings = resolved_settings(method, len(sets.retain), ctx.quick)
         try:
             model, seconds, record = run_removal(method, settings, ctx.originals[0], task, train, positions, wd, seed,
-                                                 ctx.w0s[0], ctx.prepared_for(method, 0))
+                                                 ctx.cards[0], ctx.prepared_for(method, 0))
+            scored = score_row(model, task, sets, seed)  # (a model that scores non-finite is this row's error)
         except RemovalNotServed as refused:  # the method's own verdict: this request goes to retraining
             rows[method] = needs_retrain_row(refused)
             continue
         except Exception as err:  # recorded, never dropped
             rows[method] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
             continue
-        rows[method] = {**score_row(model, task, sets, seed), "seconds": seconds}
+        rows[method] = {**scored, "seconds": seconds}
         records[method] = record
         unlearned_models[method] = model
     for name, row in rows.items():
@@ -469,9 +439,9 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     """Rows ml-original / ml-retrain / mixed-linear and the exactness of the forgetting."""
     from pipeline.evaluate.scorecard import avg_gap
     from pipeline.linearized import LinearizedModel
-    from pipeline.methods import RemovalProblem, get_method
+    from pipeline.methods import RemovalProblem, TrainedModel, get_method
+    from pipeline.methods.base import prepare
     from pipeline.methods.mixed_linear import UserWeights, train_user_weights, user_block
-    from pipeline.mixed_linear_prepared import PreparedUserSums
     from pipeline.recipe import initial_model
 
     method = get_method("mixed-linear")
@@ -484,7 +454,8 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
         t = time.perf_counter()
         trained = train_user_weights(lin, _float64(ctx.data.train), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
         seconds = time.perf_counter() - t
-        sums = PreparedUserSums.prepare(lin, _float64(ctx.data.train), wd, batch_size=EVAL_BATCH)
+        # the method's own preparation: the user sums of D (an output-layer user block), once per model
+        sums, _ = prepare(method, TrainedModel(core, task, _float64(ctx.data.train), wd, EVAL_BATCH), parsed)
         ctx.mixed_linear = {"core": core, "lin": lin, "block": block, "w": trained.user_weights,
                             "seconds": seconds, "record": trained.record, "sums": sums}
     ml = ctx.mixed_linear
@@ -492,12 +463,10 @@ def mixed_linear_rows(ctx: Context, sets: Any, positions: torch.Tensor, wd: floa
     exact = train_user_weights(ml["lin"], _float64(sets.retain), wd, rtol=parsed.cg_rtol, batch_size=EVAL_BATCH)
     retrain_s = time.perf_counter() - t
     problem = RemovalProblem(ml["core"], ctx.task, _float64(ctx.data.train), positions, wd, seed=seed, batch_size=EVAL_BATCH,
-                             extras={"user_weights": UserWeights(ml["w"].clone(), wd, ctx.data.train.sample_ids.tolist()),
-                                     "user_block": ml["block"], "prepared_user_sums": ml["sums"]})
-    t = time.perf_counter()
-    outcome = method.run(problem, parsed)
-    forget_s = time.perf_counter() - t
-    forgotten = problem.extras["user_weights"].weights  # the method updates the bound weights in place
+                             user_weights=UserWeights(ml["w"].clone(), wd, ctx.data.train.sample_ids.tolist()))
+    outcome = method.run(problem, parsed, ml["sums"])
+    forget_s = outcome.record["removal_seconds"]
+    forgotten = outcome.user_weights.weights
     rows: dict[str, dict[str, Any]] = {}
     for name, w, seconds in (("ml-original", ml["w"], 0.0), ("ml-retrain", exact.user_weights, retrain_s),
                              ("mixed-linear", forgotten, forget_s)):
@@ -542,7 +511,7 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
             tick(f"shadow {method} {s}")
             try:
                 model, _, _ = run_removal(method, settings, ctx.originals[s], task, ctx.data.train, positions, wd,
-                                          seed * 100 + s, ctx.w0s[s], ctx.prepared_for(method, s))
+                                          seed * 100 + s, ctx.cards[s], ctx.prepared_for(method, s))
             except RemovalNotServed as refused:  # a shadow request refused: no game for this method
                 phis = []
                 stats[method] = [needs_retrain_row(refused)]  # type: ignore[list-item]
@@ -720,9 +689,9 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
     from pipeline.recipe import initial_model
 
     for s in range(n_models):
-        # original s starts from its own seeded initialisation: NTK linearises it at that w0
-        start, ctx.task, _ = initial_model("mlp", head, seed=s)
-        ctx.w0s.append({k: v.detach().clone() for k, v in start.state_dict().items()})
+        # original s starts from its own seeded initialisation (its card's recipe: NTK linearises it there)
+        _, ctx.task, _ = initial_model("mlp", head, seed=s)
+        ctx.cards.append(bench_card(head, recipe_for(dataset, s, smoke), len(data.train)))
         note(f"training original model {s + 1}/{n_models} on n = {len(data.train)}")
         model, _, seconds = train_head(head, recipe_for(dataset, s, smoke), data.train)
         ctx.originals.append(model)
@@ -759,14 +728,12 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
                 runs.append(run_forget_set(ctx, scenario, seed, game, tick))
             result["scenarios"][scenario] = {"runs": runs, "summary": aggregate(runs)}
     result["preparation"] = {
-        "what": "rows " + ", ".join(sorted(WARM_ROWS)) + ": the output layer's curvature H_P(D) at each original's "
-                "weights (closed form over the cached hidden features) and its inverse, with X~ of D in float64 "
-                "(pipeline.linear_curvature.WarmCurvature), computed once per trained model and kept for its "
-                "removals; ratio_with_preparation charges it to one removal. Rows " + ", ".join(sorted(HEAD_CURVATURE_ROWS))
-                + " also: the head's EK-FAC Gauss-Newton factors, mean gradient and curvature traces on D "
-                "(pipeline.head_gauss_newton.HeadCurvature), once per trained model",
-        "seconds": {str(k): v.seconds for k, v in sorted(ctx.warm.items())},
-        "head_curvature_seconds": {str(k): v.seconds for k, v in sorted(ctx.head_curvature.items())}}
+        "what": "each row's method prepared once per trained original (pipeline.methods.base.prepare: e.g. the "
+                "decision layer's state, the head's Gauss-Newton factors) and kept for its removals, as a serving "
+                "process or a campaign keeps it; ratio_with_preparation charges it to one removal",
+        "seconds": {f"{row}/{s}": state.seconds for (row, s), state in sorted(ctx.prepared.items())},
+        "describe": {f"{row}/{s}": state.describe() for (row, s), state in sorted(ctx.prepared.items())
+                     if s == 0}}
     result["wall_seconds"] = time.perf_counter() - started
     return _jsonable(result)
 

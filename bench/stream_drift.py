@@ -48,10 +48,12 @@ from bench.common import RESULTS_DIR, ROOT, write_json
 LAYER = ["1.weight", "1.bias"]
 MODEL_CONFIG = ROOT / "configs" / "models" / "linear-digits.yaml"
 STREAM_CONFIG = ROOT / "configs" / "stream" / "linear-digits.yaml"
-FAST_METHOD: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "epsilon": math.inf, "damping": 0.0,
-                               "anchor": "none"}
-SCRATCH_METHOD: dict[str, Any] = {**FAST_METHOD, "curvature_refresh": "every_step", "newton_max_steps": 30,
-                                  "newton_rtol": 0.0, "newton_atol": 1e-10, "dense_rtol": 1e-12}
+# the fast path serves decision-layer-newton (its target: anchor none, the retrained optimum of the layer)
+FAST_METHOD: dict[str, Any] = {"parameters": LAYER, "epsilon": math.inf, "anchor": "none"}
+# from scratch: lfoci-newton's converged block Newton on the same layer, to the same target
+SCRATCH_METHOD: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "epsilon": math.inf, "damping": 0.0,
+                                  "anchor": "none", "newton_max_steps": 30, "newton_rtol": 0.0, "newton_atol": 1e-10,
+                                  "dense_rtol": 1e-12}
 ORACLE_TOL = 1e-10
 
 
@@ -137,7 +139,7 @@ def run(requests: int = 1000, batch: int = 4, seed: int = 0, workdir: Path | Non
     ids = random.Random(seed).sample(data.sample_ids.tolist(), requests)
     batches = [ids[i:i + batch] for i in range(0, requests, batch)]
     settings = stream_settings(**(settings_override or {}))
-    remover = WarmStreamRemover("lfoci-newton", FAST_METHOD, settings)
+    remover = WarmStreamRemover("decision-layer-newton", FAST_METHOD, settings)
     control, _ = DecisionLayerStream.from_model(model, task, data, LAYER, lam, anchor="none",
                                                 settings=stream_settings(refresh_every=10**9,
                                                                          drift_threshold=math.inf))

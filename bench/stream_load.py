@@ -20,7 +20,7 @@ service, the from-scratch removal or Retrain, so all three compare the trainable
 bench/forgetting.py does for R8 (``--quick``: 1,200 stories, 64 tokens).
 
 Run: the real service (``python -m jobs.cli stream serve``) on 127.0.0.1 with ``fast_path``
-enabled (``FAST_PATH``; method lfoci-newton on the output layer, anchored target, epsilon inf);
+enabled (``FAST_PATH``; method decision-layer-newton on the output layer, anchored target, epsilon inf);
 ``--requests`` single-subject requests (one training sample each, distinct, seeded) from
 ``--clients`` concurrent HTTP clients, closed loop (each sends its next request once the last
 one is applied, read from the ledger every 20 ms). Latency = acknowledged (the ledger's received_at, committed
@@ -77,10 +77,13 @@ MODELS = {"fmnist": MODEL, "r8": "r8-minilm"}
 DATASET_NAMES = {"fmnist": "fashion-mnist", "r8": "reuters-r8 (frozen all-MiniLM-L6-v2 features)"}
 LAYER = ["3.weight", "3.bias"]
 TOKEN_ENV = "UNLEARN_BENCH_TOKEN"
-# the method the service runs (and the from-scratch comparison): lfoci-newton on the output layer
-METHOD_SETTINGS: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "anchor": "training_residual",
-                                   "dense_max": 4096, "damping": 0.0, "curvature_refresh": "first_step",
-                                   "dense_rtol": 1e-6, "newton_max_steps": 3, "newton_rtol": 1e-3}
+# the method the service runs (and the from-scratch comparison): decision-layer-newton on the output layer
+METHOD = "decision-layer-newton"
+METHOD_SETTINGS: dict[str, Any] = {"parameters": LAYER, "anchor": "training_residual", "newton_rtol": 1e-3}
+# the from-scratch drift reference: lfoci-newton's converged block Newton on the same layer and target
+SCRATCH_SETTINGS: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "anchor": "training_residual",
+                                    "dense_max": 4096, "damping": 0.0, "dense_rtol": 1e-10, "newton_max_steps": 30,
+                                    "newton_rtol": 1e-9, "newton_atol": 1e-12}
 FAST_PATH: dict[str, Any] = {"enabled": True, "refresh_every": 100, "drift_threshold": 1e-5,
                              "drift_measure": "gradient"}
 BATCHING = {"max_requests": 8, "max_wait_s": 0.02}
@@ -435,10 +438,10 @@ def from_scratch_runs(setup: dict[str, Any], version_dir: Path, sample_id: int) 
     from pipeline.removal import remove
 
     started = time.perf_counter()
-    run = remove(version_dir, [sample_id], method="lfoci-newton", settings=METHOD_SETTINGS, batch_size=4096)
+    run = remove(version_dir, [sample_id], method=METHOD, settings=METHOD_SETTINGS, batch_size=4096)
     whole = time.perf_counter() - started
     head, data = copy.deepcopy(setup["head"]), setup["data"]
-    impl = get_method("lfoci-newton")
+    impl = get_method(METHOD)
     pos = data.train.positions_of([sample_id])
     problem = RemovalProblem(head, setup["task"], data.train, pos, setup["recipe"].weight_decay, seed=0, batch_size=4096)
     started = time.perf_counter()
@@ -462,8 +465,7 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
     theta0 = head_block(head)
     started = time.perf_counter()
     impl = get_method("lfoci-newton")
-    tight = {**METHOD_SETTINGS, "newton_max_steps": 30, "newton_rtol": 1e-9, "newton_atol": 1e-12,
-             "curvature_refresh": "every_step", "dense_rtol": 1e-10}
+    tight = SCRATCH_SETTINGS
     problem = RemovalProblem(head, setup["task"], data.train, data.train.positions_of(removed), lam, seed=0,
                              batch_size=4096)
     outcome = impl.run(problem, impl.Settings.model_validate(tight))
@@ -525,7 +527,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = workdir / "service.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"store": str(root), "name": model_name},
-        "method": {"name": "lfoci-newton", "settings": METHOD_SETTINGS}, "seed": 0,
+        "method": {"name": METHOD, "settings": METHOD_SETTINGS}, "seed": 0,
         "limits": {"budget": {"epsilon": 1000.0, "allow_non_private": True}, "retain_accuracy_margin": 0.05},
         "host": "127.0.0.1", "port": 0, "port_file": str(port_file),
         "auth": {"clients": [{"client": "bench", "token_env": TOKEN_ENV}]},

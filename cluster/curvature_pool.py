@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from cluster.pool import Call, WorkerPool
 from cluster.shards import aligned_ranges
 from pipeline import memory
-from pipeline.curvature import LinearOperator, NonFiniteGradientError
+from pipeline.curvature import LinearOperator
+from pipeline.errors import NonFiniteGradientError
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 

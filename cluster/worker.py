@@ -114,9 +114,9 @@ class ModelWorker:
         if self._slice_map is None:
             self._slice_map = SliceMap(self.model)
         batch = _columns_to_torch(forget, self.device)
-        result = run_probe(self.model, self.task, batch, seed=seed, start=start, stop=stop,
-                           pass_size=pass_size, perturb_options=perturb_options, slice_map=self._slice_map,
-                           memory_budget=memory.worker_budget(memory_budget, budget_sharing, self.device))
+        with memory.use_budget(memory.worker_budget(memory_budget, budget_sharing, self.device)):
+            result = run_probe(self.model, self.task, batch, seed=seed, start=start, stop=stop,
+                               pass_size=pass_size, perturb_options=perturb_options, slice_map=self._slice_map)
         return start, result.activations.numpy(), result.losses.numpy()
 
     # -- Hessian-vector products on a data shard ----------------------------------------------
@@ -135,11 +135,11 @@ class ModelWorker:
             block = ray.get(block_ref)
             shard = SampleSet(_columns_to_torch(columns, self.device), torch.from_numpy(np.array(ids, copy=True)))
             ops = []
-            for start in range(0, len(shard), batch_size):
-                part = shard.take(torch.arange(start, min(len(shard), start + batch_size)))
-                ops.append(BlockHessian(self.model, self.task, part, block, 0.0, reduction="sum",
-                                        batch_size=batch_size, columns_per_pass=columns_per_pass,
-                                        memory_budget=budget))
+            with memory.use_budget(budget):  # each operator sizes its passes from it, when built
+                for start in range(0, len(shard), batch_size):
+                    part = shard.take(torch.arange(start, min(len(shard), start + batch_size)))
+                    ops.append(BlockHessian(self.model, self.task, part, block, 0.0, reduction="sum",
+                                            batch_size=batch_size, columns_per_pass=columns_per_pass))
             self._operators[key] = ops
         return self._operators[key]
 

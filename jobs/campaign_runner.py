@@ -73,7 +73,7 @@ def validate_campaign(spec: CampaignSpec, store: VersionStore, requests: Sequenc
     check_sample_ids(current.path, requests, model, current.version)
     batches = -(-len(requests) // spec.batch_size)
     try:
-        validate_settings(spec.method.name, spec.method.settings, spec.limits, current.path,
+        validate_settings(spec.method, None, spec.limits, current.path,
                           first_seed=spec.seed, last_seed=spec.seed + batches - 1, memory_budget=spec.memory_budget)
     except BatchInputError as err:
         raise CampaignError(str(err)) from None
@@ -118,7 +118,7 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
                     validate_memory_budget(spec.memory_budget, store.open_verified(model).path)
                 except BatchInputError as err:
                     raise CampaignError(str(err)) from None
-            machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
+            machine = ExactlyOnce(store, ledger, model, method=spec.method,
                                   limits=spec.limits, cluster=spec.ray.options() if spec.ray else None,
                                   memory_budget=spec.memory_budget)
             machine.follow_rollbacks()
@@ -171,7 +171,7 @@ def cancel_batch(spec: CampaignSpec, index: int, reason: str) -> BatchResult:
         with store.lock(model):
             if ledger.get_campaign(spec.name) is None:
                 raise CampaignError(f"campaign '{spec.name}' is not in the ledger {ledger.path}")
-            machine = ExactlyOnce(store, ledger, model, method=spec.method.name, settings=spec.method.settings,
+            machine = ExactlyOnce(store, ledger, model, method=spec.method,
                                   limits=spec.limits)
             return machine.cancel(f"campaign:{spec.name}:{index}", reason)
     finally:

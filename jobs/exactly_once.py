@@ -43,7 +43,7 @@ from pydantic import ValidationError
 
 from jobs.specs import LEDGER_FILE, Limits
 from pipeline import memory
-from pipeline.curvature import RemovalNotServed
+from pipeline.errors import RemovalNotServed
 from pipeline.jsonio import jsonable
 from pipeline.privacy.accountant import check_budget, release_from_record
 from pipeline.privacy.release import Guarantee, PrivacyRelease
@@ -114,15 +114,16 @@ def validate_settings(method: str, settings: dict[str, Any], limits: Limits, ver
     model, the seeds fit [0, 2^63 - 1], epsilon is finite and the budget's composition can
     account for it, a set ``memory_budget`` holds one sample's passes through the model (``auto``
     is measured when each batch starts). Raises ``BatchInputError`` naming the field."""
-    from pipeline.methods.base import MAX_SEED, parse_settings
+    from pipeline.methods.base import MAX_SEED
+    from pipeline.removal import method_ref
 
     if not (0 <= first_seed <= last_seed <= MAX_SEED):
         raise BatchInputError(
             f"seed: batches would use seeds {first_seed}..{last_seed}, outside [0, 2^63 - 1 = {MAX_SEED}]; "
             "choose a smaller seed")
     try:
-        parsed = parse_settings(method, settings)
-    except ValidationError as err:
+        parsed = method_ref(method, settings).settings
+    except (ValidationError, ValueError) as err:
         raise BatchInputError(f"{field}.settings are invalid: {err}") from None
     names = getattr(parsed, "parameters", None)
     if isinstance(names, (list, tuple)) and names:
@@ -174,15 +175,24 @@ class ExactlyOnce:
     """One model's batches in one ledger, applied with one method, settings and limits.
     Every method is called inside ``store.lock(model)``."""
 
-    def __init__(self, store: VersionStore, ledger: Ledger, model: str, *, method: str = "lfoci-newton",
-                 settings: dict[str, Any] | None = None, limits: Limits | None = None, cluster: Any = None,
+    def __init__(self, store: VersionStore, ledger: Ledger, model: str, *, method: Any = "lfoci-newton",
+                 settings: Any = None, limits: Limits | None = None, cluster: Any = None,
                  remover: Callable[..., Any] | None = None, measure: Callable[..., dict[str, Any]] | None = None,
                  memory_budget: str | int = "auto") -> None:
         self.store, self.ledger, self.model = store, ledger, model
         # the working memory each stage of a batch's removal and verification may use ("auto": a
         # share of what the machine has free when the batch starts; ``pipeline.memory``)
         self.memory_budget = memory_budget
-        self.method, self.settings = method, dict(settings or {})
+        from pipeline.removal import method_ref
+
+        # the method a name or MethodRef means (a variant in configs/methods/, its settings on top), parsed once
+        self.ref = method_ref(method, settings)
+        self.method, self.settings = self.ref.method, self.ref.settings.model_dump(mode="json")
+        # the method's prepared state for the version the next batch starts from (``pipeline.prepared``): kept
+        # between batches, updated from a published removal where the maths allows, rebuilt where it does not
+        # hold (another version, after a rollback or a restart)
+        self.prepared: Any = None
+        self._published_run: Any = None  # the last published removal: its next_prepared(), taken when needed
         self.limits = limits or Limits()
         self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
         self._remover = remover
@@ -313,6 +323,7 @@ class ExactlyOnce:
             "privacy": privacy, "metrics": metrics, "record": run.record,
         })
         info = self.store.publish(self.model, run.new_state, run.card, parent=batch.parent_version, manifest=manifest)
+        self._published_run = run  # the next batch starts from this version: its state updated from this removal
         return self._record_published(batch, info)
 
     def _remove(self, model_dir: Path, batch: BatchRow):
@@ -323,17 +334,23 @@ class ExactlyOnce:
 
         if self._remover is not None:
             return self._remover(model_dir, batch)
-        hook = StageProgress(f"batch {batch.index} ({self.method})")
+        if self._published_run is not None:  # (used only where it holds for this parent: run_removal checks)
+            self.prepared = self._published_run.next_prepared() or self.prepared
+            self._published_run = None
+        hook = StageProgress(f"batch {batch.index} ({self.ref.name})")
         if self.cluster is None:
-            return remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings, seed=batch.seed,
-                          stage_hook=hook, memory_budget=memory.current_budget())
+            run = remove(model_dir, batch.sample_ids, method=self.ref, prepared=self.prepared, seed=batch.seed,
+                         stage_hook=hook, memory_budget=memory.current_budget())
+            self.prepared = run.prepared  # the parent's state: still the right one if this batch is not published
+            return run
         from cluster.hooks import ray_removal_hooks
 
         with ray_removal_hooks(model_dir, self.cluster) as hooks:
             describe = hooks.pop("describe")
-            run = remove(model_dir, batch.sample_ids, method=self.method, settings=self.settings,
+            run = remove(model_dir, batch.sample_ids, method=self.ref, prepared=self.prepared,
                          seed=batch.seed, stage_hook=hook, memory_budget=memory.current_budget(), **hooks)
             run.record["distributed"] = describe()
+        self.prepared = run.prepared  # the parent's state: still the right one if this batch is not published
         return run
 
     def _release_history(self) -> list[PrivacyRelease]:

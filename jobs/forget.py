@@ -29,7 +29,7 @@ from cluster.errors import ClusterError
 from cluster.hooks import ClusterOptions
 from pipeline.checkpoint import CheckpointMismatchError
 from pipeline.config import ConfigError, format_errors, load_config
-from pipeline.curvature import NonFiniteGradientError
+from pipeline.errors import NonFiniteGradientError
 from pipeline.data.sampleset import SampleIdError
 from pipeline import memory
 from pipeline.jsonio import dumps

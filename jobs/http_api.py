@@ -40,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from jobs.request_body import HttpError, parse_json_body
 from jobs.specs import ServiceConfig
 from pipeline.data.requests import DeletionRequest
 from pipeline.jsonio import jsonable
@@ -245,8 +246,6 @@ async def _json_body(request: Request, config: ServiceConfig) -> Any:
         raw = await asyncio.wait_for(read(), timeout=config.http.body_timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the body did not arrive within {config.http.body_timeout_s} s") from None
-    from jobs.service import HttpError, parse_json_body  # the service's one body parser (depth, huge integers)
-
     try:
         return parse_json_body(raw)
     except HttpError as err:

@@ -13,7 +13,6 @@ still pending stay accepted in the ledger and are applied by the next start.
 """
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 
 from jobs.exactly_once import BatchInputError, ExactlyOnce, validate_settings
 from jobs.http_api import HttpServer
+from jobs.request_body import HttpError
 from pipeline import memory
 from pipeline.removal import training_set
 from jobs.specs import ServiceConfig
@@ -35,15 +35,8 @@ from pipeline.store.ledger import Ledger, LedgerConflictError, SampleConflictErr
 from pipeline.store.versions import VersionStore
 
 MAX_RETRY_AFTER_S = 86_400.0  # a 429 never asks for more than a day (rate 1e-320 would say inf)
-MAX_JSON_DEPTH = 32
 # Stream batch k uses seed + k: the seed must leave room for this many batches below 2^63.
 STREAM_SEED_HEADROOM = 2**40
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
 
 
 class RateLimiter:
@@ -66,41 +59,6 @@ class RateLimiter:
             self._buckets[client] = (tokens, now)
             wait = (1.0 - tokens) / self.rate
             return wait if wait < MAX_RETRY_AFTER_S else MAX_RETRY_AFTER_S
-
-
-def _depth(raw: bytes) -> int:
-    """Deepest nesting of brackets outside strings (checked before parsing, so no RecursionError)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """A request body as JSON; any problem (bad UTF-8 or JSON, nesting deeper than
-    MAX_JSON_DEPTH, an integer of thousands of digits) is a 400 with the reason, never a 500."""
-    if _depth(raw) > MAX_JSON_DEPTH:
-        raise HttpError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HttpError(400, f"the body is not valid JSON ({err})") from None
-    except (ValueError, RecursionError) as err:  # e.g. an integer longer than Python's 4300-digit limit
-        raise HttpError(400, f"the body is not valid JSON ({str(err)[:160]})") from None
 
 
 def _age_seconds(received_at: str) -> float:
@@ -134,7 +92,7 @@ class UnlearnService:
         an end, bind and start serving."""
         current = self.store.open_verified(self.model)
         try:
-            validate_settings(self.config.method.name, self.config.method.settings, self.config.limits, current.path,
+            validate_settings(self.config.method, None, self.config.limits, current.path,
                               first_seed=self.config.seed, last_seed=self.config.seed + STREAM_SEED_HEADROOM,
                               memory_budget=self.config.memory_budget)
         except BatchInputError as err:
@@ -146,8 +104,7 @@ class UnlearnService:
             self.ledger = Ledger(self.config.ledger_path())
             fast = self.fast
             self.machine = ExactlyOnce(
-                self.store, self.ledger, self.model, method=self.config.method.name,
-                settings=self.config.method.settings, limits=self.config.limits,
+                self.store, self.ledger, self.model, method=self.config.method, limits=self.config.limits,
                 remover=None if fast is None else (lambda directory, batch: fast.remove(directory, batch.sample_ids,
                                                                                         batch.seed)),
                 measure=None if fast is None else fast.metrics, memory_budget=self.config.memory_budget)
@@ -185,7 +142,7 @@ class UnlearnService:
         from pipeline.stream_removal import FastPathError, WarmStreamRemover, stream_settings_of
 
         try:
-            return WarmStreamRemover(self.config.method.name, self.config.method.settings, stream_settings_of(spec),
+            return WarmStreamRemover(self.config.method.method, self.config.method.settings, stream_settings_of(spec),
                                      log=self.log)
         except FastPathError as err:
             raise BatchInputError(f"service configuration: {err}") from None

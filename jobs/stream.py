@@ -69,7 +69,7 @@ def check(config_path: str) -> None:
     from jobs.exactly_once import validate_settings
     from jobs.service import STREAM_SEED_HEADROOM
 
-    validate_settings(config.method.name, config.method.settings, config.limits, info.path,
+    validate_settings(config.method, None, config.limits, info.path,
                       first_seed=config.seed, last_seed=config.seed + STREAM_SEED_HEADROOM, memory_budget=config.memory_budget)
     click.echo(f"ok: model '{config.model.name}' at version {info.version}; would bind {config.host}:{config.port}")
 

@@ -257,7 +257,7 @@ class _OutputBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def _output_bytes(model: nn.Module, call: Any) -> int:
     """Bytes of every operator output of ``call()`` (at least 1), run no-grad with ``model`` in
     eval mode."""
-    from pipeline.probe import eval_mode_restored  # probe sizes its passes with this module
+    from pipeline.eval_mode import eval_mode_restored
 
     mode = _OutputBytes()
     with eval_mode_restored(model), torch.no_grad(), mode:

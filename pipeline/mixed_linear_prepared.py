@@ -27,7 +27,6 @@ fixed), in preparation and removal alike, so G_D - G_U is G of D_r.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -37,12 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.linear_curvature import _block_order
+from pipeline.curvature.linear_layer import layer_order
 from pipeline.linearized import LinearizedModel, output_linear, output_targets, outputs_and_inputs
-from pipeline.param_block import ParamBlock
-from pipeline.probe import eval_mode_restored
+from pipeline.prepared import state_digest
 
-__all__ = ["PreparedUserSums"]
+__all__ = ["PreparedUserSums", "UserWeightsBindingError"]
 
 
 def _rows(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, outputs: int,
@@ -52,23 +50,17 @@ def _rows(lin: LinearizedModel, layer: nn.Linear, data: SampleSet, outputs: int,
     d1 = layer.in_features + 1
     gram = torch.zeros(d1, d1, dtype=torch.float64)
     cross = torch.zeros(d1, outputs, dtype=torch.float64)
-    with eval_mode_restored(lin.model):
-        for batch in data.batches(batch_size):
-            f_c, x = outputs_and_inputs(lin, layer, batch)
-            y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
-            gram += x.T @ x
-            cross += x.T @ (y - f_c.to("cpu", torch.float64))
+    for batch in data.batches(batch_size):
+        f_c, x = outputs_and_inputs(lin, layer, batch)
+        y = output_targets(batch["y"], outputs, torch.float64).to("cpu")
+        gram += x.T @ x
+        cross += x.T @ (y - f_c.to("cpu", torch.float64))
     return gram, cross
 
 
-def core_fingerprint(model: nn.Module) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of the core's parameters and buffers."""
-    digest = hashlib.sha256()
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        data = t.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+class UserWeightsBindingError(ValueError):
+    """User weights (or their prepared sums) used with a lambda, data or core other than those
+    they were made with."""
 
 
 @dataclass(frozen=True)
@@ -102,13 +94,11 @@ class PreparedUserSums:
         names = {n: ("weight" if p is layer.weight else "bias") for n, p in lin.model.named_parameters()
                  if p is layer.weight or p is layer.bias}
         return cls(gram, cross, len(data), k, float(weight_decay), frozenset(int(i) for i in data.sample_ids.tolist()),
-                   _block_order(lin.block, names, k, d), core_fingerprint(lin.model), time.perf_counter() - started)
+                   layer_order(lin.block, names, k, d), state_digest(lin.model), time.perf_counter() - started)
 
     def check(self, weight_decay: float, sample_ids: Sequence[int], model: nn.Module) -> None:
         """Refuse sums of another lambda, other data or another core (``UserWeightsBindingError``)."""
-        from pipeline.methods.mixed_linear import UserWeightsBindingError
-
-        if self.core != core_fingerprint(model):
+        if self.core != state_digest(model):
             raise UserWeightsBindingError(
                 "the prepared user sums were taken with another core (its parameters or buffers differ from this "
                 "model's): prepare them again with this core")

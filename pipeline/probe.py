@@ -24,7 +24,6 @@ perturbed forward pass of the forget batch raises ``MemoryBudgetError`` before a
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import memory
+from pipeline.eval_mode import eval_mode_restored
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Batch, Task
@@ -106,22 +106,6 @@ def perturbation_generator(seed: int, index: int) -> torch.Generator:
     return g
 
 
-@contextlib.contextmanager
-def eval_mode_restored(model: nn.Module) -> Iterator[None]:
-    """Eval mode for the duration; each module's mode and every buffer restored afterwards."""
-    modes = {name: m.training for name, m in model.named_modules()}
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for name, m in model.named_modules():
-            m.training = modes[name]
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-
-
 def _stack(batches: list[Batch]) -> Batch:
     return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
@@ -171,9 +155,9 @@ class _Recorder:
 def run_probe(
     model: nn.Module, task: Task, forget: Batch, *, seed: int, start: int, stop: int,
     pass_size: int = 32, perturb_options: dict | None = None, slice_map: SliceMap | None = None,
-    memory_budget: "memory.MemoryBudget | str | int | None" = None,
 ) -> ProbeResult:
-    """Rows [start, stop) of the probe. ``start`` must be a multiple of ``pass_size``."""
+    """Rows [start, stop) of the probe, in eval mode (each module's mode restored afterwards), its
+    passes sized from the scoped memory budget. ``start`` must be a multiple of ``pass_size``."""
     if start % pass_size:
         raise ValueError(f"start={start} must be a multiple of pass_size={pass_size} (shard alignment)")
     if stop <= start:
@@ -184,7 +168,7 @@ def run_probe(
     acts = torch.empty(rows, slice_map.size, dtype=torch.float32)
     losses = torch.empty(rows, dtype=torch.float64)
     m = task.batch_size_of(forget)
-    per_pass = probe_pass_size(model, task, forget, pass_size, slice_map.size, memory_budget)
+    per_pass = probe_pass_size(model, task, forget, pass_size, slice_map.size)
     with eval_mode_restored(model), _Recorder(slice_map, model) as rec:
         for a in _sub_passes(start, stop, pass_size, per_pass):
             b = min(stop, (a // pass_size + 1) * pass_size, a + per_pass)
@@ -206,8 +190,7 @@ def run_probe(
     return ProbeResult(acts, losses, start, not_run)
 
 
-def probe_pass_size(model: nn.Module, task: Task, forget: Batch, pass_size: int, slices: int,
-                    budget: "memory.MemoryBudget | str | int | None" = None) -> int:
+def probe_pass_size(model: nn.Module, task: Task, forget: Batch, pass_size: int, slices: int) -> int:
     """Perturbations per forward pass: ``pass_size`` or fewer, so that a pass fits the budget."""
     from pipeline.data.sampleset import SampleSet
 
@@ -218,7 +201,7 @@ def probe_pass_size(model: nn.Module, task: Task, forget: Batch, pass_size: int,
     batch_bytes = sum(v[:1].numel() * v.element_size() for v in forget.values())
     per_perturbation = m * (cost.forward_plan()[1] + 2 * batch_bytes) + 8 * slices
     return memory.chunk_size(
-        memory.available_in(memory.resolve(budget, device)), per_perturbation, limit=pass_size,
+        memory.available_in(memory.current_budget(device)), per_perturbation, limit=pass_size,
         what=f"perturbed forward pass of the {m} forget samples",
         fix="forget fewer samples per request")
 

@@ -14,7 +14,7 @@ Dropout draws during SGD come from the same forked, seeded RNG.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -22,6 +22,9 @@ from torch import nn
 
 from pipeline.data.sampleset import SampleSet
 from pipeline.tasks import Task
+
+if TYPE_CHECKING:
+    from pipeline.models.card import ModelCard
 from pipeline.training import FitReport, fit_lbfgs, fit_sgd
 
 
@@ -88,6 +91,28 @@ def initial_model(
     if init is not None and init.checkpoint:
         report = load_checkpoint(module, preset, init.checkpoint, layout=init.layout, scope=init.scope).as_dict()
     return module, task, report
+
+
+def recipe_of(card: "ModelCard") -> Recipe:
+    """The recipe recorded by ``unlearn train`` (or rebuilt from the card's training fields)."""
+    raw = card.training.extra.get("recipe")
+    if raw:
+        return Recipe.model_validate(raw)
+    t = card.training
+    return Recipe(optimizer=t.optimizer, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size,
+                  weight_decay=t.weight_decay, seed=t.seed)
+
+
+def init_of(card: "ModelCard") -> InitSpec:
+    """Where the card's training started: its init checkpoint, if any."""
+    return InitSpec.model_validate(card.training.extra.get("init") or {})
+
+
+def start_weights(card: "ModelCard") -> dict[str, torch.Tensor]:
+    """w_init: the state the card's recipe started training from (the seeded initialisation plus
+    the init checkpoint), on the CPU."""
+    start, _, _ = initial_model(card.preset, card.options, seed=recipe_of(card).seed, init=init_of(card))
+    return {k: v.detach().cpu() for k, v in start.state_dict().items()}
 
 
 def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from pipeline import memory
 from pipeline.checkpoint import read_state_dict
+from pipeline.methods.base import TrainedModel, get_method, prepare
 from pipeline.models.card import WEIGHTS_FILE, load_model_dir, read_card
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.removal import RemovalRun, training_set
@@ -45,24 +46,19 @@ class FastPathError(ValueError):
     """The method settings cannot run on the streaming fast path; the message names the field."""
 
 
-def check_fast_path_settings(method: str, settings: Mapping[str, Any], field: str = "method") -> tuple[list[str], str]:
-    """(decision-layer parameter names, anchor) from lfoci-newton settings, or FastPathError."""
+def check_fast_path_settings(method: str, settings: Any, field: str = "method") -> tuple[Any, str]:
+    """(the parsed decision-layer-newton settings, anchor), or FastPathError naming the field."""
     from pipeline.methods.base import parse_settings
 
-    if method != "lfoci-newton":
-        raise FastPathError(f"fast_path needs {field}.name: lfoci-newton (got '{method}'); switch the method or set "
-                            "fast_path.enabled: false")
-    parsed = parse_settings(method, dict(settings))
-    if parsed.selection != "parameters" or len(parsed.parameters) != 2:
-        raise FastPathError(f"fast_path needs {field}.settings.selection: parameters with parameters naming the last "
-                            "Linear layer's weight and bias (e.g. ['3.weight', '3.bias'])")
+    if method != "decision-layer-newton":
+        raise FastPathError(f"fast_path serves the decision-layer Newton removal: {field} must run method "
+                            f"decision-layer-newton (e.g. method: newton-head; got '{method}'); switch the method or "
+                            "set fast_path.enabled: false")
+    parsed = parse_settings(method, settings)
     if parsed.epsilon != float("inf"):
         raise FastPathError(f"fast_path adds no privacy noise: {field}.settings.epsilon must be .inf (got "
                             f"{parsed.epsilon}); set fast_path.enabled: false for noisy removals")
-    if parsed.curvature_samples is not None or parsed.damping > 0:
-        raise FastPathError(f"fast_path uses the exact curvature: remove {field}.settings.curvature_samples and set "
-                            f"{field}.settings.damping: 0")
-    return list(parsed.parameters), parsed.anchor
+    return parsed, parsed.anchor
 
 
 @dataclass
@@ -86,8 +82,9 @@ class WarmStreamRemover:
 
     def __init__(self, method: str, settings: Mapping[str, Any], stream: StreamSettings, *, batch_size: int = 4096,
                  log=None) -> None:
-        self.method, self.settings = method, dict(settings)
-        self.parameters, self.anchor = check_fast_path_settings(method, settings)
+        self.method = method
+        self.settings, self.anchor = check_fast_path_settings(method, settings)
+        self.parameters: list[str] = []  # the decision layer's weight and bias (known once a state is built)
         self.stream_settings, self.batch_size = stream, batch_size
         self.log = log or (lambda _msg: None)
         self.state: DecisionLayerStream | None = None
@@ -122,10 +119,17 @@ class WarmStreamRemover:
         model, task, card = load_model_dir(directory)
         model.eval()
         train = training_set(card, model)
+        # the decision-layer methods' own preparation (the same state ``unlearn forget --method newton-head``
+        # starts from), then the stream's sums over its cached prefix outputs
+        method = get_method(self.method)
+        prepared, _ = prepare(method, TrainedModel(model, task, train, card.training.weight_decay, self.batch_size,
+                                                   card), self.settings)
+        assert prepared.block is not None
+        self.parameters = [part.name for part in prepared.block.parts]
         block_dtype = model.state_dict()[self.parameters[0]].dtype
-        state, prefix = DecisionLayerStream.from_model(model, task, train, self.parameters, card.training.weight_decay,
+        state, prefix = DecisionLayerStream.from_state(prepared, model, task, train, card.training.weight_decay,
                                                        anchor=self.anchor, settings=self.stream_settings,
-                                                       batch_size=self.batch_size, publish_dtype=block_dtype)
+                                                       publish_dtype=block_dtype)
         from pipeline.data import load_source
 
         splits = load_source(card.data.source, card.data.options)
@@ -136,7 +140,7 @@ class WarmStreamRemover:
             data = data.astype(train.columns["x"].dtype)  # the model's dtype, as the training set has
             size = memory.forward_batch_size(model, task, data, self.batch_size)
             with torch.no_grad():
-                xs = [(prefix(b["x"]) if prefix is not None else b["x"]) for b in data.batches(size)]
+                xs = [(prefix.prefix(model, b)["x"] if prefix is not None else b["x"]) for b in data.batches(size)]
             return torch.cat(xs).reshape(len(data), -1).to(torch.float64)
 
         # layer inputs of the whole split: the state's cached ones for D, the prefix on the rest
@@ -200,10 +204,8 @@ class WarmStreamRemover:
             published_from = "exact pass at the published weights"
         refresh_converged = bool(step.refresh["converged"]) if step.refresh is not None else None
         self.held.removed = frozenset(new_card.training.removed_ids)
-        from pipeline.methods.base import parse_settings
-
         record = {
-            "method": self.method, "settings": parse_settings(self.method, self.settings).model_dump(mode="json"),
+            "method": self.method, "settings": self.settings.model_dump(mode="json"),
             "seed": seed, "sample_ids": ids, "n_before": card.training.n, "n_after": new_card.training.n,
             "fast_path": {**step.as_record(),
                           # a converged exact refresh; the weights as published are then within

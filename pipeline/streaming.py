@@ -59,9 +59,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipeline.curvature import DenseOperator, preconditioned_conjugate_gradient
+from pipeline.curvature import DenseOperator, cg_solve
+from pipeline.curvature.linear_layer import closed_form_layer, linear_cross_entropy_hessian
 from pipeline.data.sampleset import SampleSet
-from pipeline.linear_curvature import closed_form_layer, linear_cross_entropy_hessian
+from pipeline.decision_layer import DecisionLayerState
 from pipeline.param_block import BlockPart, ParamBlock
 from pipeline.tasks import Task
 
@@ -182,37 +183,39 @@ class DecisionLayerStream:
 
     # -- construction from a model ---------------------------------------------------------
     @classmethod
-    def from_model(cls, model: nn.Module, task: Task, train: SampleSet, parameters: Sequence[str],
+    def from_state(cls, prepared: DecisionLayerState, model: nn.Module, task: Task, train: SampleSet,
                    weight_decay: float, *, anchor: str = "training_residual", settings: StreamSettings | None = None,
-                   batch_size: int = 4096, publish_dtype: torch.dtype | None = None,
-                   ) -> tuple["DecisionLayerStream", nn.Module | None]:
-        """The state of ``model``'s decision layer named by ``parameters`` (its weight and bias);
-        returns it and the frozen prefix (None when the layer is the whole model), which maps
-        inputs to the layer's inputs. Raises ``ValueError`` naming the fix when the block is not
-        one Linear layer (with bias) under cross-entropy at the end of a Sequential."""
-        from pipeline.frozen_prefix import cache_frozen_prefix
-        from pipeline.probe import eval_mode_restored
-
-        params = dict(model.named_parameters())
-        missing = [p for p in parameters if p not in params]
-        if missing:
-            raise ValueError(f"parameters {missing} are not in the model (it has {list(params)[:8]}); "
-                             "name the last Linear layer's weight and bias")
-        block = ParamBlock.from_rows(model, {p: None for p in parameters})
-        with eval_mode_restored(model):
-            prefix = cache_frozen_prefix(model, task, train, block, batch_size)
-        suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
-        layer = closed_form_layer(suffix, task, block)
-        if layer is None or layer.bias is None:
-            raise ValueError(
-                f"parameters {list(parameters)}: the streaming state needs the whole weight and bias of the last "
-                "Linear layer of a Sequential under cross-entropy (the decision layer); name e.g. "
-                "['3.weight', '3.bias']")
+                   publish_dtype: torch.dtype | None = None) -> tuple["DecisionLayerStream", Any]:
+        """The stream over the decision layer of ``prepared`` (the state the decision-layer methods
+        prepare for ``model`` and ``train``: the same cached prefix outputs); returns it and the
+        frozen prefix's split (None when the layer is the whole model): ``split.prefix(model, batch)``
+        maps a batch of inputs to the layer's inputs."""
+        suffix, task, data = prepared.suffix_and_data(model, task, train)
+        assert prepared.block is not None
+        layer = closed_form_layer(suffix, task, prepared.block)
+        assert layer is not None and layer.bias is not None  # DecisionLayerState.build checked both
         x = data.columns["x"].reshape(len(data), -1)
         smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
         state = cls(x, data.columns["y"], data.sample_ids, layer.weight, layer.bias, weight_decay, anchor=anchor,
                     label_smoothing=smoothing, settings=settings, publish_dtype=publish_dtype)
-        return state, (None if prefix is None else model[:prefix.start])
+        return state, (None if prepared.prefix is None else prepared.prefix.split)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, task: Task, train: SampleSet, parameters: Sequence[str],
+                   weight_decay: float, *, anchor: str = "training_residual", settings: StreamSettings | None = None,
+                   batch_size: int = 4096, publish_dtype: torch.dtype | None = None,
+                   ) -> tuple["DecisionLayerStream", nn.Module | None]:
+        """``from_state`` of the decision-layer state prepared for ``model`` (the decision-layer
+        methods' own preparation, ``pipeline.methods.base.prepare``), its layer named by ``parameters``.
+        Raises ``ValueError`` naming the fix when they are not the whole weight and bias of the last
+        Linear layer of a Sequential under cross-entropy."""
+        from pipeline.methods.base import TrainedModel, get_method, prepare
+
+        method = get_method("decision-layer-newton")
+        settings_ = method.Settings(parameters=list(parameters))
+        prepared, _ = prepare(method, TrainedModel(model, task, train, weight_decay, batch_size), settings_)
+        return cls.from_state(prepared, model, task, train, weight_decay, anchor=anchor, settings=settings,
+                              publish_dtype=publish_dtype)
 
     # -- closed forms ------------------------------------------------------------------------
     def _probs_targets(self, x: Tensor, y: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
@@ -242,7 +245,7 @@ class DecisionLayerStream:
         return u.permute(1, 0, 2).reshape(self.p, len(x) * self.k)
 
     def _curvature_sum(self, x: Tensor, theta: Tensor) -> Tensor:
-        """sum_i H_i(theta) over the rows of x (``pipeline.linear_curvature``, no ridge)."""
+        """sum_i H_i(theta) over the rows of x (``pipeline.curvature.linear_layer``, no ridge)."""
         w = theta[: self.k * self.d].reshape(self.k, self.d)
         b = theta[self.k * self.d:]
         return linear_cross_entropy_hessian(w, b, {"weight": "weight", "bias": "bias"}, self.block, x,
@@ -314,8 +317,8 @@ class DecisionLayerStream:
         """H x = rhs by CG preconditioned with the refresh's inverse; Cholesky if CG stalls."""
         assert self._ref is not None
         inv = self._ref.inverse
-        x, info = preconditioned_conjugate_gradient(DenseOperator(h), rhs, lambda r: inv @ r,
-                                                    rtol=self.settings.solve_rtol, max_iter=50)
+        x, info = cg_solve(DenseOperator(h), rhs, precondition=lambda r: inv @ r, rtol=self.settings.solve_rtol,
+                           max_iter=50, solver="pcg-refresh-inverse")
         if info.converged:
             return x, {"solver": "pcg-refresh-inverse", "iterations": info.iterations,
                        "relative_residual": info.relative_residual}

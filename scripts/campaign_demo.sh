@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Install, then run a deletion campaign end to end on the embedded default: the real
-# pre-trained MiniLM encoder fine-tuned on Reuters R8 (offline), a local SQLite ledger and
-# version store, and a local Ray instance that runs the L-FOCI probe shards and the
-# Hessian-vector products. Prints the campaign report.
-#   bash scripts/campaign_demo.sh            # MiniLM + Reuters R8 (measured: 12 min training, once, then
-#                                            #   2-3 min a batch, 4 batches, on 2 shared CPU cores)
-#   bash scripts/campaign_demo.sh digits     # softmax regression on scikit-learn digits (about 1 min)
+# Install, then run a deletion campaign end to end on the embedded default: the real pre-trained
+# MiniLM encoder with its last transformer layer fine-tuned on Reuters R8 (offline), a local SQLite
+# ledger and version store, 8 requests in 4 batches removed by the newton-head variant
+# (configs/methods/newton-head.yaml; its state prepared once and carried from batch to batch),
+# each batch verified and published as a new version. Prints the campaign report.
+#   bash scripts/campaign_demo.sh            # MiniLM + Reuters R8 (timing in the README)
+#   bash scripts/campaign_demo.sh digits     # softmax regression on scikit-learn digits
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

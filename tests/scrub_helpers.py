@@ -57,7 +57,7 @@ def assert_yaml_mirrors_settings(name: str) -> None:
 
     path = Path(__file__).resolve().parents[1] / "configs" / "methods" / f"{name}.yaml"
     raw = yaml.safe_load(path.read_text())
-    assert raw["name"] == name
+    assert raw["method"] == name
     settings_cls = get_method(name).Settings
     assert set(raw["settings"]) == set(settings_cls.model_fields), path
     assert settings_cls.model_validate(raw["settings"]) == settings_cls()

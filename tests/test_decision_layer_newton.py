@@ -1,6 +1,7 @@
-"""The decision-layer fast path of lfoci-newton (issue 12 section 2): the closed-form Hessian of
-a Linear layer under cross-entropy, the frozen-prefix cache, the warm curvature, the chord
-refresh and the anchored target, each against an exact reference."""
+"""The decision layer (issue 12 section 2, issue 24): the closed-form Hessian of a Linear layer under
+cross-entropy, the frozen-prefix cache and the anchored target of lfoci-newton's block Newton, and
+the decision-layer-newton method (matrix-free Newton from the prepared state), each against an exact
+reference."""
 from __future__ import annotations
 
 import copy
@@ -12,11 +13,12 @@ import torch
 from torch import nn
 
 from pipeline.curvature import BlockHessian, block_gradient
+from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer, native_bfloat16
+from pipeline.curvature.softmax_layer import SoftmaxLayerObjective
 from pipeline.data import SampleSet
-from pipeline.decision_layer_newton import SoftmaxLayerObjective
-from pipeline.linear_curvature import LinearCrossEntropyHessian, WarmCurvature, closed_form_layer, native_bfloat16
+from pipeline.errors import RemovalNotServed
 from pipeline.methods import get_method
-from pipeline.methods.base import RemovalProblem
+from pipeline.methods.base import RemovalProblem, TrainedModel, prepare
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs, fit_newton
@@ -38,13 +40,31 @@ def sgd_mlp(digits):
     return sgd_mlp_head(digits, seed=2, epochs=3, weight_decay=LAMBDA)
 
 
-def run(model, data, positions, warm=None, **settings):
+def run(model, data, positions, **settings):
+    """lfoci-newton's block Newton on the decision layer (named), on a copy of ``model``."""
     work = copy.deepcopy(model)
     method = get_method("lfoci-newton")
-    extras = {"warm_curvature": warm} if warm is not None else {}
-    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1, extras=extras)
+    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1)
     outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, **settings))
     return work, outcome.record
+
+
+def run_dl(model, data, positions, prepared=None, **settings):
+    """decision-layer-newton on a copy of ``model``, from ``prepared`` when given (else prepared here)."""
+    work = copy.deepcopy(model)
+    method = get_method("decision-layer-newton")
+    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1)
+    outcome = method.run(problem, method.Settings(**{"parameters": HEAD, **settings}), prepared)
+    return work, outcome.record
+
+
+def prepared_for(model, data, weight_decay=LAMBDA, task=None):
+    """The decision layer's state, prepared by the method's own preparation."""
+    method = get_method("decision-layer-newton")
+    state, why = prepare(method, TrainedModel(model, task or softmax_task(), data, weight_decay),
+                         method.Settings(parameters=HEAD))
+    assert why == "no prepared state was given"
+    return state
 
 
 def head_gradient(model, data, positions=None):
@@ -154,39 +174,39 @@ def test_anchor_changes_nothing_at_an_exact_optimum(digits):
     assert float(torch.linalg.vector_norm(flat(plain) - flat(anchored))) <= 1e-6 * moved
 
 
-def test_warm_curvature_is_used_only_where_it_holds_and_changes_no_result(sgd_mlp, digits):
+def test_prepared_state_is_used_only_where_it_holds_and_changes_no_result(sgd_mlp, digits):
+    """The decision layer's state holds H_P(D) exactly (the Hessian-vector products' matrix); a
+    removal from it equals one that prepares its own; handed to a removal on other weights (a model
+    after an earlier removal), other data, another weight decay or other loss options, it is not
+    used: the removal prepares anew and its record says why."""
+    state = prepared_for(sgd_mlp, digits)
     block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
     exact = BlockHessian(sgd_mlp, softmax_task(), digits, block, LAMBDA, reduction="mean").to_dense()
-    assert float((warm.matrix - exact).abs().max()) <= 1e-10 * float(exact.abs().max())
-    cold, rec_cold = run(sgd_mlp, digits, FORGET, newton_max_steps=3)
-    hot, rec_hot = run(sgd_mlp, digits, FORGET, warm=warm, newton_max_steps=3)
-    assert rec_hot["curvature"]["warm_first_step"] and not rec_cold["curvature"]["warm_first_step"]
-    assert float(torch.linalg.vector_norm(flat(hot) - flat(cold))) <= 1e-9
-    # other weights (a model after an earlier removal) or other data: the warm matrix is not used
-    assert warm.holds_for(sgd_mlp, block, digits, LAMBDA) and not warm.holds_for(cold, block, digits, LAMBDA)
-    assert not warm.holds_for(sgd_mlp, block, digits.take(torch.arange(100)), LAMBDA)
-    assert not warm.holds_for(sgd_mlp, block, digits, LAMBDA * 2)
-    _, rec_other = run(cold, digits, [1, 2, 4], warm=warm, newton_max_steps=1)
-    assert not rec_other["curvature"]["warm_first_step"]
+    assert float((state.matrix - exact).abs().max()) <= 1e-10 * float(exact.abs().max())
+    common = dict(newton_max_steps=40, newton_rtol=1e-9)
+    cold, rec_cold = run_dl(sgd_mlp, digits, FORGET, **common)
+    hot, rec_hot = run_dl(sgd_mlp, digits, FORGET, prepared=state, **common)
+    assert rec_cold["preparation"]["built_for_this_request"] and not rec_hot["preparation"]["built_for_this_request"]
+    assert torch.equal(flat(hot), flat(cold))
+    _, rec_other = run_dl(cold, digits, [1, 2, 4], prepared=state, newton_max_steps=40)
+    assert rec_other["preparation"]["built_for_this_request"]
+    assert "other weights or buffers" in rec_other["preparation"]["why"]
+    method = get_method("decision-layer-newton")
+    settings = method.Settings(parameters=HEAD)
+    for trained, what in ((TrainedModel(sgd_mlp, softmax_task(), digits.take(torch.arange(900)), LAMBDA), "training set"),
+                          (TrainedModel(sgd_mlp, softmax_task(), digits, 2 * LAMBDA), "weight decay"),
+                          (TrainedModel(sgd_mlp, DenseInputTask(loss="cross_entropy",
+                                                                loss_options={"label_smoothing": 0.1}),
+                                        digits, LAMBDA), "loss or its options")):
+        again, why = prepare(method, trained, settings, state)
+        assert again is not state and what in why
 
 
-def test_chord_refresh_reaches_the_same_point_as_newton(sgd_mlp, digits):
-    newton, rec_n = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
-                        newton_rtol=1e-9, newton_atol=1e-12)
-    chord, rec_c = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=60,
-                       newton_rtol=1e-9, newton_atol=1e-12, curvature_refresh="first_step")
-    assert rec_n["newton"]["converged"] and rec_c["newton"]["converged"]
-    assert {s["solver"] for s in rec_c["curvature"]["solvers"][1:]} == {"cholesky-reused"}
-    assert float(torch.linalg.vector_norm(flat(newton) - flat(chord))) <= 1e-7
-
-
-def test_a_warm_removal_moves_only_its_own_copy(sgd_mlp, digits):
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
+def test_a_prepared_removal_moves_only_its_own_copy(sgd_mlp, digits):
     before = flat(sgd_mlp).clone()
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
-    removed, record = run(sgd_mlp, digits, FORGET, warm=warm, newton_max_steps=2)
-    assert record["curvature"]["warm_first_step"] and "prefix_cache" not in record["timings"]
+    state = prepared_for(sgd_mlp, digits)
+    removed, record = run_dl(sgd_mlp, digits, FORGET, prepared=state, newton_max_steps=40)
+    assert not record["preparation"]["built_for_this_request"] and "prefix_cache" not in record["timings"]
     assert torch.equal(flat(sgd_mlp), before)  # the prepared model is untouched
     assert float(torch.linalg.vector_norm(flat(removed) - before)) > 1e-3
 
@@ -200,20 +220,6 @@ def test_matrix_free_closed_form_products_equal_the_hessian_vector_products(sgd_
         exact = BlockHessian(suffix, softmax_task(), hidden, block, LAMBDA, reduction=reduction).matvec(v)
         free = LinearCrossEntropyHessian(suffix, softmax_task(), hidden, block, LAMBDA, reduction=reduction).matvec(v)
         assert float(torch.linalg.vector_norm(free - exact)) <= 1e-11 * float(torch.linalg.vector_norm(exact))
-
-
-def test_warm_preconditioned_chord_reaches_the_newton_point(sgd_mlp, digits):
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
-    assert warm.inverse is not None
-    newton, _ = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
-                    newton_rtol=1e-9, newton_atol=1e-12)
-    warm_chord, rec = run(sgd_mlp, digits, FORGET, warm=warm, anchor="training_residual", newton_max_steps=60,
-                          newton_rtol=1e-9, newton_atol=1e-12, curvature_refresh="first_step")
-    assert rec["newton"]["converged"] and rec["curvature"]["warm_first_step"]
-    assert {s["solver"] for s in rec["curvature"]["solvers"]} == {"pcg-warm"}
-    assert max(s["iterations"] for s in rec["curvature"]["solvers"]) <= 60  # the warm factor preconditions well
-    assert float(torch.linalg.vector_norm(flat(newton) - flat(warm_chord))) <= 1e-7
 
 
 @pytest.mark.parametrize("anchor", ["none", "training_residual"])
@@ -230,22 +236,20 @@ def test_fisher_dense_step_on_the_decision_layer_is_the_exact_newton_step(sgd_ml
     b = BlockHessian(sgd_mlp, softmax_task(), retain, block, LAMBDA, reduction="mean").to_dense()
     g = head_gradient(sgd_mlp, digits, FORGET)
     a = head_gradient(sgd_mlp, digits) if anchor == "training_residual" else torch.zeros_like(g)
-    expected = block.gather(dict(sgd_mlp.named_parameters())).double() - torch.linalg.solve(b, g - a)
+    expected = block.gather(dict(sgd_mlp.named_parameters())).detach().double() - torch.linalg.solve(b, g - a)
     got = block.gather(dict(work.named_parameters())).double()
     assert float(torch.linalg.vector_norm(got - expected)) <= 1e-8 * float(torch.linalg.vector_norm(expected))
     assert outcome.record["anchor"]["kind"] == anchor
 
 
-# ---- curvature_refresh: matrix_free (Newton with the current curvature, never built) ----------
+# ---- decision-layer-newton (Newton with the current curvature, never built) -------------------
 def class_positions(data, label=3):
     return torch.nonzero(data.columns["y"] == label).squeeze(1).tolist()
 
 
 def test_matrix_free_objective_matches_autograd():
-    """grad F and H V of pipeline.decision_layer_newton against autograd on the same objective
+    """grad F and H V of pipeline.curvature.softmax_layer against autograd on the same objective
     (label smoothing, anchor): a wrong sign or a missing 1/n or lambda fails."""
-    from pipeline.decision_layer_newton import SoftmaxLayerObjective
-
     gen = torch.Generator().manual_seed(3)
     n, d, k, s = 40, 5, 4, 0.1
     x = torch.cat([torch.randn(n, d, generator=gen), torch.ones(n, 1)], 1).double()  # exact in float32, as a
@@ -289,9 +293,9 @@ def test_matrix_free_objective_matches_autograd():
         <= 1e-12
 
 
-def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stops_short(sgd_mlp, digits):
-    """Class forgetting on the softmax head: the 3-step chord (start curvature kept) ends far from
-    the anchored optimum; matrix_free Newton lands on it (tight L-BFGS oracle)."""
+def test_decision_layer_newton_lands_on_the_anchored_minimiser_of_a_class_removal(sgd_mlp, digits):
+    """Class forgetting on the softmax head: the decision-layer Newton lands on the anchored optimum
+    (tight L-BFGS oracle), far from the start."""
     forget = class_positions(digits)
     r0 = head_gradient(sgd_mlp, digits)
     oracle = anchored_minimiser(sgd_mlp, digits, forget, r0)
@@ -302,11 +306,8 @@ def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stop
     def head(model):
         return torch.cat([model[3].weight.detach().reshape(-1), model[3].bias.detach()])
 
-    chord, _ = run(sgd_mlp, digits, forget, anchor="training_residual", curvature_refresh="first_step",
-                   newton_max_steps=3, min_gradient_reduction=0.0)
-    assert float(torch.linalg.vector_norm(head(chord) - oracle)) > 0.05 * span
-    exact, rec = run(sgd_mlp, digits, forget, anchor="training_residual", curvature_refresh="matrix_free",
-                     anchor_absent_classes=True, newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
+    exact, rec = run_dl(sgd_mlp, digits, forget, anchor="training_residual", anchor_absent_classes=True,
+                        newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
     assert rec["newton"]["converged"] and rec["curvature"]["solvers"][0]["solver"] == "pcg-matrix-free"
     assert float(torch.linalg.vector_norm(head(exact) - oracle)) <= 1e-6 * span
     assert float(torch.linalg.vector_norm(head_gradient(exact, digits, forget) - r0)) <= 1e-9
@@ -314,52 +315,47 @@ def test_matrix_free_newton_lands_on_the_anchored_minimiser_where_the_chord_stop
 
 
 @pytest.mark.parametrize("preconditioner", ["auto", "kronecker", "none"])
-def test_matrix_free_equals_converged_newton_where_that_converges(sgd_mlp, digits, preconditioner):
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+def test_decision_layer_newton_equals_converged_block_newton_where_that_converges(sgd_mlp, digits, preconditioner):
     newton, rec_n = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
                         newton_rtol=1e-10, newton_atol=1e-12)
-    free, rec_f = run(sgd_mlp, digits, FORGET, warm=warm, anchor="training_residual", newton_max_steps=40,
-                      newton_rtol=1e-10, newton_atol=1e-12, curvature_refresh="matrix_free",
-                      newton_preconditioner=preconditioner)
+    free, rec_f = run_dl(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=40,
+                         newton_rtol=1e-10, newton_atol=1e-12, newton_preconditioner=preconditioner)
     assert rec_n["newton"]["converged"] and rec_f["newton"]["converged"]
-    expected = {"auto": "warm H_P(D)^-1", "kronecker": "kronecker", "none": "none"}[preconditioner]
+    expected = {"auto": "prepared H_P(D)^-1", "kronecker": "kronecker", "none": "none"}[preconditioner]
     assert rec_f["curvature"]["solvers"][0]["preconditioner"] == \
         f"{expected}, updated by the last 40 CG pairs (L-BFGS)"
     moved = float(torch.linalg.vector_norm(flat(newton) - flat(sgd_mlp)))
     assert float(torch.linalg.vector_norm(flat(newton) - flat(free))) <= 1e-7 * max(1.0, moved)
 
 
-def test_matrix_free_refuses_what_it_does_not_converge_and_rejects_other_blocks(sgd_mlp, digits):
-    from pipeline.curvature import RemovalNotServed
-
+def test_decision_layer_newton_refuses_what_it_does_not_converge_and_rejects_other_blocks(sgd_mlp, digits):
     work = copy.deepcopy(sgd_mlp)
-    method = get_method("lfoci-newton")
+    method = get_method("decision-layer-newton")
     problem = RemovalProblem(work, softmax_task(), digits, torch.as_tensor(class_positions(digits)), LAMBDA, seed=1)
     with pytest.raises(RemovalNotServed, match="matrix-free Newton did not reach"):
-        method.run(problem, method.Settings(selection="parameters", parameters=HEAD, curvature_refresh="matrix_free",
-                                            newton_max_steps=1, newton_rtol=1e-12, newton_atol=1e-14))
+        method.run(problem, method.Settings(parameters=HEAD, newton_max_steps=1, newton_rtol=1e-12, newton_atol=1e-14))
     assert torch.equal(flat(work), flat(sgd_mlp))  # nothing published
-    with pytest.raises(ValueError, match="curvature_refresh: matrix_free needs"):
-        method.run(problem, method.Settings(selection="parameters", parameters=["1.weight", *HEAD],
-                                            curvature_refresh="matrix_free"))
+    with pytest.raises(ValueError, match="the decision-layer methods need a block that is the whole weight and bias"):
+        method.run(problem, method.Settings(parameters=["1.weight", *HEAD]))
     # an output layer without a bias: refused by name, never solved with an undefined bias column
     no_bias = nn.Sequential(nn.Flatten(), nn.Linear(64, 10, bias=False)).double()
     problem = RemovalProblem(no_bias, softmax_task(), digits, torch.as_tensor(class_positions(digits)), LAMBDA, seed=1)
-    with pytest.raises(ValueError, match="needs an output layer with a bias"):
-        method.run(problem, method.Settings(selection="parameters", parameters=["1.weight"],
-                                            curvature_refresh="matrix_free"))
+    with pytest.raises(ValueError, match="need an output layer with a bias"):
+        method.run(problem, method.Settings(parameters=["1.weight"]))
+    # no parameters named: the model's last module, when it is a Linear layer
+    _, record = run_dl(sgd_mlp, digits, FORGET, parameters=[])
+    assert [p["parameter"] for p in record["block"]["parts"]] == HEAD
 
 
-def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digits):
+def test_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digits):
     """Hessian products on a subsample (curvature_samples) or in float32 (a float32 model) change
     the path, not the point: the gradient is exact, so the class-forgetting minimiser is the same."""
     forget = class_positions(digits)
-    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=80)
-    full, _ = run(sgd_mlp, digits, forget, newton_rtol=1e-11, newton_atol=1e-13, **settings)
+    settings = dict(anchor="training_residual", newton_max_steps=80)
+    full, _ = run_dl(sgd_mlp, digits, forget, newton_rtol=1e-11, newton_atol=1e-13, curvature_samples=None, **settings)
     # a subsampled Hessian converges linearly: a looser stop, ||w - w*|| <= ||grad|| / lambda
-    sub, rec = run(sgd_mlp, digits, forget, curvature_samples=300, newton_rtol=1e-9, newton_atol=1e-13,
-                   **{**settings, "newton_max_steps": 200})
+    sub, rec = run_dl(sgd_mlp, digits, forget, curvature_samples=300, newton_rtol=1e-9, newton_atol=1e-13,
+                      **{**settings, "newton_max_steps": 200})
     assert rec["curvature"]["solvers"][0]["curvature_rows"] == 300 and rec["newton"]["converged"]
     moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
     assert moved > 1.0
@@ -369,8 +365,8 @@ def test_matrix_free_subsampled_and_float32_products_reach_the_same_minimiser(sg
     data32 = SampleSet({**digits.columns, "x": digits.columns["x"].float()}, digits.sample_ids)
     auto = "bfloat16" if native_bfloat16() else "float32"
     for products, dtype in (("layer", "float32"), ("bfloat16", "bfloat16"), ("auto", auto)):
-        low, rec32 = run(single, data32, forget, newton_rtol=1e-5, newton_atol=1e-9, curvature_products=products,
-                         **settings)
+        low, rec32 = run_dl(single, data32, forget, newton_rtol=1e-5, newton_atol=1e-9, curvature_products=products,
+                            **settings)
         assert rec32["curvature"]["solvers"][0]["product_dtype"] == dtype and rec32["newton"]["converged"]
         assert float(torch.linalg.vector_norm(flat(low).double() - flat(full))) <= 1e-4 * moved
 
@@ -401,7 +397,7 @@ def test_bfloat16_curvature_products_are_within_their_stated_accuracy(sgd_mlp, d
         > 10 * float(torch.linalg.vector_norm(objectives[torch.float32].hessian_product(p.float(), v) - 1e-3 * v - want))
 
 
-def test_matrix_free_drops_the_anchor_on_the_rows_of_a_class_with_no_retained_sample(sgd_mlp, digits):
+def test_the_anchor_is_dropped_on_the_rows_of_a_class_with_no_retained_sample(sgd_mlp, digits):
     """anchor_absent_classes false (the default): forgetting class 3 leaves D_r without it, so the
     target is grad L_{D\\U}(w') = r0 with r0's class-3 weight row and bias zeroed (oracle: L-BFGS
     on that objective); a forget set that leaves every class present is anchored as before."""
@@ -414,36 +410,33 @@ def test_matrix_free_drops_the_anchor_on_the_rows_of_a_class_with_no_retained_sa
     oracle = anchored_minimiser(sgd_mlp, digits, forget, cut)
     kept = anchored_minimiser(sgd_mlp, digits, forget, r0)
     assert float(torch.linalg.vector_norm(oracle - kept)) > 0.1  # the two targets differ
-    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=60,
-                    newton_rtol=1e-11, newton_atol=1e-13)
-    ours, rec = run(sgd_mlp, digits, forget, **settings)
+    settings = dict(anchor="training_residual", newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
+    ours, rec = run_dl(sgd_mlp, digits, forget, **settings)
     assert rec["target"]["unanchored_classes"] == [3]
     got = torch.cat([ours[3].weight.detach().reshape(-1), ours[3].bias.detach()])
     assert float(torch.linalg.vector_norm(got - oracle)) <= 1e-6 * float(torch.linalg.vector_norm(oracle))
     # every class still present: nothing unanchored, the same point as anchor_absent_classes true
-    a, rec_a = run(sgd_mlp, digits, FORGET, **settings)
-    b, _ = run(sgd_mlp, digits, FORGET, anchor_absent_classes=True, **settings)
+    a, rec_a = run_dl(sgd_mlp, digits, FORGET, **settings)
+    b, _ = run_dl(sgd_mlp, digits, FORGET, anchor_absent_classes=True, **settings)
     assert rec_a["target"]["unanchored_classes"] == [] and torch.equal(flat(a), flat(b))
 
 
 @pytest.mark.parametrize("preconditioner", ["auto", "kronecker"])
-def test_matrix_free_on_the_prepared_inputs_equals_the_copy_of_the_retained_set(sgd_mlp, digits, preconditioner):
-    """The warm X~ of D with the forgotten rows masked (no copy of D_r per removal) takes the same
-    path as a copy of D_r: same subsampled curvature rows, same CG iterations and residuals per
+def test_the_prepared_inputs_give_the_path_of_a_copy_of_the_retained_set(sgd_mlp, digits, preconditioner):
+    """The prepared X~ of D with the forgotten rows masked (no copy of D_r per removal) takes the
+    same path as a copy of D_r: same subsampled curvature rows, same CG iterations and residuals per
     step, same end point; a class (its rows all masked) included."""
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
-    assert warm.inputs is not None and warm.inputs.shape == (len(digits), sgd_mlp[3].in_features + 1)
-    assert torch.equal(warm.inputs_t, warm.inputs.T)
-    copied = dataclasses.replace(warm, inputs=None, inputs_t=None)
+    state = prepared_for(sgd_mlp, digits)
+    assert state.inputs is not None and state.inputs.shape == (len(digits), sgd_mlp[3].in_features + 1)
+    assert torch.equal(state.inputs_t, state.inputs.T)
+    copied = dataclasses.replace(state, inputs=None, inputs_t=None)
     for forget in (FORGET, class_positions(digits)):
-        common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=40,
-                      newton_rtol=1e-7, newton_atol=1e-12, curvature_samples=300,
-                      newton_preconditioner=preconditioner)
-        masked, rec_m = run(sgd_mlp, digits, forget, warm=warm, **common)
-        copy_, rec_c = run(sgd_mlp, digits, forget, warm=copied, **common)
+        common = dict(anchor="training_residual", newton_max_steps=40, newton_rtol=1e-7, newton_atol=1e-12,
+                      curvature_samples=300, newton_preconditioner=preconditioner)
+        masked, rec_m = run_dl(sgd_mlp, digits, forget, prepared=state, **common)
+        copy_, rec_c = run_dl(sgd_mlp, digits, forget, prepared=copied, **common)
         s_m, s_c = rec_m["curvature"]["solvers"][0], rec_c["curvature"]["solvers"][0]
-        assert s_m["inputs"] == "prepared X~ of D, forgotten rows masked" and s_c["inputs"] == "copy of D_r"
+        assert s_m["inputs"] == "prepared X~ of D, forgotten rows masked" and s_c["inputs"].startswith("copy of D_r")
         # the first steps, before summation-order rounding can tip a CG stopping test (another
         # subsample would differ from the first step on)
         h_m, h_c = rec_m["newton"]["history"][:4], rec_c["newton"]["history"][:4]
@@ -455,69 +448,59 @@ def test_matrix_free_on_the_prepared_inputs_equals_the_copy_of_the_retained_set(
         assert float(torch.linalg.vector_norm(flat(masked) - flat(copy_))) <= 1e-6 * moved  # both within rtol 1e-7
 
 
-def test_prepared_training_gradient_replaces_the_pass_over_the_retained_set(sgd_mlp, digits):
-    """WarmCurvature holds grad_P L_D at its weights; a removal takes grad L_{D\\U} =
-    (n grad L_D - g_U) / (n - m) from it (a pass over U only) and lands where the pass over D \\ U
-    does (same Newton path); a wrong n or a missing lambda term in the identity would not."""
+def test_prepared_training_gradient_gives_the_retained_gradient(sgd_mlp, digits):
+    """The state holds grad_P L_D at its weights; a removal takes grad L_{D\\U} = (n grad L_D - g_U) /
+    (n - m) from it (a pass over U only): the identity holds against a pass over D \\ U (a wrong n or
+    a missing lambda term would not), and the removal starts from exactly that residual."""
+    state = prepared_for(sgd_mlp, digits)
     block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
     expected = block_gradient(sgd_mlp, softmax_task(), digits, block, LAMBDA, reduction="mean")
-    assert float(torch.linalg.vector_norm(warm.training_gradient - expected)) <= 1e-12 * float(
+    assert float(torch.linalg.vector_norm(state.training_gradient - expected)) <= 1e-12 * float(
         torch.linalg.vector_norm(expected))
     n, m = len(digits), len(FORGET)
     g_u = block_gradient(sgd_mlp, softmax_task(), digits.take(torch.as_tensor(FORGET)), block, LAMBDA, reduction="sum")
     retained = head_gradient(sgd_mlp, digits, FORGET)
-    assert float(torch.linalg.vector_norm((n * warm.training_gradient - g_u) / (n - m) - retained)) <= 1e-12
-    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=40,
-                  newton_rtol=1e-8, newton_atol=1e-12)
-    prepared, rec_p = run(sgd_mlp, digits, FORGET, warm=warm, **common)
-    passed, rec_q = run(sgd_mlp, digits, FORGET, warm=dataclasses.replace(warm, training_gradient=None), **common)
-    assert rec_p["curvature"]["retained_gradient"].startswith("prepared")
-    assert rec_q["curvature"]["retained_gradient"].startswith("a pass")
-    assert [h["iterations"] for h in rec_p["newton"]["history"]] == [h["iterations"] for h in rec_q["newton"]["history"]]
-    moved = float(torch.linalg.vector_norm(flat(passed) - flat(sgd_mlp)))
-    assert moved > 1e-3
-    assert float(torch.linalg.vector_norm(flat(prepared) - flat(passed))) <= 1e-7 * moved
+    assert float(torch.linalg.vector_norm((n * state.training_gradient - g_u) / (n - m) - retained)) <= 1e-12
+    _, record = run_dl(sgd_mlp, digits, FORGET, prepared=state, anchor="none", newton_max_steps=40)
+    assert record["gradient_norms"]["residual_before"] == pytest.approx(float(torch.linalg.vector_norm(retained)),
+                                                                      rel=1e-10)
 
 
-def test_layer_ordered_warm_inverse_is_the_block_inverse_in_the_layer_layout(sgd_mlp, digits):
-    """The warm H_P(D)^{-1} the matrix-free Newton preconditions with is permuted once into the
+def test_layer_ordered_prepared_inverse_is_the_block_inverse_in_the_layer_layout(sgd_mlp, digits):
+    """The prepared H_P(D)^{-1} the decision-layer Newton preconditions with is permuted once into the
     layer's (class, input-with-bias) layout and kept in the products' precision: applied to V it
     gives the block-ordered inverse's product (float64 exactly, float32 to its rounding), is
     symmetric, and is made once per layout and precision."""
-    from pipeline.decision_layer_newton import dense_preconditioner
+    from pipeline.curvature.linear_layer import products_dtype
+    from pipeline.curvature.softmax_layer import dense_preconditioner
 
     layer = sgd_mlp[3]
     k, d = layer.out_features, layer.in_features
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
+    state = prepared_for(sgd_mlp, digits)
     # block order: the weight (k x d, row-major), then the bias (k); layer order: class * (d + 1) + input
     order = torch.cat([(torch.arange(k)[:, None] * (d + 1) + torch.arange(d)[None, :]).reshape(-1),
                        torch.arange(k) * (d + 1) + d])
-    from pipeline.linear_curvature import products_dtype
-
     # made by the preparation (its seconds), in the products' precision: the first removal finds it
-    made = warm.layer_inverse_cache
+    made = state.layer_inverse_cache
     assert made is not None and made[1] == products_dtype(layer) and torch.equal(made[0], order)
-    assert warm.layer_inverse(order, products_dtype(layer)) is made[2]
+    assert state.layer_inverse(order, products_dtype(layer)) is made[2]
     v = torch.randn(k, d + 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    expected = (warm.inverse @ v.reshape(-1)[order])                   # in block order
+    expected = (state.inverse @ v.reshape(-1)[order])                   # in block order
     for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        inverse = warm.layer_inverse(order, dtype)
+        inverse = state.layer_inverse(order, dtype)
         assert inverse.dtype == dtype and torch.equal(inverse, inverse.T)
         got = dense_preconditioner(inverse, (k, d + 1))(v).reshape(-1)[order]
         assert float(torch.linalg.vector_norm(got - expected)) <= rtol * float(torch.linalg.vector_norm(expected))
-        assert warm.layer_inverse(order, dtype) is inverse               # kept, not rebuilt
+        assert state.layer_inverse(order, dtype) is inverse               # kept, not rebuilt
     # a wrong layout (the block order taken as the layer's) is a different operator
-    wrong = dense_preconditioner(warm.inverse, (k, d + 1))(v).reshape(-1)[order]
+    wrong = dense_preconditioner(state.inverse, (k, d + 1))(v).reshape(-1)[order]
     assert float(torch.linalg.vector_norm(wrong - expected)) > 0.1 * float(torch.linalg.vector_norm(expected))
 
 
 def test_gradient_share_diagnostic_can_be_left_out_without_changing_the_removal(sgd_mlp, digits):
     """record_gradient_share: false skips the whole-model forget gradient (a diagnostic only): the
     record says None, and the weights are the same as with it."""
-    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=40,
-                  newton_rtol=1e-7, newton_atol=1e-12)
+    common = dict(anchor="training_residual", newton_max_steps=20, newton_rtol=1e-7, newton_atol=1e-12)
     with_share, rec_a = run(sgd_mlp, digits, FORGET, **common)
     without, rec_b = run(sgd_mlp, digits, FORGET, record_gradient_share=False, **common)
     assert 0.0 < rec_a["gradient_share"]["forget_in_block"] < 1.0
@@ -529,7 +512,8 @@ def test_recycled_preconditioner_is_the_lbfgs_update_of_its_base():
     """The CG pairs (s, H s) of one solve update a base inverse by L-BFGS: SPD, the secant equation
     P(H s) = s holds for the newest pair, and a full set of H-conjugate pairs reproduces H^-1
     whatever the base (a wrong sign or a missing rho in the two loops breaks all three)."""
-    from pipeline.decision_layer_newton import _pcg, recycled_preconditioner
+    from pipeline.curvature.pcg import pcg
+    from pipeline.curvature.softmax_layer import recycled_preconditioner
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(12, 12, generator=gen, dtype=torch.float64)
@@ -540,7 +524,7 @@ def test_recycled_preconditioner_is_the_lbfgs_update_of_its_base():
         return 0.3 * v
 
     pairs = []
-    _pcg(lambda v: h @ v, b, base, 1e-14, 12, pairs)
+    pcg(lambda v: h @ v, b, precondition=base, rtol=1e-14, max_iter=12, pairs=pairs)
     assert len(pairs) == 12 and all(sy > 0 for _, _, sy in pairs)
     full = recycled_preconditioner(base, pairs)
     p_full = torch.stack([full(e) for e in torch.eye(12, dtype=torch.float64)], 1)
@@ -556,13 +540,11 @@ def test_recycled_preconditioner_is_the_lbfgs_update_of_its_base():
 
 def test_recycled_newton_reaches_the_same_class_forgetting_minimiser(sgd_mlp, digits):
     """newton_recycle changes the preconditioner of the later Newton systems, not the point: with
-    and without it the matrix-free Newton ends at the same minimiser (a class forgotten)."""
-    block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
-    warm = WarmCurvature.prepare(sgd_mlp, softmax_task(), digits, block, LAMBDA)
-    common = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=60,
-                  newton_rtol=1e-9, newton_atol=1e-13)
-    plain, rec_p = run(sgd_mlp, digits, class_positions(digits), warm=warm, newton_recycle=0, **common)
-    recycled, rec_r = run(sgd_mlp, digits, class_positions(digits), warm=warm, **common)
+    and without it the decision-layer Newton ends at the same minimiser (a class forgotten)."""
+    state = prepared_for(sgd_mlp, digits)
+    common = dict(anchor="training_residual", newton_max_steps=60, newton_rtol=1e-9, newton_atol=1e-13)
+    plain, rec_p = run_dl(sgd_mlp, digits, class_positions(digits), prepared=state, newton_recycle=0, **common)
+    recycled, rec_r = run_dl(sgd_mlp, digits, class_positions(digits), prepared=state, **common)
     assert rec_p["newton"]["converged"] and rec_r["newton"]["converged"]
     assert "L-BFGS" in rec_r["curvature"]["solvers"][0]["preconditioner"]
     assert "L-BFGS" not in rec_p["curvature"]["solvers"][0]["preconditioner"]
@@ -576,7 +558,7 @@ def test_float32_passes_reach_the_float64_minimiser_and_hand_over_where_they_can
     (the same minimiser as float64 passes, to that tolerance); where the rounding floor is above a
     quarter of the tolerance float64 passes certify the float32 end point, and where it is above
     the tolerance they finish the iteration (then the float64 point, to 1e-11 / lambda)."""
-    from pipeline.decision_layer_newton import SoftmaxLayerObjective, newton_minimise
+    from pipeline.curvature.newton import newton_minimise
 
     gen = torch.Generator().manual_seed(5)
     n, d, k, lam = 3000, 20, 5, 1e-3
@@ -630,7 +612,7 @@ def test_objective_value_from_the_probabilities_equals_the_logsumexp_form():
 def test_native_bfloat16_needs_the_hardware_flags(monkeypatch):
     """``curvature_products: auto`` picks bfloat16 only on a CPU that lists AVX512-BF16 or AMX-BF16
     (oneDNN alone, or AVX-512 without them, would emulate it)."""
-    import pipeline.linear_curvature as lc
+    import pipeline.curvature.linear_layer as lc
 
     monkeypatch.setattr(lc, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
     assert not lc.native_bfloat16("cpu")
@@ -640,16 +622,31 @@ def test_native_bfloat16_needs_the_hardware_flags(monkeypatch):
 
 
 def test_cg_never_steps_along_a_direction_of_non_positive_curvature():
-    """Rounded products could report d^T H d <= 0: CG then stops, returning the preconditioned
-    right-hand side when it is the first direction (a descent direction for Newton)."""
-    from pipeline.decision_layer_newton import _pcg
+    """Rounded products could report d^T H d <= 0: PCG then stops at once, stepping nowhere along it
+    and reporting the Rayleigh quotient (the Newton iteration then takes the preconditioned
+    gradient, a descent direction); on an SPD operator it converges."""
+    from pipeline.curvature.pcg import pcg
 
     b = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
-    x, iterations, _ = _pcg(lambda v: -v, b, lambda v: 2 * v, 1e-8, 50)
-    assert iterations == 1 and torch.equal(x, 2 * b)
+    result = pcg(lambda v: -v, b, precondition=lambda v: 2 * v, rtol=1e-8, max_iter=50)
+    assert result.iterations == 0 and result.rayleigh is not None and result.rayleigh < 0
+    assert torch.equal(result.x, torch.zeros_like(b)) and not result.converged
     spd = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-    x, _, rel = _pcg(lambda v: v @ spd, b, lambda v: v, 1e-12, 50)
-    assert rel <= 1e-12 and torch.allclose(x @ spd, b)
+    result = pcg(lambda v: v @ spd, b, precondition=lambda v: v, rtol=1e-12, max_iter=50)
+    assert result.converged and result.relative_residual <= 1e-12 and torch.allclose(result.x @ spd, b)
+
+
+def test_cg_stops_on_a_vanished_residual_without_dividing_by_it():
+    """A residual that becomes exactly zero (an exactly solvable system) ends PCG as converged, also
+    from a start x0 and with no tolerance asked (rtol 0): no 0/0 in the next direction."""
+    from pipeline.curvature.pcg import pcg
+
+    a = torch.diag(torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64))
+    b = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    result = pcg(lambda v: a @ v, b, precondition=lambda v: v / 2, x0=b / 2, rtol=0.0, max_iter=5)
+    assert result.converged and result.relative_residual == 0.0 and torch.equal(result.x, b / 2)
+    result = pcg(lambda v: a @ v, b, rtol=0.0, max_iter=5)
+    assert result.converged and result.iterations == 1 and torch.equal(result.x, b / 2)
 
 
 def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits):
@@ -658,30 +655,32 @@ def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits
     subsampled Hessian: the same minimiser, the cut recorded); one that cannot hold
     MIN_CURVATURE_ROWS is refused before anything is allocated, naming memory_budget."""
     from pipeline import memory
-    from pipeline.decision_layer_newton import working_bytes
-    from pipeline.methods.lfoci_newton import MIN_CURVATURE_ROWS
+    from pipeline.curvature.softmax_layer import working_bytes
+    from pipeline.methods.decision_layer_newton import MIN_CURVATURE_ROWS
 
     forget = class_positions(digits)
     n_retain = len(digits) - len(forget)
     assert n_retain > 1100 > MIN_CURVATURE_ROWS
-    settings = dict(anchor="training_residual", curvature_refresh="matrix_free", newton_max_steps=200,
-                    newton_rtol=1e-9, newton_atol=1e-13)
-    full, rec_full = run(sgd_mlp, digits, forget, **settings)
+    # the state prepared outside the budget, without its X~ (the removal then copies R) and with its
+    # preconditioner already in the layer's layout (no bytes of its own)
+    state = dataclasses.replace(prepared_for(sgd_mlp, digits), inputs=None, inputs_t=None)
+    settings = dict(anchor="training_residual", newton_max_steps=200, newton_rtol=1e-9, newton_atol=1e-13,
+                    prepared=state)
+    full, rec_full = run_dl(sgd_mlp, digits, forget, curvature_samples=None, **settings)
     assert rec_full["curvature"]["solvers"][0]["curvature_rows"] == n_retain
     assert "curvature_rows_cut" not in rec_full["curvature"]["solvers"][0]
     k, d = sgd_mlp[3].weight.shape
-    # float64 layer, no prepared X~ (R copied), no preconditioner, 40 recycled pairs, CG capped at 200
+    # float64 layer, no prepared X~ (R copied), the preconditioner already made, 40 recycled pairs, CG capped at 200
     fixed, per_row = working_bytes(n_retain, d, k, input_itemsize=8, curvature_itemsize=8, work_itemsize=8,
                                    copies_inputs=True, recycle=40, max_cg=200)
     # 1,250 rows asked (a subsample: copied rows), room for 1,100
     with memory.use_budget(memory.MemoryBudget(int(fixed + 1100.5 * per_row))):
-        cut, rec = run(sgd_mlp, digits, forget, curvature_samples=1250, **settings)
+        cut, rec = run_dl(sgd_mlp, digits, forget, curvature_samples=1250, **settings)
     solver = rec["curvature"]["solvers"][0]
     assert solver["curvature_rows"] == 1100 and "1250 curvature rows asked, 1100 fit" in solver["curvature_rows_cut"]
-    assert rec["curvature"]["data"].startswith("seeded subsample of 1100 retained samples")
     moved = float(torch.linalg.vector_norm(flat(full) - flat(sgd_mlp)))
     assert rec["newton"]["converged"] and float(torch.linalg.vector_norm(flat(cut) - flat(full))) <= 1e-6 * moved
     with memory.use_budget(memory.MemoryBudget(int(fixed + (MIN_CURVATURE_ROWS - 1) * per_row))), \
             pytest.raises(memory.MemoryBudgetError, match=r"memory_budget .* cannot hold the matrix-free Newton iteration"
                                                           r" .* with 1024 curvature rows .* raise memory_budget"):
-        run(sgd_mlp, digits, forget, curvature_samples=1250, **settings)
+        run_dl(sgd_mlp, digits, forget, curvature_samples=1250, **settings)

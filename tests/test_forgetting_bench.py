@@ -70,19 +70,22 @@ def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:
             continue
         assert 0.0 <= res["accuracy"] <= 100.0 and res["shadow_pairs"] == 3, name
     assert smoke_result["scenarios"]["class"]["runs"][0]["classes"] is not None
-    # newton-head-gn: the hidden layer moved by the Gauss-Newton step from the prepared factors (charged
-    # to the row's preparation), the output layer as newton-head's
+    # every row prepared once per original through the method seam (charged as the row's preparation,
+    # reused by every removal from that original); newton-head-gn: the hidden layer moved by the
+    # Gauss-Newton step from the prepared factors, the output layer as newton-head's
     prep = smoke_result["preparation"]
-    assert set(prep["head_curvature_seconds"]) == {"0", "1", "2"} and set(prep["seconds"]) == {"0", "1", "2"}
+    assert {key.rsplit("/", 1)[1] for key in prep["seconds"]} == {"0", "1", "2"}
+    assert {key.rsplit("/", 1)[0] for key in prep["seconds"]} >= set(VARIANT_ROWS) | {"ntk", "lfoci-newton"}
     served = [run for block in smoke_result["scenarios"].values() for run in block["runs"] if "newton-head-gn" in run["records"]]
     assert served
     for run in served:
         hidden = run["records"]["newton-head-gn"]["hidden_step"]
-        assert hidden["parameters"] == ["1.weight", "1.bias"] and hidden["prepared"] == "prepared for these weights"
+        assert hidden["parameters"] == ["1.weight", "1.bias"] and hidden["prepared"] == "prepared for these weights and data"
         assert hidden["step_norm_outside_block"] > 0 and hidden["products"] == 3
-        assert run["rows"]["newton-head-gn"]["preparation_seconds"] == pytest.approx(
-            prep["seconds"]["0"] + prep["head_curvature_seconds"]["0"])
-        assert run["records"]["newton-head"]["hidden_step"] is None
+        assert run["rows"]["newton-head-gn"]["preparation_seconds"] == pytest.approx(prep["seconds"]["newton-head-gn/0"])
+        for row in ("newton-head", "newton-head-gn"):  # the removal started from the state prepared once
+            assert not run["records"][row]["preparation"]["built_for_this_request"]
+        assert "hidden_step" not in run["records"]["newton-head"]
 
 
 def test_json_is_strict_and_tables_render(smoke_result: dict, tmp_path: Path) -> None:
@@ -150,3 +153,35 @@ def test_progress_is_quiet_off_a_terminal_and_switchable(monkeypatch: pytest.Mon
     assert "shown" in err and "probe done in 0.5 s" in err
     monkeypatch.setenv(progress.ENV, "0")
     assert not progress.enabled()
+
+
+def test_the_benchmark_row_and_unlearn_forget_run_the_same_prepared_path(trained_model_dir, tmp_path: Path) -> None:
+    """`unlearn forget --method newton-head` and the benchmark's newton-head row go through the same
+    preparation and removal (configs/methods/newton-head.yaml, pipeline.methods.base.run_removal): the
+    same weights, bit for bit; the record gives the preparation's seconds apart from the removal's."""
+    import yaml
+    from click.testing import CliRunner
+
+    from bench.forgetting import EVAL_BATCH, resolved_settings, run_removal
+    from jobs.forget import command as forget_command
+    from pipeline.checkpoint import read_state_dict
+    from pipeline.removal import load_trained
+
+    model_dir = trained_model_dir("mlp", {"in_features": 64, "hidden": [16], "num_classes": 10}, steps=60)
+    trained = load_trained(model_dir)
+    ids = trained.train.sample_ids[:7].tolist()
+    config = tmp_path / "forget.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir), "forget": {"sample_ids": ids},
+                                      "output": str(tmp_path / "out"), "batch_size": EVAL_BATCH}))
+    result = CliRunner().invoke(forget_command, ["--config", str(config), "--method", "newton-head"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "out" / "removal.json").read_text())
+    assert record["variant"] == "newton-head" and record["method"] == "decision-layer-newton"
+    assert record["preparation"]["built_for_this_request"] and record["preparation"]["seconds"] > 0
+    assert 0 < record["removal_seconds"] < record["wall_seconds"]
+    cli = read_state_dict(tmp_path / "out" / "model.safetensors")
+    settings = resolved_settings("newton-head", len(trained.train) - len(ids), quick=False)
+    bench_model, _, bench_record = run_removal("newton-head", settings, trained.model, trained.task, trained.train,
+                                               trained.train.positions_of(ids), trained.weight_decay, 0, trained.card)
+    for name, value in bench_model.state_dict().items():
+        assert torch.equal(value, cli[name]), name

@@ -1,7 +1,7 @@
-"""The head's Gauss-Newton step (pipeline.head_gauss_newton) against dense oracles: the GGN
+"""The head's Gauss-Newton step (pipeline.curvature.gauss_newton) against dense oracles: the GGN
 products against J^T M J from explicit Jacobians, the EK-FAC diagonal against per-sample
 projections, the step against a dense solve and, on a single Linear layer (where the GGN is the
-Hessian), against the retrained optimum; then the step inside lfoci-newton (hidden_step)."""
+Hessian), against the retrained optimum; then the step inside the head-gauss-newton method."""
 from __future__ import annotations
 
 import copy
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from pipeline.head_gauss_newton import HeadCurvature, HeadGaussNewton, gauss_newton_step, head_layout
+from pipeline.curvature.gauss_newton import HeadCurvature, HeadGaussNewton, gauss_newton_step, head_layout
 from pipeline.methods import get_method
-from pipeline.methods.base import RemovalProblem
+from pipeline.methods.base import RemovalProblem, TrainedModel, prepare
 from pipeline.tasks import DenseInputTask
 from tests.kit import digits64, newton_fit, newton_retrained, sgd_mlp_head
 
@@ -198,87 +198,89 @@ def test_prepared_state_is_used_only_at_its_weights(head):
     with_prep = gauss_newton_step(model, task, data, forget, LAMBDA, rows=256, iterations=2, prepared=prepared,
                                   min_trace_share=0.0)
     without = gauss_newton_step(model, task, data, forget, LAMBDA, rows=256, iterations=2, min_trace_share=0.0)
-    assert with_prep.record["prepared"] == "prepared for these weights"
+    assert with_prep.record["prepared"] == "prepared for these weights and data"
     assert without.record["prepared"] == "computed in this removal"
     assert set(with_prep.delta) == set(without.delta) == {"1.weight", "1.bias", "3.weight", "3.bias"}
     for k in with_prep.delta:
         assert torch.allclose(with_prep.delta[k], without.delta[k], rtol=1e-10, atol=1e-14)
+    # the method's prepared state is bound to these weights: handed over for other ones, it is rebuilt
+    method = get_method("head-gauss-newton")
+    settings = method.Settings(parameters=["3.weight", "3.bias"])
+    state, _ = prepare(method, TrainedModel(model, task, data, LAMBDA), settings)
     other = copy.deepcopy(model)
     with torch.no_grad():
         next(other.parameters()).add_(1e-3)
-    assert not prepared.holds_for(other, data)
-    assert gauss_newton_step(other, task, data, forget, LAMBDA, rows=256, iterations=2,
-                             prepared=prepared).record["prepared"] == "computed in this removal"
+    again, why = prepare(method, TrainedModel(other, task, data, LAMBDA), settings, state)
+    assert again is not state and "other weights" in why
+    assert prepare(method, TrainedModel(model, task, data, LAMBDA), settings, state) == (state, None)
 
 
 def test_heads_it_cannot_cover_are_refused_by_name():
     task = DenseInputTask()
     shared = nn.ReLU()
     twice = nn.Sequential(nn.Linear(4, 4), shared, nn.Linear(4, 4), shared, nn.Linear(4, 2))
-    with pytest.raises(ValueError, match="hidden_step.*module instance twice"):
+    with pytest.raises(ValueError, match="Gauss-Newton step.*module instance twice"):
         head_layout(twice, task)
     frozen = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     frozen[0].weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"hidden_step.*\['0.weight'\] are frozen"):
+    with pytest.raises(ValueError, match=r"Gauss-Newton step.*\['0.weight'\] are frozen"):
         head_layout(frozen, task)
     conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 10))
-    with pytest.raises(ValueError, match="hidden_step.*Conv2d"):
+    with pytest.raises(ValueError, match="Gauss-Newton step.*Conv2d"):
         head_layout(conv, task)
-    with pytest.raises(ValueError, match="hidden_step.*cross-entropy"):
+    with pytest.raises(ValueError, match="Gauss-Newton step.*cross-entropy"):
         head_layout(nn.Sequential(nn.Linear(4, 2)), DenseInputTask(loss="mse"))
 
 
-def test_lfoci_newton_hidden_step_moves_the_hidden_layer_by_the_step(head):
-    """newton-head with hidden_step: gauss_newton publishes the decision layer exactly as without it
-    and the hidden layer moved by the Gauss-Newton step's hidden part (the step itself is checked
-    against the dense solve above; what it does for forgetting is measured in bench/forgetting.py)."""
+def test_head_method_moves_the_hidden_layer_by_the_step(head):
+    """head-gauss-newton publishes the decision layer exactly as decision-layer-newton does and the
+    hidden layer moved by the Gauss-Newton step's hidden part (the step itself is checked against
+    the dense solve above; what it does for forgetting is measured in bench/forgetting.py)."""
     model, task, data = head
     n = len(data)
     forget = torch.arange(3, n, 53)[:30]
-    base = {"selection": "parameters", "parameters": ["3.weight", "3.bias"], "anchor": "training_residual",
-            "curvature_refresh": "matrix_free", "newton_max_steps": 40, "newton_rtol": 1e-6,
-            "record_gradient_share": False}
-    method = get_method("lfoci-newton")
+    base = {"parameters": ["3.weight", "3.bias"], "anchor": "training_residual", "newton_max_steps": 40,
+            "newton_rtol": 1e-6}
 
-    def run(settings, extras=None):
+    def run(name, settings, prepared=None):
         twin = copy.deepcopy(model)
-        problem = RemovalProblem(twin, task, data, forget, LAMBDA, seed=0, batch_size=512, extras=extras or {})
-        return method.run(problem, method.Settings.model_validate(settings))
+        method = get_method(name)
+        problem = RemovalProblem(twin, task, data, forget, LAMBDA, seed=0, batch_size=512)
+        return method.run(problem, method.Settings.model_validate(settings), prepared)
 
-    plain = run(base)
-    prepared = HeadCurvature.prepare(model, task, data)
-    moved = run({**base, "hidden_step": "gauss_newton", "hidden_step_rows": n, "hidden_step_iterations": 50},
-                {"head_curvature": prepared})
+    plain = run("decision-layer-newton", base)
+    moved = run("head-gauss-newton", {**base, "hidden_step_rows": n, "hidden_step_iterations": 50})
     assert set(plain.new_parameters) == {"3.weight", "3.bias"}
     assert set(moved.new_parameters) == {"1.weight", "1.bias", "3.weight", "3.bias"}
     for k in ("3.weight", "3.bias"):
         assert torch.allclose(moved.new_parameters[k], plain.new_parameters[k], rtol=0, atol=1e-12)
-    step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=50, batch_size=512,
-                             prepared=prepared)
+    step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=50, batch_size=512)
     params = dict(model.named_parameters())
     for k in ("1.weight", "1.bias"):
         moved_by = moved.new_parameters[k] - params[k].detach()
         assert float((moved_by - step.delta[k]).norm()) <= 1e-9 * float(step.delta[k].norm()), k
     record = moved.record["hidden_step"]
-    assert record["parameters"] == ["1.weight", "1.bias"] and record["prepared"] == "prepared for these weights"
+    assert record["parameters"] == ["1.weight", "1.bias"] and record["prepared"] == "prepared for these weights and data"
 
-    # noise covers the block only: a release with epsilon says heuristic and names the hidden step
-    noisy = run({**base, "hidden_step": "gauss_newton", "epsilon": 5.0}, {"head_curvature": prepared})
+    # noise covers the decision layer only: a release with epsilon says heuristic and names the hidden step
+    noisy = run("head-gauss-newton", {**base, "epsilon": 5.0})
     assert noisy.release.guarantee == "heuristic"
-    assert any(r.startswith("hidden_step:") for r in noisy.release.reasons)
-    # rows that hold too little of the curvature: no hidden step, recorded, the block as without it
-    skipped = run({**base, "hidden_step": "gauss_newton", "hidden_step_rows": 64, "hidden_step_min_trace_share": 0.9},
-                  {"head_curvature": prepared})
+    assert any(r.startswith("hidden layers moved") for r in noisy.release.reasons)
+    # rows that hold too little of the curvature: no hidden step, recorded, the layer as without it
+    skipped = run("head-gauss-newton", {**base, "hidden_step_rows": 64, "hidden_step_min_trace_share": 0.9},
+                  moved.prepared)
+    assert not skipped.record["preparation"]["built_for_this_request"]
     assert set(skipped.new_parameters) == {"3.weight", "3.bias"}
     hidden = skipped.record["hidden_step"]
     assert hidden["rows_trace_share"] < 0.9 and "no hidden step was taken" in hidden["skipped"]
     assert hidden["step_norm_outside_block"] == 0.0
     for k in ("3.weight", "3.bias"):
         assert torch.allclose(skipped.new_parameters[k], plain.new_parameters[k], rtol=0, atol=1e-12)
-    # a sliced block cannot say which parameters lie outside it
-    with pytest.raises(ValueError, match="hidden_step.*row slices"):
-        run({**base, "selection": "lfoci", "max_slices": 2, "perturbations": 8, "pass_size": 8,
-             "hidden_step": "gauss_newton"})
+    # a head whose decision layer is the whole model has nothing else to move
+    alone = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    problem = RemovalProblem(alone, task, data, forget, LAMBDA, seed=0)
+    with pytest.raises(ValueError, match="nothing to move"):
+        get_method("head-gauss-newton").run(problem, get_method("head-gauss-newton").Settings())
 
 
 def test_passes_are_sized_from_the_memory_budget(head):
@@ -287,7 +289,7 @@ def test_passes_are_sized_from_the_memory_budget(head):
     once, must fit whole (else refused naming hidden_step_rows); a budget that cannot hold one
     sample is refused up front, by name."""
     from pipeline import memory
-    from pipeline.head_gauss_newton import rows_per_pass
+    from pipeline.curvature.gauss_newton import rows_per_pass
 
     model, task, data = head
     layout = head_layout(model, task)
@@ -305,7 +307,7 @@ def test_passes_are_sized_from_the_memory_budget(head):
         assert torch.allclose(tight.delta[k], free.delta[k], rtol=1e-4, atol=1e-8)   # chunked sums only
     with memory.use_budget(fixed + 100 * per_row), pytest.raises(memory.MemoryBudgetError, match="hidden_step_rows"):
         gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2, min_trace_share=0.0)
-    with memory.use_budget(fixed + per_row // 2), pytest.raises(memory.MemoryBudgetError, match="memory_budget.*hidden_step"):
+    with memory.use_budget(fixed + per_row // 2), pytest.raises(memory.MemoryBudgetError, match="memory_budget.*hidden step"):
         gauss_newton_step(model, task, data, forget, LAMBDA, rows=300, iterations=2)
 
 
@@ -318,10 +320,8 @@ def test_model_directory_removal_with_hidden_step(trained_model_dir):
 
     model_dir = trained_model_dir("mlp", {"in_features": 64, "hidden": [16], "num_classes": 10}, steps=60)
     ids = training_set(read_card(model_dir)).sample_ids[:5].tolist()
-    run = remove(model_dir, ids, method="lfoci-newton", seed=0, batch_size=256, settings={
-        "selection": "parameters", "parameters": ["3.weight", "3.bias"], "anchor": "training_residual",
-        "curvature_refresh": "matrix_free", "newton_max_steps": 20, "newton_rtol": 1e-4,
-        "record_gradient_share": False, "hidden_step": "gauss_newton", "hidden_step_rows": 2048})
+    run = remove(model_dir, ids, method="newton-head-gn", seed=0, batch_size=256,
+                 settings={"newton_max_steps": 20, "newton_rtol": 1e-4, "hidden_step_rows": 2048})
     model, _, _ = load_model_dir(model_dir)
     before = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], run.new_state[k])}
@@ -329,8 +329,9 @@ def test_model_directory_removal_with_hidden_step(trained_model_dir):
     model.load_state_dict(run.new_state, strict=True)
     hidden = run.record["hidden_step"]
     assert hidden["parameters"] == ["1.weight", "1.bias"] and hidden["step_norm_outside_block"] > 0
-    assert hidden["prepared"] == "computed in this removal" and "skipped" not in hidden
-    assert run.record["newton"]["converged"]
+    assert hidden["prepared"] == "prepared for these weights and data" and "skipped" not in hidden
+    assert run.record["newton"]["converged"] and run.record["variant"] == "newton-head-gn"
+    assert run.record["method"] == "head-gauss-newton" and run.record["preparation"]["built_for_this_request"]
 
 
 def test_no_ridge_and_unanchored_targets_are_refused_and_the_mode_is_restored(head):
@@ -345,8 +346,7 @@ def test_no_ridge_and_unanchored_targets_are_refused_and_the_mode_is_restored(he
         gauss_newton_step(broken, task, bad, torch.arange(3), LAMBDA, rows=16, iterations=1, min_trace_share=0.0)
     assert broken.training and all(m.training for m in broken.modules())
     assert all(not m._forward_hooks for m in broken.modules())
-    method = get_method("lfoci-newton")
+    method = get_method("head-gauss-newton")
     problem = RemovalProblem(copy.deepcopy(model), task, data, torch.arange(5), LAMBDA, seed=0, batch_size=512)
-    with pytest.raises(ValueError, match="hidden_step.*anchor: training_residual"):
-        method.run(problem, method.Settings.model_validate(
-            {"selection": "parameters", "parameters": ["3.weight", "3.bias"], "hidden_step": "gauss_newton"}))
+    with pytest.raises(ValueError, match="Gauss-Newton step.*anchor: training_residual"):
+        method.run(problem, method.Settings(anchor="none"))

@@ -109,33 +109,43 @@ def test_chunked_hessian_gradient_and_probe_match_unchunked(mlp_problem):
     model, task, data, block = mlp_problem
     big, small = MemoryBudget(1 << 40), MemoryBudget(3 * 2**20)
     cols = torch.randn(block.numel, 40, dtype=torch.float64)
-    h_big = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128, memory_budget=big)
-    h_small = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128, memory_budget=small)
+    # the one channel: the scoped budget, read by each operator when it is built
+    with memory.use_budget(big):
+        h_big = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128)
+    with memory.use_budget(small):
+        h_small = BlockHessian(model, task, data, block, 0.01, batch_size=1024, columns_per_pass=128)
     c, b = h_small._chunks(40)
     assert c < 40 and b < len(data)  # the small budget really splits both ways
     torch.testing.assert_close(h_small.matmat(cols), h_big.matmat(cols), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(h_small.matvec(cols[:, 0]), h_big.matvec(cols[:, 0]), rtol=1e-10, atol=1e-12)
     assert memory.sample_chunk(MemoryBudget(2**17), memory.cost_of(model, task, data),
                                memory.cost_of(model, task, data).gradient_plan(block), limit=1024, what="x", fix="y") < 300
-    torch.testing.assert_close(
-        block_gradient(model, task, data, block, 0.01, memory_budget=MemoryBudget(2**17)),
-        block_gradient(model, task, data, block, 0.01, memory_budget=big), rtol=1e-10, atol=1e-12)
+    with memory.use_budget(MemoryBudget(2**17)):
+        tight = block_gradient(model, task, data, block, 0.01)
+    with memory.use_budget(big):
+        loose = block_gradient(model, task, data, block, 0.01)
+    torch.testing.assert_close(tight, loose, rtol=1e-10, atol=1e-12)
     forget = {k: v[:20] for k, v in data.columns.items()}
-    whole = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=big)
-    sub = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=MemoryBudget(2**17))
+    with memory.use_budget(big):
+        whole = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8)
+    with memory.use_budget(MemoryBudget(2**17)):
+        sub = run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8)
     torch.testing.assert_close(sub.activations, whole.activations, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sub.losses, whole.losses, rtol=1e-10, atol=1e-12)
-    with pytest.raises(MemoryBudgetError, match="memory_budget .* cannot hold one perturbed forward pass"):
-        run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8, memory_budget=MemoryBudget(512))
+    with memory.use_budget(MemoryBudget(512)), \
+            pytest.raises(MemoryBudgetError, match="memory_budget .* cannot hold one perturbed forward pass"):
+        run_probe(model, task, forget, seed=3, start=0, stop=20, pass_size=8)
 
 
 def test_one_column_that_does_not_fit_fails_when_the_operator_is_built(mlp_problem):
     from pipeline.curvature import BlockHessian
 
     model, task, data, block = mlp_problem
-    with pytest.raises(MemoryBudgetError, match=r"memory_budget .* cannot hold one Hessian column .* raise memory_budget"):
-        BlockHessian(model, task, data, block, 0.01, memory_budget=MemoryBudget(2**15))
-    op = BlockHessian(model, task, data, block, 0.01, memory_budget=MemoryBudget(2 * 2**20))
+    with memory.use_budget(MemoryBudget(2**15)), \
+            pytest.raises(MemoryBudgetError, match=r"memory_budget .* cannot hold one Hessian column .* raise memory_budget"):
+        BlockHessian(model, task, data, block, 0.01)
+    with memory.use_budget(MemoryBudget(2 * 2**20)):
+        op = BlockHessian(model, task, data, block, 0.01)
     with pytest.raises(MemoryBudgetError, match="cannot hold the dense .* lower dense_max"):
         op.to_dense()  # 1210 x 1210 float64, twice: ~22 MiB
 

@@ -212,11 +212,12 @@ def test_removal_method_wrapper(setup, trained):
     forget = torch.tensor([3, 30, 300])
     method = get_method("mixed-linear")
     bound = UserWeights(trained.clone(), LAMBDA, user.sample_ids.tolist())
-    problem = RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": bound})
+    problem = RemovalProblem(model, task, user, forget, LAMBDA, user_weights=bound)
     outcome = method.run(problem, method.Settings(user_last_modules=2, cg_rtol=RTOL))
     direct = forget_user_data(lin, trained, user.without(forget), LAMBDA, rtol=RTOL).user_weights
-    assert rel(problem.extras["user_weights"].weights, direct) <= 1e-9
-    assert problem.extras["user_weights"].sample_ids == user.without(forget).sample_ids.tolist()
+    assert rel(outcome.user_weights.weights, direct) <= 1e-9
+    assert outcome.user_weights.sample_ids == user.without(forget).sample_ids.tolist()
+    assert torch.equal(bound.weights, trained)  # the problem's own user weights are not changed
     keys = {USER_WEIGHT_PREFIX + n for n in ("1.weight", "1.bias", "3.weight", "3.bias")}
     assert set(outcome.new_parameters) == keys
     assert outcome.record["samples_retained"] == 397
@@ -235,12 +236,12 @@ def test_forget_refuses_another_lambda_or_other_data(setup, trained):
     forget = torch.tensor([3])
     wrong_lambda = UserWeights(trained.clone(), 2 * LAMBDA, user.sample_ids.tolist())
     with pytest.raises(UserWeightsBindingError, match="weight decay"):
-        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": wrong_lambda}), settings)
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, user_weights=wrong_lambda), settings)
     fewer = UserWeights(trained.clone(), LAMBDA, user.sample_ids.tolist()[1:])
     with pytest.raises(UserWeightsBindingError, match="other data"):
-        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": fewer}), settings)
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, user_weights=fewer), settings)
     with pytest.raises(UserWeightsBindingError, match="UserWeights"):
-        method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras={"user_weights": trained.clone()}), settings)
+        method.run(RemovalProblem(model, task, user, forget, LAMBDA, user_weights=trained.clone()), settings)
 
 
 def test_user_weights_file_keeps_its_binding(setup, trained, tmp_path):

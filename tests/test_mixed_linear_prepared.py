@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeline.linearized import LinearizedModel
 from pipeline.methods import get_method
-from pipeline.methods.base import RemovalProblem
+from pipeline.methods.base import RemovalProblem, TrainedModel, prepare
 from pipeline.methods.mixed_linear import (
     UserWeights, UserWeightsBindingError, forget_all_user_data, forget_user_data, train_user_weights, user_block,
 )
@@ -85,34 +85,43 @@ def test_a_stale_sample_count_would_miss_the_retrained_weights(case):
     assert rel(wrong, oracle) > 1e-3
 
 
+def bound(w, user):
+    return UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist())
+
+
 def test_method_uses_the_sums_composes_and_keeps_the_binding(case):
     model, task, block, lin, user, w = case
     method = get_method("mixed-linear")
-    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
-    extras = {"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()), "user_block": block,
-              "prepared_user_sums": sums}
+    settings = method.Settings()
     first = torch.arange(0, 400, 9)
-    outcome = method.run(RemovalProblem(model, task, user, first, LAMBDA, extras=extras), method.Settings())
+    problem = RemovalProblem(model, task, user, first, LAMBDA, user_weights=bound(w, user))
+    outcome = method.run(problem, settings)
     assert outcome.record["path"] == "prepared-kronecker"
-    # a second request against what the first left (user data D \ U1), with the sums it returned
+    assert outcome.record["preparation"]["built_for_this_request"]
+    # a second request against what the first left (user data D \ U1), from the sums it returned
     rest = user.without(first)
+    after = TrainedModel(model, task, rest, LAMBDA, user_weights=outcome.user_weights)
+    state = outcome.prepared.after_removal(after, first, outcome, method.binding(after, settings))
+    assert state is not None and state.details["updated_from_removal"]
     second_ids = rest.sample_ids[torch.arange(0, len(rest), 11)].tolist()
     second = rest.positions_of(second_ids)
-    outcome2 = method.run(RemovalProblem(model, task, rest, second, LAMBDA, extras=extras), method.Settings())
-    final = extras["user_weights"].weights
+    outcome2 = method.run(RemovalProblem(model, task, rest, second, LAMBDA, user_weights=outcome.user_weights),
+                          settings, state)
+    assert not outcome2.record["preparation"]["built_for_this_request"]
+    final = outcome2.user_weights.weights
     oracle = dense_oracle(lin, rest.without(second))
     assert rel(final, oracle) <= 1e-9
     assert outcome2.record["samples_retained"] == len(rest) - len(second)
-    # sums of another lambda, of other data, or taken with another core are refused before anything changes
-    for bad in (dataclasses.replace(sums, weight_decay=2 * LAMBDA),
-                dataclasses.replace(sums, sample_ids=frozenset(list(sums.sample_ids)[1:])),
-                dataclasses.replace(sums, core=sums.core[::-1])):
-        problem = RemovalProblem(model, task, user, first, LAMBDA,
-                                 extras={"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()),
-                                         "user_block": block, "prepared_user_sums": bad})
+    # sums of another lambda, of other data, or taken with another core (under a binding that claims
+    # otherwise) are refused before anything changes
+    good = outcome.prepared
+    for bad in (dataclasses.replace(good.sums, weight_decay=2 * LAMBDA),
+                dataclasses.replace(good.sums, sample_ids=frozenset(list(good.sums.sample_ids)[1:])),
+                dataclasses.replace(good.sums, core=good.sums.core[::-1])):
+        problem = RemovalProblem(model, task, user, first, LAMBDA, user_weights=bound(w, user))
         with pytest.raises(UserWeightsBindingError, match="prepare them again"):
-            method.run(problem, method.Settings())
-        assert torch.equal(problem.extras["user_weights"].weights, w)
+            method.run(problem, settings, dataclasses.replace(good, sums=bad))
+        assert torch.equal(problem.user_weights.weights, w)
 
 
 def test_other_blocks_are_refused_with_the_fix(case):
@@ -122,38 +131,43 @@ def test_other_blocks_are_refused_with_the_fix(case):
         PreparedUserSums.prepare(both, user, LAMBDA)
 
 
-def test_sums_of_a_changed_core_are_refused(case):
-    """phi and F_c depend on the core: one weight changed after preparing makes the sums stale."""
+def test_sums_of_a_changed_core_are_not_used(case):
+    """phi and F_c depend on the core: one weight changed after preparing makes the sums stale; a
+    removal handed them prepares anew (and says why) and lands on the oracle of the changed core."""
     model, task, block, lin, user, w = case
-    sums = PreparedUserSums.prepare(lin, user, LAMBDA)
     method = get_method("mixed-linear")
+    settings = method.Settings()
+    state, _ = prepare(method, TrainedModel(model, task, user, LAMBDA), settings)
     with torch.no_grad():
-        model[1].weight[0, 0] += 1e-6
+        model[1].weight[0, 0] += 1e-3
     try:
-        problem = RemovalProblem(model, task, user, torch.arange(3), LAMBDA,
-                                 extras={"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()),
-                                         "user_block": block, "prepared_user_sums": sums})
-        with pytest.raises(UserWeightsBindingError, match="another core"):
-            method.run(problem, method.Settings())
-        assert torch.equal(problem.extras["user_weights"].weights, w)
+        forget = torch.arange(3)
+        outcome = method.run(RemovalProblem(model, task, user, forget, LAMBDA, user_weights=bound(w, user)),
+                             settings, state)
+        assert outcome.record["preparation"]["built_for_this_request"]
+        assert "other weights or buffers" in outcome.record["preparation"]["why"]
+        exact = dense_oracle(LinearizedModel(model, task, block), user.without(forget))
+        assert rel(outcome.user_weights.weights, exact) <= 1e-9
     finally:
         with torch.no_grad():
-            model[1].weight[0, 0] -= 1e-6
+            model[1].weight[0, 0] -= 1e-3
 
 
 def test_sums_are_taken_in_eval_mode():
-    """A core with dropout left in train mode: the sums equal those of the eval-mode core (and the
-    mode is restored), so G_D - G_U is G of D_r whatever mode the caller left."""
+    """A core with dropout left in train mode: the method's preparation (the seam's eval-mode guard)
+    gives the sums of the eval-mode core and restores the mode, so G_D - G_U is G of D_r whatever
+    mode the caller left."""
     data = digits64()["train"].take(torch.arange(0, 200))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 10)).double()
     lin = LinearizedModel(model, DenseInputTask(loss="mse"), user_block(model, last_modules=1))
+    method = get_method("mixed-linear")
     model.train()
-    in_train = PreparedUserSums.prepare(lin, data, LAMBDA)
-    assert model.training
+    in_train, _ = prepare(method, TrainedModel(model, DenseInputTask(loss="mse"), data, LAMBDA), method.Settings())
+    assert model.training and model[3].training
     model.eval()
     in_eval = PreparedUserSums.prepare(lin, data, LAMBDA)
-    assert torch.equal(in_train.gram, in_eval.gram) and torch.equal(in_train.cross, in_eval.cross)
+    assert torch.equal(in_train.sums.gram, in_eval.gram) and torch.equal(in_train.sums.cross, in_eval.cross)
 
 
 def test_forgetting_every_user_sample_gives_zero_weights(case):
@@ -178,15 +192,13 @@ def test_noise_is_added_secret_and_kept_out_of_the_returned_sums(case):
     sigma = 1e-2
     published, sums_after = [], []
     for _ in range(2):
-        extras = {"user_weights": UserWeights(w.clone(), LAMBDA, user.sample_ids.tolist()), "user_block": block,
-                  "prepared_user_sums": PreparedUserSums.prepare(lin, user, LAMBDA)}
-        outcome = method.run(RemovalProblem(model, task, user, forget, LAMBDA, extras=extras),
+        outcome = method.run(RemovalProblem(model, task, user, forget, LAMBDA, user_weights=bound(w, user)),
                              method.Settings(sigma=sigma))
         assert outcome.record["path"] == "prepared-kronecker"
         assert outcome.record["noise"] == {"sigma": sigma, "source": "os-csprng"}
         assert not any("seed" in str(k) for k in outcome.record["noise"])
-        published.append(extras["user_weights"].weights.clone())
-        sums_after.append(extras["prepared_user_sums"])
+        published.append(outcome.user_weights.weights.clone())
+        sums_after.append(outcome.retained_sums)
     deviation = float(torch.linalg.vector_norm(published[0] - exact))
     expected = sigma * lin.dim ** 0.5
     assert 0.7 * expected <= deviation <= 1.3 * expected

@@ -130,14 +130,13 @@ def test_mlp_indefinite_retained_hessian_is_damped_and_recorded(mlp_digits):
 def test_cg_first_products_are_capped_across_every_damping_restart():
     """One product budget for the whole CG-first solve: the wrapper that counts them is handed to
     the damped CG once, so its restarts draw on the same count; the (cap + 1)-th product raises."""
-    from pipeline.curvature import DenseOperator
-    from pipeline.methods.lfoci_newton import _CappedProducts, _ProductsSpent
+    from pipeline.curvature import CappedProducts, DenseOperator, ProductsSpent
 
-    capped = _CappedProducts(DenseOperator(torch.eye(4, dtype=torch.float64)), cap=3)
+    capped = CappedProducts(DenseOperator(torch.eye(4, dtype=torch.float64)), cap=3)
     v = torch.ones(4, dtype=torch.float64)
     for _ in range(3):
         assert torch.equal(capped.matvec(v), v)
-    with pytest.raises(_ProductsSpent):
+    with pytest.raises(ProductsSpent):
         capped.matvec(v)
     assert capped.products == 4
 

@@ -12,7 +12,7 @@ from pipeline.data import SampleSet
 from pipeline.linearized import LinearizedModel
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
-from pipeline.methods.ntk_scrub import RESIDUALS, build_primal_system, build_system, trapezium_scale
+from pipeline.methods.ntk_scrub import RESIDUALS, PretrainingWeights, build_primal_system, build_system, trapezium_scale
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs
@@ -21,6 +21,15 @@ from tests.scrub_helpers import one_thread, rel  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAMBDA = 1e-3
+
+
+def run_at(problem: RemovalProblem, w0: dict, **settings):
+    """The NTK scrub linearised at ``w0``, handed to the method as its prepared state (the state its
+    ``prepare`` makes from a w0_path or the model card's recipe)."""
+    method = get_method("ntk")
+    parsed = method.Settings(**settings)
+    prepared = PretrainingWeights(method.binding(problem.trained, parsed), w0=w0)
+    return method.run(problem, parsed, prepared)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -163,8 +172,8 @@ def test_linear_model_default_scrub_is_the_retrained_optimum(form):
     keep[forget] = False
     w_retrained = _closed_form_ridge(x[keep], onehot[keep], lam * n / (n - m))
 
-    problem = RemovalProblem(model, DenseInputTask(loss="mse"), data, forget, lam, extras={"w0": w0})
-    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(form=form))
+    problem = RemovalProblem(model, DenseInputTask(loss="mse"), data, forget, lam)
+    outcome = run_at(problem, w0, form=form)
     rec = outcome.record
     assert rec["form"] == form
     assert rec["ridge"]["c"] == pytest.approx(n * 10 * lam / 2) and rec["ridge"]["regulariser"] == "decay"
@@ -201,10 +210,9 @@ def test_cross_entropy_variant(variant, regulariser, form):
     expected, _ = oracle_delta(model, data, w0, forget, 150 * LAMBDA, RESIDUALS[f"cross_entropy/{variant}"],
                                decay=regulariser == "decay")
     method = get_method("ntk")
-    problem = RemovalProblem(trained, task, data, forget, LAMBDA, extras={"w0": w0})
+    problem = RemovalProblem(trained, task, data, forget, LAMBDA)
     before = flat_params(trained)
-    outcome = method.run(problem, method.Settings(ce_residual=variant, rescale="none", regulariser=regulariser,
-                                                  form=form))
+    outcome = run_at(problem, w0, ce_residual=variant, rescale="none", regulariser=regulariser, form=form)
     assert outcome.record["ridge"]["c"] == pytest.approx(150 * LAMBDA)
     assert rel(flat_params(trained) - before, expected) <= 1e-8
 
@@ -223,8 +231,8 @@ def test_yaml_mirrors_settings_and_record_is_json(mlp_case):
 
     assert_yaml_mirrors_settings("ntk")
     model, trained, task, data, w0, forget = mlp_case
-    problem = RemovalProblem(copy.deepcopy(trained), task, data, forget[:3], LAMBDA, extras={"w0": w0})
-    json.dumps(get_method("ntk").run(problem, get_method("ntk").Settings()).record)
+    problem = RemovalProblem(copy.deepcopy(trained), task, data, forget[:3], LAMBDA)
+    json.dumps(run_at(problem, w0).record)
 
 
 @pytest.mark.parametrize("form", ["kernel", "primal"])
@@ -243,9 +251,8 @@ def test_parameter_subset_linearises_the_block_at_w0(mlp_case, form):
     rr = rows(len(data), 3, torch.nonzero(keep).flatten())
     expected = ridge_displacement(jac[rr], r0[rr], c) - ridge_displacement(jac, r0, c)
     work = copy.deepcopy(trained)
-    problem = RemovalProblem(work, task, data, forget, LAMBDA, extras={"w0": w0})
-    outcome = get_method("ntk").run(problem, get_method("ntk").Settings(parameters=names, rescale="none", form=form,
-                                                                                  regulariser="proximal"))
+    problem = RemovalProblem(work, task, data, forget, LAMBDA)
+    outcome = run_at(problem, w0, parameters=names, rescale="none", form=form, regulariser="proximal")
     assert outcome.record["block"]["numel"] == 123
     assert torch.equal(work[0].weight, trained[0].weight)
     moved = torch.cat([(work[4].weight - trained[4].weight).reshape(-1), work[4].bias - trained[4].bias]).detach()
@@ -305,9 +312,9 @@ def test_primal_kronecker_form_of_the_output_layer(mlp_case, decay):
 def test_a_system_above_max_system_is_refused_with_the_fix(mlp_case):
     model, trained, task, data, w0, forget = mlp_case
     method = get_method("ntk")
-    problem = RemovalProblem(copy.deepcopy(trained), task, data, forget, LAMBDA, extras={"w0": w0})
+    problem = RemovalProblem(copy.deepcopy(trained), task, data, forget, LAMBDA)
     with pytest.raises(ValueError, match=r"kernel form\) would factor a 900 x 900 system.*max_system"):
-        method.run(problem, method.Settings(max_system=500))
+        run_at(problem, w0, max_system=500)
     assert torch.equal(flat_params(problem.model), flat_params(trained))  # nothing changed
 
 

@@ -21,6 +21,7 @@ from pipeline.data import SampleSet
 from pipeline.linearized import LinearizedModel
 from pipeline.methods import get_method
 from pipeline.methods.base import RemovalProblem
+from pipeline.methods.ntk_scrub import PretrainingWeights
 from pipeline.methods.mixed_linear import forget_user_data, train_user_weights, user_block
 from pipeline.models.small import build_small_cnn
 from pipeline.tasks import DenseInputTask
@@ -119,9 +120,12 @@ def test_methods_move_forget_predictions_toward_retrain(fashion):
     for name, settings in runs.items():
         work = copy.deepcopy(original)
         method = get_method(name)
-        problem = RemovalProblem(work, task, d, forget, LAMBDA, seed=0, extras={"w0": w0})
+        problem = RemovalProblem(work, task, d, forget, LAMBDA, seed=0)
+        parsed = method.Settings(**settings)
+        # NTK linearises at w0, handed over as its prepared state (what its prepare makes from a model card)
+        prepared = PretrainingWeights(method.binding(problem.trained, parsed), w0=w0) if name == "ntk" else None
         t = time.perf_counter()
-        outcome = method.run(problem, method.Settings(**settings))
+        outcome = method.run(problem, parsed, prepared)
         seconds[name] = time.perf_counter() - t
         measure(name, lambda b, m=work: m(b["x"]))
         if name == "ntk":

@@ -21,8 +21,7 @@ from tests.unlearn_store_support import REPO, cached_model_dir, http_json, make_
 
 MODEL = "digits"
 LAYER = ["1.weight", "1.bias"]
-METHOD = {"name": "lfoci-newton", "settings": {"selection": "parameters", "parameters": LAYER,
-                                               "anchor": "training_residual"}}
+METHOD = {"name": "decision-layer-newton", "settings": {"parameters": LAYER, "anchor": "training_residual"}}
 HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 
@@ -215,7 +214,7 @@ def test_remover_rebuilds_instead_of_reusing_a_state_for_other_weights_or_data(t
     from pipeline.stream_removal import WarmStreamRemover
 
     model_dir = cached_model_dir(tmp_path_factory)
-    remover = WarmStreamRemover("lfoci-newton", METHOD["settings"], StreamSettings(refresh_every=100))
+    remover = WarmStreamRemover("decision-layer-newton", METHOD["settings"], StreamSettings(refresh_every=100))
     ids = train_ids(4)
     first = remover.remove(model_dir, [ids[0]])
     assert remover.builds == 1 and first.record["fast_path"]["built"] is not None

@@ -20,7 +20,7 @@ import jobs.versions
 from jobs.campaign_runner import run_campaign
 from jobs.exactly_once import ExactlyOnce, guarantee_counts, is_not_served, release_of_record
 from jobs.specs import CampaignSpec, Limits, load_spec
-from pipeline.curvature import RemovalNotServed
+from pipeline.errors import RemovalNotServed
 from pipeline.privacy.release import Guarantee, PrivacyRelease
 from pipeline.store.ledger import Ledger
 from pipeline.store.versions import TamperedVersionError, VersionStore, VersionStoreError

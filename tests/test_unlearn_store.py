@@ -320,7 +320,7 @@ def test_a_removal_that_fails_is_recorded_as_failed_not_skipped(tmp_path, store)
             name = "test-nan"
             Settings = MethodSettings
 
-            def run(self, problem, settings):
+            def remove(self, problem, settings, prepared):
                 first = next(iter(problem.forget.sample_ids.tolist()))
                 bias = dict(problem.model.named_parameters())["1.bias"].detach().clone()
                 if first == IDS[50]:

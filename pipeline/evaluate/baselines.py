@@ -26,7 +26,7 @@ from torch import nn
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.data.sampleset import SampleSet
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
-from pipeline.recipe import InitSpec, Recipe, fit, initial_model
+from pipeline.recipe import Recipe, fit, init_of, initial_model, recipe_of
 from pipeline.tasks import Task
 
 RECORD_FILE = "baseline.json"
@@ -38,20 +38,6 @@ class FineTuneSettings(BaseModel):
     lr: float | None = Field(None, gt=0, description="default: the recipe's lr (0.01 for L-BFGS recipes)")
     batch_size: int | None = Field(None, ge=1, description="default: the recipe's batch size (128 for full batch)")
     momentum: float = Field(0.9, ge=0, lt=1)
-
-
-def recipe_of(card: ModelCard) -> Recipe:
-    """The recipe recorded by ``unlearn train`` (or rebuilt from the card's training fields)."""
-    raw = card.training.extra.get("recipe")
-    if raw:
-        return Recipe.model_validate(raw)
-    t = card.training
-    return Recipe(optimizer=t.optimizer, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size,
-                  weight_decay=t.weight_decay, seed=t.seed)
-
-
-def init_of(card: ModelCard) -> InitSpec:
-    return InitSpec.model_validate(card.training.extra.get("init") or {})
 
 
 def cache_key(card: ModelCard, forget_ids: list[int], kind: str, settings: dict[str, Any]) -> str:

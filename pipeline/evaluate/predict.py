@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from pipeline import memory
 from pipeline.data.sampleset import SampleSet
-from pipeline.probe import eval_mode_restored
+from pipeline.eval_mode import eval_mode_restored
 from pipeline.tasks import Task
 
 # loss name -> ("single" | "multi", logits -> probabilities)

@@ -29,7 +29,7 @@ from torch import nn
 
 from pipeline import memory
 from pipeline.jsonio import write_json
-from pipeline.methods.base import MethodSettings, get_method
+from pipeline.methods.base import MethodRef, MethodSettings
 from pipeline.data import SampleSet, load_source
 from pipeline.evaluate.baselines import Baseline, FineTuneSettings, finetune, init_of, recipe_of, retrain
 from pipeline.evaluate.curves import removal_curve
@@ -43,7 +43,7 @@ from pipeline.evaluate.weights import relative_distance, residual_gradient_norm,
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
 from pipeline.progress import StageProgress, Steps
 from pipeline.recipe import fit, initial_model
-from pipeline.curvature import RemovalNotServed
+from pipeline.errors import RemovalNotServed
 from pipeline.removal import remove, training_set
 
 # Method names that mean the baselines (never run twice if a method registry also has them).
@@ -115,8 +115,8 @@ class EvalConfig(BaseModel):
             if name in BASELINE_NAMES:
                 out[name] = None
                 continue
-            impl = get_method(name)
-            out[name] = settings if isinstance(settings, impl.Settings) else impl.Settings.model_validate(settings or {})
+            # a variant in configs/methods/ or a registered method, these settings on top of the variant's
+            out[name] = MethodRef.model_validate({"name": name, "settings": settings}).settings
         return out
 
     @model_validator(mode="after")
@@ -217,9 +217,8 @@ class Evaluation:
             if name in BASELINE_NAMES:
                 continue
             with self.step(name):
+                started = time.perf_counter()
                 try:
-                    settings = self.with_start_weights(name, settings)  # not part of the method's time
-                    started = time.perf_counter()
                     run = remove(self.config.model_dir, self.sample_ids, method=name, settings=settings,
                                  seed=self.config.seed, batch_size=self.config.batch_size,
                                  memory_budget=memory.current_budget(), stage_hook=StageProgress(name))
@@ -233,27 +232,11 @@ class Evaluation:
                     self.errors[name] = f"{type(err).__name__}: {err}"
                     continue
                 seconds = time.perf_counter() - started
-                self.score_row(name, _with_state(self.model, run.new_state), seconds)
+                self.score_row(name, _with_state(self.model, run.new_state), seconds, {
+                    "preparation_seconds": run.record["preparation"]["seconds"],
+                    "removal_seconds": run.record["removal_seconds"]})
                 records[name] = {k: v for k, v in run.record.items() if k != "sample_ids"}
         return records
-
-    def with_start_weights(self, method: str, settings: MethodSettings | None) -> MethodSettings:
-        """Methods linearised around the pre-training weights (NTK scrubbing: settings field
-        ``w0_path``) get the recipe's start - the seeded initialisation plus the init checkpoint,
-        exactly what training began from - written once to the cache, unless a path is given."""
-        settings = settings if settings is not None else get_method(method).Settings()
-        if "w0_path" not in type(settings).model_fields or getattr(settings, "w0_path"):
-            return settings
-        if self._w0_path is None:
-            from pipeline.checkpoint import save_safetensors
-
-            start, _, _ = initial_model(self.card.preset, self.card.options, seed=recipe_of(self.card).seed,
-                                        init=init_of(self.card))
-            folder = Path(self.config.cache_dir) if self.config.cache_dir else Path(tempfile.mkdtemp(prefix="unlearn-w0-"))
-            self._w0_path = folder / f"w0-{_card_digest(self.card)}.safetensors"
-            if not self._w0_path.exists():
-                save_safetensors({k: v.detach().cpu() for k, v in start.state_dict().items()}, self._w0_path)
-        return settings.model_copy(update={"w0_path": str(self._w0_path)})
 
     # -- comparisons with Retrain ----------------------------------------------------------------
     def compare(self) -> None:

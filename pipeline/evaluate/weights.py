@@ -14,7 +14,7 @@ from typing import Mapping
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.probe import eval_mode_restored
+from pipeline.eval_mode import eval_mode_restored
 from pipeline.tasks import Task
 from pipeline.training import gradient_norm
 

@@ -1,22 +1,33 @@
-"""The removal interface every method implements, and the registry of methods.
+"""The method interface: a preparation per model version, and a removal that takes it.
 
-A method receives a ``RemovalProblem`` (a model trained to a (near) optimum of
+A method is two calls:
+    prepare(trained, settings) -> Prepared      once per model version: what does not depend on
+                                                the samples removed (curvature, cached inputs,
+                                                gradients), bound to exactly the weights, buffers,
+                                                data ids, weight decay, loss options and settings
+                                                it was built from (``pipeline.prepared``)
+    remove(problem, settings, prepared) -> RemovalOutcome
+for a model trained to (or towards) an optimum of
     L_D(w) = (1/n) sum_{z in D} loss(w, z) + (lambda/2) ||w||^2
-on the training set D, and the positions of the samples U to forget) and returns a
-``RemovalOutcome``: the new parameter values and a JSON-ready record of what it did.
-Methods are looked up by name (``METHODS["lfoci-newton"]``), never by if/elif chains; each
-has a pydantic ``Settings`` model that the YAML configs mirror field for field.
+and the positions of the samples U to forget. ``run_removal`` is the one seam every caller goes
+through (``unlearn forget``, ``unlearn eval``, campaigns, the stream service, benchmarks, tests):
+it checks that a prepared state holds (else prepares anew and says so), applies the eval-mode
+guard once around preparation and removal, and records the preparation's seconds apart from the
+removal's. Methods are looked up by name in one registry (``METHODS``); each has a pydantic
+``Settings`` holding only the fields it reads. A variant of a method (which parameters, which
+solver, which target) is a file in configs/methods/ that names its method and settings
+(``MethodRef``), never a flag inside another method.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import time
-from pathlib import Path
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol
 
 import torch
@@ -24,19 +35,22 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleIdError, SampleSet
+from pipeline.eval_mode import eval_mode_restored
+from pipeline.prepared import Binding, NothingPrepared, Prepared
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.registry import Registry
 from pipeline.tasks import Batch, PerturbOptions, Task
 
 if TYPE_CHECKING:
-    from pipeline.curvature import LinearOperator
+    from pipeline.curvature.operators import LinearOperator
+    from pipeline.models.card import ModelCard
     from pipeline.param_block import ParamBlock
     from pipeline.probe import ProbeResult
 
 __all__ = [
     "CurvatureFactory", "METHODS", "MethodRef", "MethodSettings", "PerturbOptions", "ProbeRunner", "RandomStream",
-    "RemovalMethod", "RemovalOutcome", "RemovalProblem", "StageHook", "get_method", "parse_settings", "register_method",
-    "stream_seed",
+    "RemovalMethod", "RemovalOutcome", "RemovalProblem", "StageHook", "TrainedModel", "get_method", "method_variants",
+    "parse_settings", "prepare", "register_method", "run_removal", "stream_seed",
 ]
 
 
@@ -54,7 +68,7 @@ class ProbeRunner(Protocol):
 
 class CurvatureFactory(Protocol):
     """Builds the restricted Hessian H_P(data) (+ lambda I) as a linear operator
-    (``pipeline.curvature.BlockHessian`` in this process; ``cluster.curvature_pool.
+    (``pipeline.curvature.hessian.BlockHessian`` in this process; ``cluster.curvature_pool.
     RayCurvatureFactory`` on Ray workers)."""
 
     def __call__(
@@ -102,6 +116,21 @@ class MethodSettings(BaseModel):
 
 
 @dataclass
+class TrainedModel:
+    """A trained model and its training set D: what a method prepares from. ``card`` (the model
+    card: preset, options, recipe) when the model came from a directory; ``user_weights`` for a
+    Mixed-Linear model (its w_u, bound to lambda and D's ids)."""
+
+    model: nn.Module
+    task: Task
+    train: SampleSet
+    weight_decay: float
+    batch_size: int = 1024
+    card: "ModelCard | None" = None
+    user_weights: Any = None
+
+
+@dataclass
 class RemovalProblem:
     model: nn.Module
     task: Task
@@ -110,17 +139,13 @@ class RemovalProblem:
     weight_decay: float
     seed: int = 0
     batch_size: int = 1024
-    extras: dict[str, Any] = field(default_factory=dict)
+    card: "ModelCard | None" = None
+    user_weights: Any = None  # Mixed-Linear models: pipeline.methods.mixed_linear.UserWeights
     # How the distributed parts run; None = in this process. cluster/ supplies Ray versions.
     probe_runner: "ProbeRunner | None" = None
     curvature_factory: "CurvatureFactory | None" = None
-    # Told of every stage's start and end (bench/ times the real methods through it).
+    # Told of every stage's start and end (progress bars; bench/ times the real methods through it).
     stage_hook: "StageHook | None" = None
-    # Working memory a stage may use (pipeline.memory.MemoryBudget); None = the scoped / auto
-    # budget. ``pipeline.removal.remove`` scopes it (``memory.use_budget``) around the method, so
-    # every pass of the method (gradients, Hessian columns, probe, line search) sizes its
-    # chunks from it without being handed it.
-    memory_budget: Any = None
 
     def __post_init__(self) -> None:
         self.forget_positions = torch.as_tensor(self.forget_positions, dtype=torch.long)
@@ -150,6 +175,11 @@ class RemovalProblem:
     def retain(self) -> SampleSet:
         return self.train.without(self.forget_positions)
 
+    @property
+    def trained(self) -> TrainedModel:
+        return TrainedModel(self.model, self.task, self.train, self.weight_decay, self.batch_size, self.card,
+                            self.user_weights)
+
     def generator(self, stream: RandomStream) -> torch.Generator:
         """A CPU generator for one named random stream of this removal (seed, stream)."""
         g = torch.Generator(device="cpu")
@@ -178,14 +208,69 @@ class RemovalOutcome:
     record: dict[str, Any]
     # What noise was added and what it may claim; the record carries it as record["release"].
     release: PrivacyRelease = field(default_factory=PrivacyRelease.non_private)
+    # Mixed-Linear: the new user weights (bound to D \ U); None for every other method
+    user_weights: Any = None
+    # the prepared state the removal started from (``run_removal`` sets it)
+    prepared: Prepared | None = None
 
 
 class RemovalMethod(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[MethodSettings]]
+    #: the settings fields the preparation reads (a state prepared under other values of these is
+    #: not used); the empty tuple for a method that prepares nothing
+    PREPARED_FROM: ClassVar[tuple[str, ...]] = ()
+
+    def prepare(self, trained: TrainedModel, settings: MethodSettings, binding: Binding) -> Prepared:
+        """What this method computes once per model version (default: nothing)."""
+        return NothingPrepared(binding)
 
     @abstractmethod
-    def run(self, problem: RemovalProblem, settings: MethodSettings) -> RemovalOutcome: ...
+    def remove(self, problem: RemovalProblem, settings: MethodSettings, prepared: Prepared) -> RemovalOutcome: ...
+
+    def binding(self, trained: TrainedModel, settings: MethodSettings) -> Binding:
+        """What a state prepared for ``trained`` under ``settings`` is bound to."""
+        dumped = settings.model_dump(mode="json")
+        return Binding.of(trained.model, trained.task, trained.train, trained.weight_decay, self.name,
+                          {k: dumped[k] for k in self.PREPARED_FROM})
+
+    def run(self, problem: RemovalProblem, settings: MethodSettings,
+            prepared: Prepared | None = None) -> RemovalOutcome:
+        """``run_removal(self, problem, settings, prepared)``."""
+        return run_removal(self, problem, settings, prepared)
+
+
+def prepare(method: RemovalMethod, trained: TrainedModel, settings: MethodSettings,
+            prepared: Prepared | None = None) -> tuple[Prepared, str | None]:
+    """(state, why it was built now): ``prepared`` itself when it holds for ``trained`` and
+    ``settings`` (why = None), else a new one in eval mode, timed."""
+    binding = method.binding(trained, settings)
+    if prepared is not None and prepared.holds_for(binding):
+        return prepared, None
+    why = ("no prepared state was given" if prepared is None else
+           "the given state was prepared for other " + ", ".join(prepared.binding.differences(binding)))
+    started = time.perf_counter()
+    with eval_mode_restored(trained.model):
+        state = method.prepare(trained, settings, binding)
+    state.seconds = time.perf_counter() - started
+    return state, why
+
+
+def run_removal(method: RemovalMethod, problem: RemovalProblem, settings: MethodSettings,
+                prepared: Prepared | None = None) -> RemovalOutcome:
+    """The one seam: prepare (unless ``prepared`` holds), then remove, both in eval mode (each
+    module's mode and every buffer restored afterwards). The record's ``preparation`` gives the
+    state's seconds and whether this request built it; ``removal_seconds`` the removal's own."""
+    state, why = prepare(method, problem.trained, settings, prepared)
+    started = time.perf_counter()
+    with eval_mode_restored(problem.model):
+        outcome = method.remove(problem, settings, state)
+    removal_seconds = time.perf_counter() - started
+    outcome.prepared = state
+    outcome.record["preparation"] = {**state.describe(), "built_for_this_request": why is not None,
+                                     **({"why": why} if why else {})}
+    outcome.record["removal_seconds"] = removal_seconds
+    return outcome
 
 
 METHODS: Registry[type[RemovalMethod]] = Registry("method", builtins="pipeline.methods")
@@ -209,24 +294,64 @@ def parse_settings(name: str, raw: "MethodSettings | Mapping[str, Any] | None") 
     return impl.Settings.model_validate(dict(raw or {}))
 
 
-def method_config_path(name: str) -> "Path":
-    """``configs/methods/<name>.yaml``: the method's settings file that a bare name refers to."""
+def method_config_path(name: str) -> Path:
+    """``configs/methods/<name>.yaml``: the variant file a bare name refers to."""
     from pipeline.config import CONFIGS_DIR
 
     return CONFIGS_DIR / "methods" / f"{name}.yaml"
 
 
+def method_variants() -> list[str]:
+    """Every variant file name in configs/methods/ (without .yaml)."""
+    from pipeline.config import CONFIGS_DIR
+
+    return sorted(p.stem for p in (CONFIGS_DIR / "methods").glob("*.yaml"))
+
+
+def _variant(name: str) -> dict[str, Any]:
+    """{method, settings} of the variant file ``name``; a registered method without a file is
+    itself with default settings. Unknown names fail listing both."""
+    from pipeline.config import referenced
+
+    if not method_config_path(name).exists():
+        if get_method_known(name):
+            return {"method": name, "settings": {}}
+        raise ValueError(f"method '{name}' is unknown; choose a registered method {sorted(METHODS)} or a "
+                         f"variant in configs/methods/ {method_variants()}")
+    raw = referenced("methods", name)
+    if not isinstance(raw, dict) or "method" not in raw:
+        raise ValueError(f"{method_config_path(name)} must name its method: `method: <registered method>` "
+                         "and `settings: {...}`")
+    extra = sorted(set(raw) - {"method", "settings"})
+    if extra:
+        raise ValueError(f"{method_config_path(name)}: unknown top-level fields {extra}; a variant file has "
+                         "`method` and `settings` only")
+    get_method(str(raw["method"]))  # ValueError listing the registered methods
+    return {"method": str(raw["method"]), "settings": dict(raw.get("settings") or {})}
+
+
+def get_method_known(name: str) -> bool:
+    """True when ``name`` is a registered method (the built-ins imported first)."""
+    try:
+        METHODS.get_known(name)
+    except ValueError:
+        return False
+    return True
+
+
 class MethodRef(BaseModel):
-    """A removal method and its parsed, typed settings, as written in a config:
+    """A removal method, the variant it was named by, and its parsed, typed settings:
 
-        method: fisher                                   # bare name: configs/methods/fisher.yaml
-        method: {name: lfoci-newton, settings: {epsilon: 1.0}}
+        method: newton-head                              # a variant: configs/methods/newton-head.yaml
+        method: {name: lfoci-newton, settings: {epsilon: 1.0}}   # a variant or method, settings on top
 
-    The settings are parsed once, here, into the method's ``Settings`` and kept (never dropped
-    and re-parsed); errors name the field (``method.settings.<field>``)."""
+    ``name`` is what was written (a variant file or a registered method), ``method`` the registered
+    method it runs. Settings given here override the variant file's field by field; they are
+    parsed once, here, into the method's ``Settings`` and kept (errors name ``settings.<field>``)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field("lfoci-newton", description="a registered removal method")
+    name: str = Field("lfoci-newton", description="a variant in configs/methods/ or a registered removal method")
+    method: str = Field("", description="the registered method it runs (resolved from name)")
     settings: SerializeAsAny[MethodSettings] = Field(
         default_factory=MethodSettings, description="the method's settings (its Settings fields)")
 
@@ -236,16 +361,22 @@ class MethodRef(BaseModel):
         if raw is None:
             raw = {}
         if isinstance(raw, str):
-            raw = cls._from_file(raw)
+            raw = {"name": raw}
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
-        name = raw.setdefault("name", "lfoci-newton")
-        impl = get_method(str(name))  # ValueError listing the known methods
+        name = str(raw.setdefault("name", "lfoci-newton"))
+        variant = _variant(name)
+        method = variant["method"]
+        if raw.get("method") not in (None, "", method):
+            raise ValueError(f"method: '{name}' runs method '{method}', not '{raw['method']}'")
+        raw["method"] = method
+        impl = get_method(method)
         settings = raw.get("settings")
         if not isinstance(settings, impl.Settings):
+            merged = {**variant["settings"], **dict(settings or {})}
             try:
-                raw["settings"] = parse_settings(str(name), settings)
+                raw["settings"] = parse_settings(method, merged)
             except ValidationError as err:
                 from pipeline.config import format_errors
 
@@ -253,19 +384,7 @@ class MethodRef(BaseModel):
                                  + "; ".join(format_errors(err, impl.Settings, prefix="settings."))) from None
         return raw
 
-    @staticmethod
-    def _from_file(name: str) -> dict[str, Any]:
-        from pipeline.config import referenced
-
-        get_method(name)  # unknown names fail with the list of methods, before any file is read
-        if not method_config_path(name).exists():
-            return {"name": name}
-        raw = referenced("methods", name)
-        if raw.get("name", name) != name:
-            raise ValueError(f"{method_config_path(name)} configures method '{raw.get('name')}', not '{name}'")
-        return {"name": name, "settings": raw.get("settings") or {}}
-
     @model_validator(mode="after")
     def _typed(self) -> "MethodRef":
-        parse_settings(self.name, self.settings)  # the settings belong to this method
+        parse_settings(self.method, self.settings)  # the settings belong to this method
         return self

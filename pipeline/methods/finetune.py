@@ -22,10 +22,10 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.prepared import Prepared
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method, stream_seed,
 )
-from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Batch, Task
 
 # Random streams of the SGD-based baselines (hashed with the removal seed by ``stream_seed``;
@@ -142,7 +142,7 @@ class FineTune(RemovalMethod):
     name = "finetune"
     Settings = FineTuneSettings
 
-    def run(self, problem: RemovalProblem, settings: FineTuneSettings) -> RemovalOutcome:  # type: ignore[override]
+    def remove(self, problem: RemovalProblem, settings: FineTuneSettings, prepared: Prepared) -> RemovalOutcome:  # type: ignore[override]
         started = time.perf_counter()
         timings: dict[str, float] = {}
         model, task = problem.model, problem.task
@@ -150,12 +150,11 @@ class FineTune(RemovalMethod):
         gen = torch.Generator().manual_seed(stream_seed(problem.seed, FINETUNE_STREAM))
         retain = problem.retain
         opt = SGD(params, lr=settings.lr, momentum=settings.momentum)
-        with eval_mode_restored(model):
-            before = forget_loss(model, task, problem.forget, problem.batch_size)
-            run_epochs(problem, settings.epochs,
-                       lambda _: shuffled_batches(retain_draw(retain, settings.retain_samples, gen), settings.batch_size, gen),
-                       lambda b: mean_batch_loss(model, task, b) + l2(params, problem.weight_decay), opt, timings, "finetune")
-            after = forget_loss(model, task, problem.forget, problem.batch_size)
+        before = forget_loss(model, task, problem.forget, problem.batch_size)
+        run_epochs(problem, settings.epochs,
+                   lambda _: shuffled_batches(retain_draw(retain, settings.retain_samples, gen), settings.batch_size, gen),
+                   lambda b: mean_batch_loss(model, task, b) + l2(params, problem.weight_decay), opt, timings, "finetune")
+        after = forget_loss(model, task, problem.forget, problem.batch_size)
         return outcome(params, {"steps": opt.steps, "forget_loss": {"before": before, "after": after},
                                 "parameters": list(params), "timings": timings,
                                 "seconds": time.perf_counter() - started})

@@ -51,14 +51,15 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from pipeline.curvature import BlockHessian, NonFiniteGradientError, block_gradient
+from pipeline.curvature import BlockHessian, block_gradient
+from pipeline.errors import NonFiniteGradientError
 from pipeline.data.sampleset import SampleSet
+from pipeline.prepared import Prepared
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
 from pipeline.privacy.noise import secret_standard_normal
 from pipeline.privacy.release import Guarantee, PrivacyRelease
-from pipeline.probe import eval_mode_restored
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
@@ -310,12 +311,12 @@ Builder = Callable[[RemovalProblem, ParamBlock, FisherScrubSettings, SampleSet],
 def _build_dense(problem: RemovalProblem, block: ParamBlock, settings: FisherScrubSettings,
                  retain: SampleSet) -> Curvature:
     from pipeline.frozen_prefix import cache_frozen_prefix
-    from pipeline.linear_curvature import LinearCrossEntropyHessian, closed_form_layer
+    from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer
 
     prefix = cache_frozen_prefix(problem.model, problem.task, retain, block, problem.batch_size)
-    if prefix is not None and closed_form_layer(prefix.suffix, problem.task, block) is not None:
-        # the decision layer over its cached inputs: the same matrix in closed form (pipeline.linear_curvature)
-        h: Any = LinearCrossEntropyHessian(prefix.suffix, problem.task, prefix.train, block, problem.weight_decay,
+    if prefix is not None and closed_form_layer(prefix.suffix, prefix.task, block) is not None:
+        # the decision layer over its cached inputs: the same matrix in closed form (pipeline.curvature.linear_layer)
+        h: Any = LinearCrossEntropyHessian(prefix.suffix, prefix.task, prefix.train, block, problem.weight_decay,
                                            reduction="mean", batch_size=problem.batch_size)
     else:
         h = BlockHessian(problem.model, problem.task, retain, block, problem.weight_decay,
@@ -403,11 +404,8 @@ class FisherScrub(RemovalMethod):
     name = "fisher"
     Settings = FisherScrubSettings
 
-    def run(self, problem: RemovalProblem, settings: FisherScrubSettings) -> RemovalOutcome:  # type: ignore[override]
-        with eval_mode_restored(problem.model):
-            return self._run(problem, settings)
-
-    def _run(self, problem: RemovalProblem, settings: FisherScrubSettings) -> RemovalOutcome:
+    def remove(self, problem: RemovalProblem, settings: FisherScrubSettings,  # type: ignore[override]
+               prepared: Prepared) -> RemovalOutcome:
         timings: dict[str, float] = {}
         model, task, lam, bs = problem.model, problem.task, problem.weight_decay, problem.batch_size
         block = _block(model, settings.parameters)

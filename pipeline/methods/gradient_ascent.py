@@ -14,12 +14,12 @@ import time
 import torch
 from pydantic import Field
 
+from pipeline.prepared import Prepared
 from pipeline.methods.base import RemovalMethod, RemovalOutcome, RemovalProblem, register_method, stream_seed
 from pipeline.methods.finetune import (
     FINETUNE_STREAM, SGD, SGDSettings, forget_loss, mean_batch_loss, outcome, run_epochs, selected_parameters,
     shuffled_batches,
 )
-from pipeline.probe import eval_mode_restored
 
 
 class GradientAscentSettings(SGDSettings):
@@ -34,18 +34,17 @@ class GradientAscent(RemovalMethod):
     name = "gradient-ascent"
     Settings = GradientAscentSettings
 
-    def run(self, problem: RemovalProblem, settings: GradientAscentSettings) -> RemovalOutcome:  # type: ignore[override]
+    def remove(self, problem: RemovalProblem, settings: GradientAscentSettings, prepared: Prepared) -> RemovalOutcome:  # type: ignore[override]
         started = time.perf_counter()
         timings: dict[str, float] = {}
         model, task, forget = problem.model, problem.task, problem.forget
         params = selected_parameters(model, settings.parameters)
         gen = torch.Generator().manual_seed(stream_seed(problem.seed, FINETUNE_STREAM))
         opt = SGD(params, lr=settings.lr, momentum=settings.momentum)
-        with eval_mode_restored(model):
-            before = forget_loss(model, task, forget, problem.batch_size)
-            run_epochs(problem, settings.epochs, lambda _: shuffled_batches(forget, settings.batch_size, gen),
-                       lambda b: -mean_batch_loss(model, task, b), opt, timings, "ascent")
-            after = forget_loss(model, task, forget, problem.batch_size)
+        before = forget_loss(model, task, forget, problem.batch_size)
+        run_epochs(problem, settings.epochs, lambda _: shuffled_batches(forget, settings.batch_size, gen),
+                   lambda b: -mean_batch_loss(model, task, b), opt, timings, "ascent")
+        after = forget_loss(model, task, forget, problem.batch_size)
         return outcome(params, {"steps": opt.steps, "forget_loss": {"before": before, "after": after},
                                 "parameters": list(params), "timings": timings,
                                 "seconds": time.perf_counter() - started})

@@ -56,15 +56,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from pipeline.curvature import LinearOperator, SolveInfo, conjugate_gradient
+from pipeline.curvature import LinearOperator, SolveInfo, cg_solve
 from pipeline.data.sampleset import SampleSet
-from pipeline.linearized import BatchProducts, LinearizedModel, batch_products, output_targets
-from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
-from pipeline.mixed_linear_prepared import PreparedUserSums
+from pipeline.linearized import BatchProducts, LinearizedModel, batch_products, output_linear, output_targets
+from pipeline.methods.base import (
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
+)
+from pipeline.mixed_linear_prepared import PreparedUserSums, UserWeightsBindingError
+from pipeline.prepared import Binding, Prepared
 from pipeline.param_block import ParamBlock
 from pipeline.privacy.noise import secret_standard_normal
 from pipeline.privacy.release import Guarantee, PrivacyRelease
-from pipeline.probe import eval_mode_restored
 
 Allreduce = Callable[[Tensor], Tensor]
 
@@ -81,10 +83,6 @@ USER_WEIGHTS_FILE = "user_weights.safetensors"
 FLAT_KEY = "mixed_linear.flat"
 
 _FORMAT = "mixed-linear-user-weights/1"
-
-
-class UserWeightsBindingError(ValueError):
-    """User weights used with a lambda or data other than those they were trained on."""
 
 
 @dataclass
@@ -255,7 +253,7 @@ def newton_step(objective: UserObjective, w_u: Tensor, *, operator: LinearOperat
     w = w_u.to("cpu", torch.float64)
     g = objective.gradient(w)
     op = operator if operator is not None else objective.hessian()
-    step, info = conjugate_gradient(op, g, rtol=rtol, max_iter=max_iter)
+    step, info = cg_solve(op, g, rtol=rtol, max_iter=max_iter)
     if not info.converged:
         info.notes.append(f"CG stopped at relative residual {info.relative_residual:.2e} > rtol {rtol:.1e}: "
                           "raise cg_max_iter; the result is not the exact optimum")
@@ -312,7 +310,7 @@ def forget_user_data(
         "hessian_scale": objective.scale, "weight_decay": weight_decay,
         "retain_gradient_norm_before": _norm(g0), "retain_gradient_norm_after": _norm(g_exact),
         "step_norm": _norm(w - user_weights.to("cpu", torch.float64)),
-        "noise": {"sigma": sigma, "source": "os-csprng" if sigma > 0 else None}, "noise_norm": _norm(noise),
+        "noise": {"sigma": sigma, "source": "os-csprng" if sigma > 0 else None},
         "solver": info.__dict__,
         "seconds": time.perf_counter() - t,
     }
@@ -378,47 +376,71 @@ def _release(sigma: float) -> PrivacyRelease:
                           reasons=["Mixed-Linear noise is not calibrated to a privacy budget: no (epsilon, delta) claim"])
 
 
+@dataclass
+class MixedLinearPrepared(Prepared):
+    """The user sums G_D, C_D of D (``pipeline.mixed_linear_prepared``) when the user block is the
+    core's output Linear layer (a removal is then exact in closed form, with no pass over D_r);
+    None for other user blocks, which forget by CG over D_r."""
+
+    sums: PreparedUserSums | None = None
+
+    what = "the user sums X~^T X~, X~^T (Y - F_c) of D (prepared Mixed-Linear forgetting)"
+
+    def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any,
+                      binding: Binding) -> "MixedLinearPrepared | None":
+        """The sums of D \\ U, which the removal computed (its ``retained_sums``)."""
+        retained = getattr(outcome, "retained_sums", None)
+        if self.sums is None or retained is None:
+            return None
+        return MixedLinearPrepared(binding, 0.0, {"updated_from_removal": True}, retained)
+
+
 @register_method
 class MixedLinear(RemovalMethod):
-    """``problem.model`` holds the core weights w_c and ``problem.train`` the user data D.
-    ``problem.extras``: ``"user_weights"`` (required: a ``UserWeights`` bound to lambda and to
-    exactly the ids of ``problem.train``, as trained by ``train_user_weights``); optional
-    ``"user_block"`` (a ParamBlock overriding the settings) and ``"prepared_user_sums"`` (a
-    ``PreparedUserSums`` of the same lambda and data, for an output-layer user block: the exact
-    step in closed form without a pass over D_r; replaced by the sums of D_r). The outcome's ``new_parameters``
-    holds the new user weights under ``USER_WEIGHT_PREFIX + name`` (full parameter shapes);
-    ``extras["user_weights"]`` is replaced by the new ``UserWeights`` (flat vector, bound to
-    the retained ids). The core weights are not changed."""
+    """``problem.model`` holds the core weights w_c, ``problem.train`` the user data D and
+    ``problem.user_weights`` the trained user weights (a ``UserWeights`` bound to lambda and to
+    exactly the ids of D, as ``train_user_weights`` made them). The outcome's ``new_parameters``
+    holds the new user weights under ``USER_WEIGHT_PREFIX + name`` (full parameter shapes) and its
+    ``user_weights`` the new ``UserWeights`` (flat vector, bound to the retained ids). The core
+    weights are not changed. Prepared: the sums of D for an output-layer user block."""
 
     name = "mixed-linear"
     Settings = MixedLinearSettings
+    PREPARED_FROM = ("user_parameters", "user_last_modules")
 
-    def run(self, problem: RemovalProblem, settings: MixedLinearSettings) -> RemovalOutcome:  # type: ignore[override]
-        user = problem.extras.get("user_weights")
+    def prepare(self, trained: TrainedModel, settings: MixedLinearSettings,  # type: ignore[override]
+                binding: Binding) -> MixedLinearPrepared:
+        block = user_block(trained.model, settings.user_parameters or None, settings.user_last_modules)
+        lin = LinearizedModel(trained.model, trained.task, block)
+        if output_linear(trained.model, block) is None:
+            return MixedLinearPrepared(binding, details={"sums": "none: the user block is not the core's output "
+                                                                 "Linear layer; removals forget by CG over D_r"})
+        sums = PreparedUserSums.prepare(lin, trained.train, trained.weight_decay, batch_size=trained.batch_size)
+        return MixedLinearPrepared(binding, sums=sums)
+
+    def remove(self, problem: RemovalProblem, settings: MixedLinearSettings,  # type: ignore[override]
+               prepared: MixedLinearPrepared) -> RemovalOutcome:
+        user = problem.user_weights
         if user is None:
             raise ValueError(
-                "Mixed-Linear forgetting needs the trained user weights w_u in problem.extras['user_weights'] "
-                "(train them with pipeline.methods.mixed_linear.train_user_weights on the user data)")
+                "Mixed-Linear forgetting needs the trained user weights w_u (RemovalProblem.user_weights; a model "
+                "directory's user_weights.safetensors): train them with pipeline.methods.mixed_linear.train_user_weights")
         if not isinstance(user, UserWeights):
             raise UserWeightsBindingError(
-                "problem.extras['user_weights'] must be a UserWeights: the weights together with the weight decay "
+                "RemovalProblem.user_weights must be a UserWeights: the weights together with the weight decay "
                 "and the sample ids they were trained on")
         user.check(problem.weight_decay, problem.train.sample_ids.tolist())
         model = problem.model
         timings: dict[str, float] = {}
-        block = problem.extras.get("user_block") or user_block(
-            model, settings.user_parameters or None, settings.user_last_modules)
+        block = user_block(model, settings.user_parameters or None, settings.user_last_modules)
         w_u = user_vector(block, user.weights)
-        prepared = problem.extras.get("prepared_user_sums")
-        if prepared is not None and not isinstance(prepared, PreparedUserSums):
-            raise TypeError("problem.extras['prepared_user_sums'] must be a PreparedUserSums "
-                            "(pipeline.mixed_linear_prepared.PreparedUserSums.prepare)")
-        if prepared is not None:
-            prepared.check(problem.weight_decay, problem.train.sample_ids.tolist(), model)
-        with eval_mode_restored(model), problem.stage("forget", timings):
+        retained_sums = None
+        if prepared.sums is not None:  # (bound by the seam; the sums' own binding checked too)
+            prepared.sums.check(problem.weight_decay, problem.train.sample_ids.tolist(), model)
+        with problem.stage("forget", timings):
             lin = LinearizedModel(model, problem.task, block)
-            if prepared is not None:  # exact in closed form from the prepared sums (no pass over D_r)
-                result = _forget_prepared(prepared, lin, w_u, problem, settings.sigma)
+            if prepared.sums is not None:  # exact in closed form from the prepared sums (no pass over D_r)
+                result, retained_sums = _forget_prepared(prepared.sums, lin, w_u, problem, settings.sigma)
             else:
                 result = forget_user_data(
                     lin, w_u, problem.retain, problem.weight_decay, sigma=settings.sigma,
@@ -426,26 +448,27 @@ class MixedLinear(RemovalMethod):
         keep = torch.ones(len(problem.train), dtype=torch.bool)
         keep[problem.forget_positions] = False
         retained = problem.train.sample_ids[keep].tolist()  # (not problem.retain: no copy of the retained data)
-        problem.extras["user_weights"] = UserWeights(result.user_weights, problem.weight_decay, retained)
         state = user_state(block, model, result.user_weights)
         new_parameters = {USER_WEIGHT_PREFIX + k: v for k, v in state.items()}
         record = {"user_block": block.describe() if block.numel <= 100_000 else len(block.parts),
                   "forgotten": problem.m, **result.record, "timings": timings}
-        return RemovalOutcome(new_parameters, record, release=_release(settings.sigma))
+        outcome = RemovalOutcome(new_parameters, record, release=_release(settings.sigma),
+                                 user_weights=UserWeights(result.user_weights, problem.weight_decay, retained))
+        outcome.retained_sums = retained_sums  # type: ignore[attr-defined]
+        return outcome
 
 
 def _forget_prepared(prepared: PreparedUserSums, lin: LinearizedModel, w_u: Tensor, problem: RemovalProblem,
-                     sigma: float) -> MixedLinearResult:
+                     sigma: float) -> tuple[MixedLinearResult, PreparedUserSums]:
     """The exact Newton step of L_Dr from the prepared sums (``pipeline.mixed_linear_prepared``),
-    plus the secret noise; the sums of D_r replace ``problem.extras["prepared_user_sums"]``."""
+    plus the secret noise; also the sums of D_r (the next version's preparation)."""
     started = time.perf_counter()
     w, retained, record = prepared.forget(lin, w_u, problem.forget, batch_size=problem.batch_size)
     noise = sigma * secret_standard_normal(w.numel()) if sigma > 0 else torch.zeros_like(w)
-    problem.extras["prepared_user_sums"] = retained
     record.update({"weight_decay": problem.weight_decay, "noise": {"sigma": sigma, "source": "os-csprng" if sigma > 0
                                                                    else None},
-                   "noise_norm": _norm(noise), "seconds": time.perf_counter() - started})
-    return MixedLinearResult(w + noise, None, record)
+                   "seconds": time.perf_counter() - started})
+    return MixedLinearResult(w + noise, None, record), retained
 
 
 # -- the data-parallel job of one rank ----------------------------------------------------------

@@ -60,18 +60,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.linear_curvature import _block_order
+from pipeline.curvature.linear_layer import layer_order
 from pipeline.linearized import LinearizedModel, output_linear, output_targets, outputs_and_inputs
-from pipeline.methods.base import MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, register_method
-from pipeline.probe import eval_mode_restored
+from pipeline.methods.base import (
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
+)
 from pipeline.param_block import ParamBlock
+from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
 
 
@@ -342,7 +344,7 @@ def build_primal_system(lin: LinearizedModel, retain: SampleSet, forget: SampleS
         k, d = layer.out_features, layer.in_features
         names = {n: ("weight" if p is layer.weight else "bias") for n, p in lin.model.named_parameters()
                  if p is layer.weight or p is layer.bias}
-        order = _block_order(lin.block, names, k, d)
+        order = layer_order(lin.block, names, k, d)
         rows_offset = None
         if offset is not None:
             laid = torch.empty(k * (d + 1), dtype=torch.float64)
@@ -399,19 +401,33 @@ class NTKScrubSettings(MethodSettings):
     jacobian_memory_mb: float = Field(512.0, gt=0, description="auto: materialise J up to this size")
     chunk_size: int = Field(64, gt=0, description="samples per Jacobian chunk")
     w0_path: str | None = Field(
-        None, description="checkpoint of the pre-training weights w0 (else problem.extras['w0'])")
+        None, description="checkpoint (safetensors) of the pre-training weights w0; null = the start the model "
+                          "card's recipe trained from (its seeded initialisation plus its init checkpoint)")
 
 
-def pretraining_weights(problem: RemovalProblem, settings: NTKScrubSettings) -> Mapping[str, Tensor]:
-    if "w0" in problem.extras:
-        return problem.extras["w0"]
+@dataclass
+class PretrainingWeights(Prepared):
+    """w0, the weights NTK scrubbing linearises at: the checkpoint ``w0_path`` names, or the start
+    of the model card's recipe (``pipeline.recipe.start_weights``)."""
+
+    w0: dict[str, Tensor] = field(default_factory=dict)
+
+    what = "w0: the pre-training weights the network is linearised at"
+
+
+def pretraining_weights(trained: TrainedModel, settings: NTKScrubSettings) -> dict[str, Tensor]:
     if settings.w0_path:
         from pipeline.checkpoint import read_state_dict
 
-        return read_state_dict(settings.w0_path)
+        return dict(read_state_dict(settings.w0_path))
+    if trained.card is not None:
+        from pipeline.recipe import start_weights
+
+        return start_weights(trained.card)
     raise ValueError(
-        "NTK scrubbing linearises the network around its pre-training weights w0 and needs them: pass a "
-        "state dict as problem.extras['w0'] or a checkpoint path as settings.w0_path")
+        "NTK scrubbing linearises the network around its pre-training weights w0 and needs them: give "
+        "settings.w0_path (a safetensors checkpoint of w0), or remove from a model directory whose card records "
+        "the recipe")
 
 
 def _block(model: nn.Module, parameters: Literal["all"] | list[str]) -> ParamBlock:
@@ -430,15 +446,18 @@ class NTKScrub(RemovalMethod):
     name = "ntk"
     Settings = NTKScrubSettings
 
-    def run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:  # type: ignore[override]
-        with eval_mode_restored(problem.model):
-            return self._run(problem, settings)
+    PREPARED_FROM = ("w0_path",)
 
-    def _run(self, problem: RemovalProblem, settings: NTKScrubSettings) -> RemovalOutcome:
+    def prepare(self, trained: TrainedModel, settings: NTKScrubSettings,  # type: ignore[override]
+                binding: Binding) -> PretrainingWeights:
+        return PretrainingWeights(binding, w0=pretraining_weights(trained, settings))
+
+    def remove(self, problem: RemovalProblem, settings: NTKScrubSettings,  # type: ignore[override]
+               prepared: PretrainingWeights) -> RemovalOutcome:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         model, task = problem.model, problem.task
-        w0 = pretraining_weights(problem, settings)
+        w0 = prepared.w0
         block = _block(model, settings.parameters)
         missing = sorted(part.name for part in block.parts if part.name not in w0)
         if missing:

@@ -17,12 +17,12 @@ from pydantic import Field
 from torch import Tensor
 
 from pipeline.data.sampleset import SampleSet
+from pipeline.prepared import Prepared
 from pipeline.methods.base import RemovalMethod, RemovalOutcome, RemovalProblem, register_method, stream_seed
 from pipeline.methods.finetune import (
     FINETUNE_STREAM, RANDOM_LABEL_STREAM, SGD, SGDSettings, forget_loss, l2, mean_batch_loss, outcome,
     retain_draw, run_epochs, selected_parameters, shuffled_batches,
 )
-from pipeline.probe import eval_mode_restored
 
 
 class RandomLabelSettings(SGDSettings):
@@ -69,14 +69,13 @@ def random_label_finetune(problem: RemovalProblem, settings: RandomLabelSettings
     retain = problem.retain
     gen = torch.Generator().manual_seed(stream_seed(problem.seed, FINETUNE_STREAM))
     opt = SGD(params, lr=settings.lr, momentum=settings.momentum, masks=masks)
-    with eval_mode_restored(model):
-        before = forget_loss(model, task, problem.forget, problem.batch_size)
-        run_epochs(problem, settings.epochs,
-                   lambda _: shuffled_batches(concatenate(relabelled, retain_draw(retain, settings.retain_samples, gen)),
-                                              settings.batch_size, gen),
-                   lambda b: mean_batch_loss(model, task, b) + l2(params, problem.weight_decay), opt, timings,
-                   "random_label_finetune")
-        after = forget_loss(model, task, problem.forget, problem.batch_size)
+    before = forget_loss(model, task, problem.forget, problem.batch_size)
+    run_epochs(problem, settings.epochs,
+               lambda _: shuffled_batches(concatenate(relabelled, retain_draw(retain, settings.retain_samples, gen)),
+                                          settings.batch_size, gen),
+               lambda b: mean_batch_loss(model, task, b) + l2(params, problem.weight_decay), opt, timings,
+               "random_label_finetune")
+    after = forget_loss(model, task, problem.forget, problem.batch_size)
     return {"params": params, "steps": opt.steps, "forget_loss": {"before": before, "after": after},
             "parameters": list(params)}
 
@@ -86,7 +85,7 @@ class RandomLabels(RemovalMethod):
     name = "random-labels"
     Settings = RandomLabelSettings
 
-    def run(self, problem: RemovalProblem, settings: RandomLabelSettings) -> RemovalOutcome:  # type: ignore[override]
+    def remove(self, problem: RemovalProblem, settings: RandomLabelSettings, prepared: Prepared) -> RemovalOutcome:  # type: ignore[override]
         started = time.perf_counter()
         timings: dict[str, float] = {}
         record = random_label_finetune(problem, settings, None, timings)

@@ -17,10 +17,10 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from pipeline.prepared import Prepared
 from pipeline.methods.base import RemovalMethod, RemovalOutcome, RemovalProblem, register_method
 from pipeline.methods.finetune import outcome, selected_parameters
 from pipeline.methods.random_labels import RandomLabelSettings, random_label_finetune
-from pipeline.probe import eval_mode_restored
 
 
 class SalUnSettings(RandomLabelSettings):
@@ -54,10 +54,10 @@ class SalUn(RemovalMethod):
     name = "salun"
     Settings = SalUnSettings
 
-    def run(self, problem: RemovalProblem, settings: SalUnSettings) -> RemovalOutcome:  # type: ignore[override]
+    def remove(self, problem: RemovalProblem, settings: SalUnSettings, prepared: Prepared) -> RemovalOutcome:  # type: ignore[override]
         started = time.perf_counter()
         timings: dict[str, float] = {}
-        with problem.stage("saliency", timings), eval_mode_restored(problem.model):
+        with problem.stage("saliency", timings):
             masks = saliency_masks(forget_gradient(problem, selected_parameters(problem.model, settings.parameters)),
                                    settings.sparsity)
         rl = RandomLabelSettings(**settings.model_dump(exclude={"sparsity"}))

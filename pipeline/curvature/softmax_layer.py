@@ -1,9 +1,10 @@
-"""Converged Newton on a softmax decision layer over fixed inputs, matrix-free, in closed form.
+"""The anchored softmax decision-layer objective over fixed inputs, its exact Hessian products in
+closed form, and their preconditioners (the maths of ``pipeline.curvature.newton``).
 
-The removal's block is the last Linear layer (theta = [W, b], K x (d+1)) over cached inputs
-x~ = (x, 1) of the retained set R = D \\ U (n_r samples), targets t(y) (one-hot, or label-smoothed
-(1 - s) e_y + s/K: the targets enter linearly). The objective (anchored at r0, the start's
-grad_P L_D; r0 = 0 for the plain retrained optimum):
+The block is the last Linear layer (theta = [W, b], K x (d+1)) over cached inputs x~ = (x, 1) of
+the retained set R = D \\ U (n_r samples), targets t(y) (one-hot, or label-smoothed
+(1 - s) e_y + s/K: the targets enter linearly). The objective, anchored at r0 (the removal's
+target term; r0 = 0 for the plain retrained optimum):
 
     F(theta) = (1/n_r) sum_R [logsumexp(theta x~) - <t, theta x~>] + (lambda/2)||theta||^2 - <r0, theta - theta_0>
     grad F   = (1/n_r) (P - T)^T X~ + lambda theta - r0                 (P = softmax(X~ theta^T))
@@ -23,22 +24,11 @@ gradients) run in X~'s own precision: float32 inputs (a float32 model's features
 give float32 passes, with F summed and the gradient returned in float64; weights are float64 always.
 A float32 gradient is trusted only to its rounding floor (``gradient_floor``, an estimate: the
 errors measured on Fashion-MNIST's head were 0.10-0.16 of it); where the tolerance asks for more,
-float64 passes certify or finish the iteration (``newton_minimise``).
+float64 passes certify or finish the iteration (``pipeline.curvature.newton.newton_minimise``).
 ``keep`` (a mask over the rows of ``x``) makes R the kept rows of a larger prepared X~ (D's, with
 the forgotten rows masked out of every sum) so that the passes need no copy of R per removal (the
 curvature rows, a subsample or else R, are copied once with their transpose); ``xt`` is X~^T when
 the caller holds it already (contiguous).
-
-H is the exact Hessian of F at the current theta (the same matrix as
-``pipeline.linear_curvature.linear_cross_entropy_hessian`` of R), applied without ever being
-built: one product costs two passes over X~ (O(n_r K (d+1))). F is lambda-strongly convex, so
-Newton's method with Armijo backtracking converges to its unique minimiser from any start;
-each Newton system is solved inexactly by preconditioned conjugate gradients to the forcing
-tolerance eta_k ||grad F|| with eta_k = min(forcing, sqrt(||grad F|| / ||grad F_0||))
-(inexact Newton, Eisenstat & Walker; superlinear near the solution). Where the predicted decrease
-is below F's rounding (64 eps |F|, eps of the passes' precision), Armijo cannot tell and the full
-step is taken when it lowers ||grad F||. The iteration stops once
-||grad F|| <= tol; it never claims convergence it did not reach (``converged`` is False).
 
 Preconditioners (no preparation unless given):
   kronecker  (A (x) G + lambda I)^{-1}, A = (1/n_r) sum M(x) at the current weights (K x K,
@@ -51,14 +41,16 @@ Hessian products update it by limited-memory BFGS before each new system.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["SoftmaxLayerObjective", "NewtonResult", "working_bytes", "kronecker_preconditioner", "dense_preconditioner", "layer_ordered",
-           "recycled_preconditioner", "newton_minimise"]
+from pipeline.curvature.pcg import Pair
+
+__all__ = ["Preconditioner", "SoftmaxLayerObjective", "dense_preconditioner", "gram_eigen", "kronecker_preconditioner",
+           "layer_ordered", "recycled_preconditioner", "working_bytes"]
 
 
 @dataclass
@@ -288,58 +280,6 @@ def layer_ordered(inverse: Tensor, order: Tensor, dtype: torch.dtype = torch.flo
     return out.to(dtype).contiguous()
 
 
-@dataclass
-class NewtonResult:
-    theta: Tensor
-    converged: bool
-    gradient_norm: float
-    start_gradient_norm: float
-    history: list[dict[str, float]] = field(default_factory=list)
-    passes: float = 0.0
-    pass_dtype: str = "float64"       # the precision of the last passes over X~
-    float64_from: int | None = None   # the step from which float32 passes gave way to float64 (0: from the start)
-    gradient_floor: float = 0.0       # the rounding floor of the last gradient (0: float64)
-
-
-Pair = tuple[Tensor, Tensor, float]  # (s, H s, s^T H s): one CG direction and its curvature
-
-
-def _pcg(product: Callable[[Tensor], Tensor], b: Tensor, precondition: Preconditioner, rtol: float,
-         max_iter: int, pairs: list[Pair] | None = None) -> tuple[Tensor, int, float]:
-    """Preconditioned CG on H x = b to ||H x - b|| <= rtol ||b|| (or max_iter); (x, iterations,
-    relative residual). H and the preconditioner are symmetric positive definite here; should a
-    rounded product still give d^T H d <= 0, CG stops there (with M b if it is the first direction),
-    never stepping along it. Each direction d and its product H d are appended to ``pairs`` when given."""
-    x = torch.zeros_like(b)
-    r = b.clone()
-    bnorm = float(torch.linalg.vector_norm(b)) or 1.0
-    z = precondition(r)
-    d = z.clone()
-    rz = float((r * z).sum())
-    it = 0
-    rel = 1.0
-    for it in range(1, max_iter + 1):
-        hd = product(d)
-        dhd = float((d * hd).sum())
-        if dhd <= 0:  # only rounded (bfloat16) products can show this: keep what CG has, or, first, M b
-            if it == 1:
-                x = d.clone()
-            break
-        if pairs is not None:
-            pairs.append((d, hd, dhd))  # d is rebound, never changed in place
-        alpha = rz / dhd
-        x += alpha * d
-        r -= alpha * hd
-        rel = float(torch.linalg.vector_norm(r)) / bnorm
-        if rel <= rtol:
-            break
-        z = precondition(r)
-        rz_new = float((r * z).sum())
-        d = z + (rz_new / rz) * d
-        rz = rz_new
-    return x, it, rel
-
-
 def recycled_preconditioner(base: Preconditioner, pairs: list[Pair]) -> Preconditioner:
     """The limited-memory BFGS update of ``base`` (an SPD inverse) by the pairs (s_i, y_i = H_i s_i)
     that earlier CG solves produced (Morales & Nocedal, SIAM J. Optim. 2000, automatic
@@ -367,114 +307,3 @@ def recycled_preconditioner(base: Preconditioner, pairs: list[Pair]) -> Precondi
         return r
 
     return apply
-
-
-def newton_minimise(objective: SoftmaxLayerObjective, theta: Tensor, *, tol: float, max_steps: int,
-                    preconditioner: str | Preconditioner = "kronecker", forcing: float = 0.5,
-                    max_cg: int = 200, max_backtracks: int = 30, recycle: int = 0,
-                    start: tuple[Tensor, Tensor] | None = None) -> NewtonResult:
-    """Minimise F from ``theta`` by inexact Newton-PCG with Armijo backtracking (module
-    docstring) until ||grad F|| <= tol or ``max_steps`` steps. ``recycle`` > 0: each system's
-    preconditioner is updated by the last ``recycle`` CG pairs of the earlier systems
-    (``recycled_preconditioner``). ``start`` = (logits, grad F) at ``theta`` when the caller
-    holds them (a prepared state): the first two passes are then saved.
-
-    Float32 passes (X~ given in float32) carry the iteration while they can resolve it. Their
-    gradient is within its rounding floor phi (``gradient_floor``, recomputed at every point) of
-    the exact one; it ends the iteration on its own only where phi <= tol / 4. Elsewhere a float32
-    ||grad F|| <= tol is certified by float64 passes at the same point, and every later pass is
-    float64 (``to_float64``: X~ cast in chunks, never copied) when that check fails, when
-    ||grad F|| <= phi (float32 can resolve no further progress) or when a float32 line search
-    finds no decrease."""
-    if preconditioner not in ("kronecker", "none") and not callable(preconditioner):
-        raise ValueError(f"preconditioner '{preconditioner}' is unknown; choose 'kronecker', 'none' or pass a callable")
-    theta = theta.to(torch.float64).clone()
-
-    def state(at: Tensor) -> tuple[Tensor, float, Tensor, Tensor, float]:
-        z = objective.logits(at)
-        p = objective.probabilities(z)
-        f = objective.value(at, z, p)
-        g = objective.gradient(at, p)
-        return z, f, p, g, float(torch.linalg.vector_norm(g))
-
-    def float64_state(at: Tensor) -> tuple[Tensor, float, Tensor, Tensor, float]:
-        """Every later pass float64 (``to_float64``), and the state at ``at`` in it."""
-        objective.to_float64()
-        return state(at)
-
-    if start is None:
-        z, f, p, g, gnorm = state(theta)
-    else:
-        z, g = start[0].to(objective.pass_dtype), start[1].to(torch.float64)
-        p = objective.probabilities(z)
-        f, gnorm = objective.value(theta, z, p), float(torch.linalg.vector_norm(g))
-    g0 = gnorm
-    float64_from: int | None = 0 if objective.pass_dtype == torch.float64 else None
-    gram = gram_eigen(objective) if preconditioner == "kronecker" else None
-    history: list[dict[str, float]] = []
-    pairs: list[Pair] = []
-    step = 0
-    while True:
-        floor = objective.gradient_floor(p)
-        if floor > 0 and ((gnorm <= tol and floor > tol / 4) or tol < gnorm <= floor):
-            # float32 can neither certify nor resolve this: the same point in float64, float64 from here
-            float64_from, floor = step + 1, 0.0
-            z, f, p, g, gnorm = float64_state(theta)
-        if gnorm <= tol or step == max_steps:
-            break
-        step += 1
-        if preconditioner == "kronecker":
-            assert gram is not None
-            precondition = kronecker_preconditioner(objective, p, gram)
-        elif preconditioner == "none":
-            def precondition(v: Tensor) -> Tensor:
-                return v
-        else:
-            precondition = preconditioner  # type: ignore[assignment]
-        if recycle > 0:
-            precondition = recycled_preconditioner(precondition, pairs[-recycle:])
-        eta = min(forcing, math.sqrt(gnorm / g0) if g0 > 0 else forcing)
-        direction, iterations, rel = _pcg(objective.curvature_at(p), g, precondition,
-                                          max(eta, tol / (2 * gnorm), objective.product_rtol), max_cg,
-                                          pairs if recycle > 0 else None)
-        pairs = pairs[-recycle:]
-        slope = float((g * direction).sum())
-        if slope <= 0:  # not a descent direction (rounded products): the preconditioned gradient is one
-            direction = precondition(g)
-            slope = float((g * direction).sum())
-        dz = objective.logits(direction)
-        # below F's rounding (in the passes' precision) the Armijo test cannot see a decrease:
-        # there the full step is taken when it lowers ||grad F|| (the quantity the stopping test measures)
-        unresolved = 0.5 * slope <= 64 * torch.finfo(objective.pass_dtype).eps * max(1.0, abs(f))
-        t, g_try = 1.0, None
-        for _ in range(max_backtracks + 1):
-            z_try = z - t * dz
-            p_try = objective.probabilities(z_try)
-            f_try = objective.value(theta - t * direction, z_try, p_try)
-            if f_try <= f - 1e-4 * t * slope:
-                break
-            if unresolved and t == 1.0:
-                g_try = objective.gradient(theta - direction, p_try)
-                if float(torch.linalg.vector_norm(g_try)) < gnorm:
-                    break
-                g_try = None
-            t *= 0.5
-        else:
-            t = 0.0
-        if t == 0.0:
-            history.append({"step": step, "gradient_norm": gnorm, "step_length": 0.0, "cg_iterations": iterations,
-                            "cg_relative_residual": rel})
-            if objective.pass_dtype == torch.float64:
-                break
-            # no decrease float32 can see: on from the same point in float64
-            float64_from = step + 1
-            z, f, p, g, gnorm = float64_state(theta)
-            continue
-        theta = theta - t * direction
-        z, f, p = z_try, f_try, p_try
-        g = objective.gradient(theta, p) if g_try is None else g_try
-        gnorm = float(torch.linalg.vector_norm(g))
-        history.append({"step": step, "gradient_norm": gnorm, "step_length": t, "cg_iterations": iterations,
-                        "cg_relative_residual": rel, "forcing": eta})
-    return NewtonResult(theta, gnorm <= tol, gnorm, g0, history, objective.passes,
-                        str(objective.pass_dtype).removeprefix("torch."), float64_from, floor)

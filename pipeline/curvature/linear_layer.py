@@ -1,4 +1,4 @@
-"""Closed-form curvature of a Linear layer under softmax cross-entropy, and a warm copy of it.
+"""Closed-form curvature of a Linear layer under softmax cross-entropy (the decision layer).
 
 For logits z = W x + b (K classes, inputs x in R^d) and cross-entropy (with or without label
 smoothing: the targets enter linearly), the Hessian of the loss in the logits is
@@ -7,36 +7,27 @@ M(x) = diag(p) - p p^T with p = softmax(z). With x~ = (x, 1) and theta_a = (W_a,
     d^2 loss / d theta_a d theta_b = M_ab(x) x~ x~^T,
     H(S) = sum_{x in S} M(x) (kron) x~ x~^T             (+ lambda I, |S| lambda I for a sum)
 
-exactly the matrix the Hessian-vector products of ``pipeline.curvature.BlockHessian`` would
-assemble column by column, at 2 |S| K^2 (d+1)^2 flops in K matrix products instead of
-K (d+1) passes of forward-over-reverse differentiation. It applies when the block is the
-whole weight (and bias) of the last Linear of a Sequential whose earlier modules are frozen
-for the removal (``pipeline.frozen_prefix``), the usual decision layer of a classifier head.
-
-``WarmCurvature``: H_P(D) at the weights w it was computed at, kept between removals (the
-serving process, a benchmark's repeated requests on one model version). A removal that starts
-at exactly those weights uses it for its first Newton system (n H_P(D) - H_P(U)) / (n - m),
-which is then exact, not an approximation; at any other weights or data it is not used.
+exactly the matrix the Hessian-vector products of ``pipeline.curvature.hessian.BlockHessian``
+would assemble column by column, at 2 |S| K^2 (d+1)^2 flops in K matrix products instead of
+K (d+1) passes of forward-over-reverse differentiation. It applies when the block is the whole
+weight (and bias) of the last Linear of a Sequential whose earlier modules are frozen for the
+removal (``pipeline.frozen_prefix``), the usual decision layer of a classifier head.
 """
 from __future__ import annotations
 
 import functools
-import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from pipeline.curvature import LinearOperator
-from pipeline.frozen_prefix import PrefixCache
-from pipeline.memory import MemoryBudget, current_budget
+from pipeline.curvature.operators import LinearOperator
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.progress import tick
 from pipeline.tasks import Task
 
-__all__ = ["closed_form_layer", "products_dtype", "native_bfloat16", "linear_cross_entropy_hessian", "LinearCrossEntropyHessian", "WarmCurvature",
-           "same_weights_and_data"]
+__all__ = ["LinearCrossEntropyHessian", "closed_form_layer", "cpu_flags", "layer_order", "linear_cross_entropy_hessian",
+           "native_bfloat16", "products_dtype"]
 
 
 def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Linear | None:
@@ -50,7 +41,7 @@ def closed_form_layer(model: nn.Module, task: Task, block: ParamBlock) -> nn.Lin
     return layers[0] if block.is_whole(model, layers[0]) else None
 
 
-def _block_order(block: ParamBlock, layer_names: dict[str, str], k: int, d: int) -> Tensor:
+def layer_order(block: ParamBlock, layer_names: dict[str, str], k: int, d: int) -> Tensor:
     """Flat block index -> index in the (class, input-with-bias) ordering a*(d+1) + i."""
     order: list[Tensor] = []
     for part in block.parts:
@@ -84,7 +75,7 @@ def linear_cross_entropy_hessian(weight: Tensor, bias: Tensor, names: dict[str, 
     upper = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)
     for a, b in upper.nonzero().tolist():
         full[b * dd:(b + 1) * dd, a * dd:(a + 1) * dd] = full[a * dd:(a + 1) * dd, b * dd:(b + 1) * dd].T
-    order = _block_order(block, names, k, d)
+    order = layer_order(block, names, k, d)
     h = full.index_select(0, order).index_select(1, order)
     n = x.shape[0]
     if reduction == "mean":
@@ -111,7 +102,7 @@ class LinearCrossEntropyHessian(LinearOperator):
         self.block, self.x = block, data.columns["x"]
         self.weight_decay, self.reduction, self.chunk = weight_decay, reduction, batch_size
         self.k, self.d = layer.out_features, layer.in_features
-        self.order = _block_order(block, self.names, self.k, self.d)
+        self.order = layer_order(block, self.names, self.k, self.d)
         self.weight = layer.weight.detach().to(torch.float64).clone()
         self.bias = (layer.bias.detach().to(torch.float64).clone() if layer.bias is not None
                      else torch.zeros(self.k, dtype=torch.float64))
@@ -188,114 +179,3 @@ def native_bfloat16(device: torch.device | str = "cpu") -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return bool(torch.backends.mkldnn.is_available()) and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def inputs_within(n: int, d: int, budget: "MemoryBudget | None" = None, itemsize: int = 8) -> bool:
-    """True when X~ (n x (d+1), ``itemsize`` bytes per entry) and its transpose fit in a quarter
-    of the budget."""
-    return 2 * n * (d + 1) * itemsize <= (budget or current_budget()).bytes / 4
-
-
-@dataclass
-class WarmCurvature:
-    """H_P(D) (mean, lambda I included) of a block at the weights it was computed at."""
-
-    block_names: tuple[str, ...]
-    weights: Tensor          # the block's flat weights (float64) at which it holds
-    parameters: dict[str, Tensor]  # every parameter of the model then (the prefix must match too)
-    prefix: "PrefixCache | None"   # the frozen prefix's outputs on D, reused by the removals
-    sample_ids: Tensor       # D, in order
-    weight_decay: float
-    matrix: Tensor           # (numel, numel) float64
-    seconds: float
-    inverse: Tensor | None = None  # matrix^{-1} (from its Cholesky factor): the preconditioner of later systems
-    # X~ = (x, 1) of D at the decision layer in the products' precision (``products_dtype``: float32
-    # for a float32 model, whose features are exact in it) and its transpose (both contiguous): the
-    # matrix-free Newton of later removals masks the forgotten rows instead of copying D_r each time.
-    # Kept only when both fit in a quarter of the memory budget (``inputs_within``).
-    inputs: Tensor | None = None
-    inputs_t: Tensor | None = None
-    # with them: the decision layer's logits theta X~^T on D at these weights (class-major, K x n, the
-    # same precision) and ||X~||_F: a removal's Newton starts from them without a pass over X~
-    logits: Tensor | None = None
-    inputs_norm: float | None = None
-    # grad_P L_D at these weights (mean over D, lambda w_P included): a removal then passes over
-    # its m forgotten samples only, grad L_{D\U} = (n grad L_D - g_U) / (n - m)
-    training_gradient: Tensor | None = None
-    # ``inverse`` in the decision layer's own layout and the products' precision, with the block
-    # order and dtype it was made for (``layer_inverse``)
-    layer_inverse_cache: "tuple[Tensor, torch.dtype, Tensor] | None" = field(default=None, init=False, repr=False,
-                                                                             compare=False)
-
-    @classmethod
-    def prepare(cls, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock, weight_decay: float,
-                batch_size: int = 4096) -> "WarmCurvature":
-        """Compute H_P(D) once: the frozen prefix cached, then the closed form on the decision layer."""
-        from pipeline.frozen_prefix import cache_frozen_prefix
-        from pipeline.probe import eval_mode_restored
-
-        started = time.perf_counter()
-        with eval_mode_restored(model):
-            prefix = cache_frozen_prefix(model, task, train, block, batch_size)
-        suffix, data = (model, train) if prefix is None else (prefix.suffix, prefix.train)
-        op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean",
-                                       batch_size=batch_size)
-        matrix = op.to_dense()
-        chol, status = torch.linalg.cholesky_ex(matrix)
-        params = {k: v.detach() for k, v in model.named_parameters()}
-        from pipeline.curvature import block_gradient
-
-        with eval_mode_restored(model):
-            training_gradient = block_gradient(suffix, task, data, block, weight_decay, reduction="mean",
-                                               batch_size=batch_size)
-        inputs = inputs_t = logits = inputs_norm = None
-        layer = closed_form_layer(suffix, task, block)
-        dtype = None if layer is None else products_dtype(layer)
-        if layer is not None and layer.bias is not None and \
-                inputs_within(len(data), layer.in_features, itemsize=torch.finfo(dtype).bits // 8):
-            inputs = torch.ones(len(data), layer.in_features + 1, dtype=dtype)
-            inputs[:, :-1] = data.columns["x"].reshape(len(data), -1)
-            inputs_t = inputs.T.contiguous()
-            theta = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1).to("cpu", dtype)
-            logits, inputs_norm = theta @ inputs_t, float(torch.linalg.vector_norm(inputs, dtype=torch.float64))
-        warm = cls(tuple(p.name for p in block.parts), block.gather(params).to("cpu", torch.float64).clone(),
-                   {k: v.clone() for k, v in params.items()}, prefix,
-                   train.sample_ids.clone(), weight_decay, matrix, 0.0,
-                   torch.cholesky_inverse(chol) if int(status) == 0 else None, inputs, inputs_t,
-                   logits, inputs_norm, training_gradient)
-        if layer is not None:  # the matrix-free Newton's preconditioner, ready for the first removal
-            warm.layer_inverse(op.order, dtype)
-        warm.seconds = time.perf_counter() - started
-        return warm
-
-    def layer_inverse(self, order: Tensor, dtype: torch.dtype) -> Tensor | None:
-        """``inverse`` permuted into the layer's (class, input-with-bias) layout and cast to
-        ``dtype`` (``pipeline.decision_layer_newton.layer_ordered``): made on first use, then kept
-        for every later removal from these weights (one copy per layout and precision)."""
-        if self.inverse is None:
-            return None
-        from pipeline.decision_layer_newton import layer_ordered
-
-        if not self.has_layer_inverse(order, dtype):
-            self.layer_inverse_cache = (order.clone(), dtype, layer_ordered(self.inverse, order, dtype))
-        return self.layer_inverse_cache[2]
-
-    def has_layer_inverse(self, order: Tensor, dtype: torch.dtype) -> bool:
-        """True when ``layer_inverse(order, dtype)`` is already made (no new copy)."""
-        cached = self.layer_inverse_cache
-        return cached is not None and cached[1] == dtype and torch.equal(cached[0], order)
-
-    def holds_for(self, model: nn.Module, block: ParamBlock, train: SampleSet, weight_decay: float) -> bool:
-        """True only at exactly the weights (all of them), data and regulariser it was computed for."""
-        return (tuple(p.name for p in block.parts) == self.block_names and weight_decay == self.weight_decay
-                and same_weights_and_data(model, self.parameters, train, self.sample_ids))
-
-
-def same_weights_and_data(model: nn.Module, parameters: dict[str, Tensor], train: SampleSet,
-                          sample_ids: Tensor) -> bool:
-    """True when ``model`` has exactly ``parameters`` (every one, bit for bit) and ``train`` is
-    exactly the samples ``sample_ids``, in order: where a state prepared from them still holds."""
-    params = dict(model.named_parameters())
-    return (params.keys() == parameters.keys()
-            and all(torch.equal(params[k].detach(), v) for k, v in parameters.items())
-            and torch.equal(train.sample_ids, sample_ids))

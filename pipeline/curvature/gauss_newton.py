@@ -49,10 +49,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp
 
 from pipeline import memory
-from pipeline.curvature import LinearOperator
+from pipeline.curvature.operators import LinearOperator
+from pipeline.curvature.pcg import pcg
 from pipeline.data.sampleset import SampleSet
-from pipeline.linear_curvature import same_weights_and_data
-from pipeline.probe import eval_mode_restored
 from pipeline.tasks import Task, output_logits
 
 __all__ = ["HeadCurvature", "HeadGaussNewton", "HeadLayout", "GaussNewtonStep", "head_layout", "gauss_newton_step"]
@@ -118,32 +117,32 @@ def head_layout(model: nn.Module, task: Task) -> HeadLayout:
     """The layout of a head made of Linear layers and parameter-free modules under
     cross-entropy; ValueError naming what is not."""
     if getattr(task, "loss", None) != "cross_entropy":
-        raise ValueError(f"hidden_step: gauss_newton needs the cross-entropy loss (the task has '{task.loss}'); "
-                         "set hidden_step: none")
+        raise ValueError(f"the head Gauss-Newton step needs the cross-entropy loss (the task has '{task.loss}'); "
+                         "use method decision-layer-newton (no hidden step)")
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"hidden_step: gauss_newton covers an nn.Sequential head of Linear layers and parameter-free "
-                         f"modules; this model is a {type(model).__name__}: set hidden_step: none, or give the head "
+        raise ValueError(f"the head Gauss-Newton step covers an nn.Sequential head of Linear layers and parameter-free "
+                         f"modules; this model is a {type(model).__name__}: use method decision-layer-newton (no hidden step), or give the head "
                          "alone over cached features")
     chain = tuple(_run_order(model))
     if len({id(m) for m in chain}) != len(chain):
-        raise ValueError("hidden_step: gauss_newton needs each module of the head to run once; this head calls one "
-                         "module instance twice: give each position its own module, or set hidden_step: none")
+        raise ValueError("the head Gauss-Newton step needs each module of the head to run once; this head calls one "
+                         "module instance twice: give each position its own module, or use method decision-layer-newton (no hidden step)")
     other = sorted({type(m).__name__ for m in chain if not isinstance(m, (nn.Linear, *_PARAMETER_FREE))})
     if other:
-        raise ValueError(f"hidden_step: gauss_newton covers a head of Linear layers and parameter-free modules; "
-                         f"this model also has {', '.join(other)}: set hidden_step: none, or give the head alone "
+        raise ValueError(f"the head Gauss-Newton step covers a head of Linear layers and parameter-free modules; "
+                         f"this model also has {', '.join(other)}: use method decision-layer-newton (no hidden step), or give the head alone "
                          "over cached features")
     devices = sorted({str(p.device) for p in model.parameters()})
     if devices and devices != ["cpu"]:
-        raise ValueError(f"hidden_step: gauss_newton runs on a head held on the CPU (this one is on {devices}); "
-                         "move the head to the CPU or set hidden_step: none")
+        raise ValueError(f"the head Gauss-Newton step runs on a head held on the CPU (this one is on {devices}); "
+                         "move the head to the CPU or use method decision-layer-newton (no hidden step)")
     frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
     if frozen:
-        raise ValueError(f"hidden_step: gauss_newton moves every weight of the head, and {frozen} are frozen "
-                         "(requires_grad False): give the trainable head alone, or set hidden_step: none")
+        raise ValueError(f"the head Gauss-Newton step moves every weight of the head, and {frozen} are frozen "
+                         "(requires_grad False): give the trainable head alone, or use method decision-layer-newton (no hidden step)")
     layers = tuple((name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear))
     if not layers:
-        raise ValueError("hidden_step: gauss_newton found no Linear layer in the model; set hidden_step: none")
+        raise ValueError("the head Gauss-Newton step found no Linear layer in the model; use method decision-layer-newton (no hidden step)")
     return HeadLayout(layers, chain)
 
 
@@ -164,7 +163,7 @@ def rows_per_pass(layout: HeadLayout, classes: int, batch_size: int,
     budget = memory.available_in(budget or memory.current_budget())
     fixed, per_row = _pass_bytes(layout, classes)
     return memory.chunk_size(budget, per_row, fixed, limit=batch_size, what="sample's Gauss-Newton pass",
-                             fix="set hidden_step: none")
+                             fix="use method decision-layer-newton (no hidden step)")
 
 
 def _pass_bytes(layout: HeadLayout, classes: int) -> tuple[int, int]:
@@ -232,11 +231,10 @@ class LayerFactors:
 
 @dataclass
 class HeadCurvature:
-    """What a Gauss-Newton step needs from D, at the weights it was computed at (once per model):
-    the EK-FAC factors of every Linear layer, mean_D grad loss (no weight decay) and tr M_z."""
+    """What a Gauss-Newton step needs from D, at the weights it was computed at (once per model;
+    the caller binds it to those weights and data): the EK-FAC factors of every Linear layer,
+    mean_D grad loss (no weight decay) and tr M_z."""
 
-    parameters: dict[str, Tensor]   # every parameter of the model then
-    sample_ids: Tensor              # D, in order
     factors: list[LayerFactors]
     mean_gradient: Tensor           # flat float64 (HeadLayout order)
     curvature_trace: Tensor         # (n,) float64: 1 - sum_c p_c^2 per training sample
@@ -253,8 +251,7 @@ class HeadCurvature:
         layout = head_layout(model, task)
         work = next(model.parameters()).dtype
         batch_size = rows_per_pass(layout, layout.layers[-1][1].out_features, batch_size)
-        with eval_mode_restored(model):
-            return cls._prepare(model, task, train, layout, work, batch_size, started)
+        return cls._prepare(model, task, train, layout, work, batch_size, started)
 
     @classmethod
     def _prepare(cls, model: nn.Module, task: Task, train: SampleSet, layout: HeadLayout, work: torch.dtype,
@@ -302,14 +299,9 @@ class HeadCurvature:
         # up; a serving process pays that here, once, not in its first removal
         HeadGaussNewton(model, task, train.take(torch.arange(min(2, n))), layout, divisor=1.0,
                         ridge=0.0).matvec(torch.zeros(layout.numel, dtype=torch.float64))
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
         seconds = time.perf_counter() - started
-        return cls(params, train.sample_ids.clone(), factors, grad_sum / n, trace,
-                   seconds, {"factors_and_gradient": t_kfac, "eigenbasis_diagonal": seconds - t_kfac})
-
-    def holds_for(self, model: nn.Module, train: SampleSet) -> bool:
-        """True only at exactly the weights (all of them) and data it was computed for."""
-        return same_weights_and_data(model, self.parameters, train, self.sample_ids)
+        return cls(factors, grad_sum / n, trace, seconds,
+                   {"factors_and_gradient": t_kfac, "eigenbasis_diagonal": seconds - t_kfac})
 
     def precondition(self, layout: HeadLayout, v: Tensor, ridge: float) -> Tensor:
         out = torch.empty_like(v)
@@ -331,8 +323,8 @@ def _pass(model: nn.Module, task: Task, batch: dict[str, Tensor], capture: _Capt
     p = torch.softmax(logits.detach().to(torch.float64), 1)
     for a, (name, _) in zip(capture.inputs, capture.layout.layers):
         if a.dim() != 2:
-            raise ValueError(f"hidden_step: gauss_newton needs every Linear layer to see one vector per sample; "
-                             f"'{name}' sees inputs of shape {tuple(a.shape)}: set hidden_step: none")
+            raise ValueError(f"the head Gauss-Newton step needs every Linear layer to see one vector per sample; "
+                             f"'{name}' sees inputs of shape {tuple(a.shape)}: use method decision-layer-newton (no hidden step)")
     inputs = [_with_ones(a.to(torch.float64), layer.bias is not None)
               for a, (_, layer) in zip(capture.inputs, capture.layout.layers)]
     return logits, p, inputs
@@ -398,32 +390,6 @@ class HeadGaussNewton(LinearOperator):
         return self.scale * total + self.ridge * v
 
 
-def _truncated_pcg(op: LinearOperator, b: Tensor, precondition: Any, iterations: int
-                   ) -> tuple[Tensor, float, list[str]]:
-    """``iterations`` steps of PCG on op x = b from x0 = P^{-1} b (float64); the relative residual
-    reached, ||r|| / ||b|| with r the CG recurrence's residual (b - op x in exact arithmetic; the
-    products may run in float32). No preconditioner application after the last update."""
-    x = precondition(b)
-    r = b - op.matvec(x)
-    notes: list[str] = []
-    if iterations > 0:
-        z = precondition(r)
-        p, rz = z, float(r @ z)
-        for it in range(iterations):
-            ap = op.matvec(p)
-            curv = float(p @ ap)
-            if curv <= 0:  # cannot happen for G + ridge I with ridge > 0; never hidden
-                notes.append(f"non-positive curvature {curv:.3e} at iteration {it + 1}: stopped there")
-                break
-            alpha = rz / curv
-            x, r = x + alpha * p, r - alpha * ap
-            if it + 1 < iterations:
-                z = precondition(r)
-                rz, rz_old = float(r @ z), rz
-                p = z + (rz / rz_old) * p
-    return x, float(r.norm()) / max(float(b.norm()), 1e-300), notes
-
-
 @dataclass
 class GaussNewtonStep:
     """d on the head's layout ({parameter name: tensor}, float64) and what produced it."""
@@ -447,16 +413,14 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
     MiniLM head keeps 92-94%.)"""
     started = time.perf_counter()
     if not weight_decay + damping > 0:
-        raise ValueError(f"hidden_step: the Gauss-Newton system needs a ridge: weight decay {weight_decay:g} + "
+        raise ValueError(f"the head Gauss-Newton system needs a ridge: weight decay {weight_decay:g} + "
                          f"hidden_step_damping {damping:g} must be > 0 (G is singular on dead units and unseen "
                          "directions); set hidden_step_damping > 0")
     layout = head_layout(model, task)
     batch_size = rows_per_pass(layout, layout.layers[-1][1].out_features, batch_size)
-    if prepared is None or not prepared.holds_for(model, train):
-        prepared_here = True
+    prepared_here = prepared is None
+    if prepared is None:
         prepared = HeadCurvature.prepare(model, task, train, batch_size)
-    else:
-        prepared_here = False
     n, m = len(train), int(forget_positions.numel())
     keep = torch.ones(n, dtype=torch.bool)
     keep[forget_positions] = False
@@ -468,7 +432,7 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
         "equation": "w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss - m mean_D grad loss) / (n - m)",
         "curvature": "generalised Gauss-Newton J^T (diag p - p p^T) J of the cross-entropy",
         "rows": count, "rows_trace_share": kept_share, "min_trace_share": min_trace_share,
-        "prepared": "computed in this removal" if prepared_here else "prepared for these weights",
+        "prepared": "computed in this removal" if prepared_here else "prepared for these weights and data",
         "preparation_seconds": prepared.seconds if prepared_here else 0.0,
     }
     if kept_share < min_trace_share:
@@ -480,29 +444,33 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
     # the operator keeps every pass's activations and pullback: all ``count`` rows at once
     fixed, per_row = _pass_bytes(layout, layout.layers[-1][1].out_features)
     memory.chunk_size(memory.available_in(memory.current_budget()), count * per_row, fixed, limit=1,
-                      what=f"set of {count} Gauss-Newton rows", fix="lower hidden_step_rows or set hidden_step: none")
+                      what=f"set of {count} Gauss-Newton rows", fix="lower hidden_step_rows or use method decision-layer-newton (no hidden step)")
     forget = train.take(forget_positions)
     ridge = weight_decay + damping
-    with eval_mode_restored(model):
-        capture = _Capture(layout)
-        try:
-            forget_sum = torch.zeros(layout.numel, dtype=torch.float64)
-            for batch in forget.batches(batch_size):
-                with torch.enable_grad():
-                    logits, _, inputs = _pass(model, task, batch, capture)
-                    loss = task.per_sample_loss(logits, batch).sum()
-                    out_grads = torch.autograd.grad(loss, capture.outputs)
-                forget_sum += _flat_gradient(out_grads, inputs)
-        finally:
-            capture.close()
-        g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)
-        op = HeadGaussNewton(model, task, train.take(picked), layout, divisor=n - m, ridge=ridge,
-                             batch_size=batch_size)
+    capture = _Capture(layout)
+    try:
+        forget_sum = torch.zeros(layout.numel, dtype=torch.float64)
+        for batch in forget.batches(batch_size):
+            with torch.enable_grad():
+                logits, _, inputs = _pass(model, task, batch, capture)
+                loss = task.per_sample_loss(logits, batch).sum()
+                out_grads = torch.autograd.grad(loss, capture.outputs)
+            forget_sum += _flat_gradient(out_grads, inputs)
+    finally:
+        capture.close()
+    g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)
+    op = HeadGaussNewton(model, task, train.take(picked), layout, divisor=n - m, ridge=ridge,
+                         batch_size=batch_size)
 
-        def precondition(v: Tensor) -> Tensor:
-            return prepared.precondition(layout, v, ridge)
+    def precondition(v: Tensor) -> Tensor:
+        return prepared.precondition(layout, v, ridge)
 
-        direction, relative, notes = _truncated_pcg(op, g_u, precondition, iterations)
+    # ``iterations`` PCG steps from the EK-FAC solution x0 = P^{-1} g_U (exactly that many, unless the
+    # residual vanishes first)
+    solved = pcg(op.matvec, g_u, precondition=precondition, x0=precondition(g_u), max_iter=iterations)
+    direction, relative = solved.x, solved.relative_residual
+    notes = ([] if solved.rayleigh is None else  # cannot happen for G + ridge I with ridge > 0; never hidden
+             [f"non-positive curvature {solved.rayleigh:.3e} at iteration {solved.iterations + 1}: stopped there"])
     record.update({
         "preconditioner": "EK-FAC of the Gauss-Newton matrix on D",
         "iterations": iterations, "products": op.products,
