@@ -14,8 +14,15 @@ The L-CODEC noise is applied once (``lcodec_jitter`` with a seeded generator) an
 methods get the same jittered inputs.
 
 Loop baseline (the published algorithm's shape, Mehta et al. 2022 ``codec/torch_foci.py``):
-for each remaining candidate j, ``torch.cdist`` on the concatenated (X, Z_j), fill the
-diagonal with +inf, ``argmin``, T from the ranks.  N(i) (neighbours in X alone) and the ranks
+for each remaining candidate j, the n x n distance matrix of the concatenated (X, Z_j), fill
+the diagonal with +inf, ``argmin``, T from the ranks.  It runs on the columns that ``lfoci``
+selects on: standardised (``standardize_columns``, as ``lfoci`` does by default).  The
+distances are the exact squared ones, summed column by column (the definition ``lfoci`` and
+its kernels use), not ``torch.cdist``: for more than 25 rows cdist expands
+|a - b|^2 = |a|^2 + |b|^2 - 2 a.b through a matrix product, which rounds differently on the
+CPU (BLAS) and on CUDA (cuBLAS, TF32 in float32 where enabled), and its square root can
+merge distinct squared distances -- either can move a nearly tied nearest neighbour, so the
+reference itself would depend on the device.  N(i) (neighbours in X alone) and the ranks
 are computed once per step, which makes the baseline cheaper than the published code (it
 recomputes both per candidate).  On the full-size problem the loop is timed on a random
 subset of candidates per step (following the vectorised picks) and extrapolated linearly;
@@ -40,6 +47,7 @@ from torch import Tensor
 from bench.common import write_json
 from pipeline.selection import codec_scores, lcodec_jitter, lfoci, rank_stats
 from pipeline.selection._nn import compiled_ok
+from pipeline.selection.foci import standardize_columns
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
 
@@ -64,14 +72,20 @@ def make_data(n: int, s: int, seed: int, dtype: torch.dtype) -> tuple[Tensor, Te
 # ----------------------------------------------------------------------------------------
 # the per-candidate loop (published shape)
 # ----------------------------------------------------------------------------------------
-def _nn_cdist(w: Tensor) -> Tensor:
-    d = torch.cdist(w, w)
+def _nn_exact(w: Tensor) -> Tensor:
+    """Nearest neighbour of each row of ``w`` (n, q): exact squared distances summed column by
+    column, +inf on the diagonal, ``argmin`` (the first minimum: lowest index among ties)."""
+    n = w.shape[0]
+    d = torch.zeros((n, n), dtype=w.dtype, device=w.device)
+    for c in range(w.shape[1]):
+        col = w[:, c]
+        d.add_((col.unsqueeze(1) - col.unsqueeze(0)).square_())
     d.fill_diagonal_(float("inf"))
     return d.argmin(dim=1)
 
 
 def loop_scores(y: Tensor, z: Tensor, picks: list[int], cand: list[int]) -> list[float]:
-    """T(Y, Z_j | Z_picks) for each j in ``cand``, one cdist per candidate."""
+    """T(Y, Z_j | Z_picks) for each j in ``cand``, one distance matrix per candidate."""
     n = y.shape[0]
     r, ell = rank_stats(y)
     out = []
@@ -79,21 +93,22 @@ def loop_scores(y: Tensor, z: Tensor, picks: list[int], cand: list[int]) -> list
         den = float((ell * (n - ell)).sum())
         sl2 = (ell * ell).sum()
         for j in cand:
-            m = _nn_cdist(z[:, j:j + 1])
+            m = _nn_exact(z[:, j:j + 1])
             out.append(float(n * torch.minimum(r, r[m]).sum() - sl2) / den)
         return out
     x = z[:, picks]
-    rn = torch.minimum(r, r[_nn_cdist(x)])
+    rn = torch.minimum(r, r[_nn_exact(x)])
     den = float((r - rn).sum())
     for j in cand:
-        m = _nn_cdist(torch.hstack((x, z[:, j:j + 1])))
+        m = _nn_exact(torch.hstack((x, z[:, j:j + 1])))
         num = float((torch.minimum(r, r[m]) - rn).sum())
         out.append(num / den if den > 0 else 0.0)
     return out
 
 
 def loop_foci(y: Tensor, z: Tensor, max_picks: int | None) -> tuple[list[int], list[float]]:
-    """Full loop L-FOCI (same stopping rule and tie rule as ``lfoci``)."""
+    """Full loop L-FOCI (same stopping rule and tie rule as ``lfoci``) on the columns given
+    (pass ``standardize_columns(z)`` to compare with ``lfoci``'s default)."""
     s = z.shape[1]
     limit = s if max_picks is None else max_picks
     picks: list[int] = []
@@ -141,8 +156,9 @@ def run(args: argparse.Namespace) -> dict:
     small_vec = lfoci(y, z, max_picks=args.max_picks, block_bytes=block)
     _sync(dev)
     t_small_vec = time.perf_counter() - t0
+    zs = standardize_columns(z)  # the columns lfoci selects on (the same bits on every device)
     t0 = time.perf_counter()
-    small_loop = loop_foci(y, z, args.max_picks)
+    small_loop = loop_foci(y, zs, args.max_picks)
     _sync(dev)
     t_small_loop = time.perf_counter() - t0
     small = {
@@ -166,6 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     _sync(dev)
     t_vec, cpu_vec = time.perf_counter() - t0, time.process_time() - c0
     print(f"vectorised {args.n}x{args.s}: picks {res.picks} in {t_vec:.2f}s")
+    zs = standardize_columns(z)  # the loop and the exact scores run on lfoci's columns
 
     # loop, step by step along the vectorised picks (every step it would run, incl. the last)
     gen = torch.Generator().manual_seed(args.seed + 7)
@@ -190,15 +207,15 @@ def run(args: argparse.Namespace) -> dict:
             if k < len(res.picks) and res.picks[k] not in cand:
                 cand[0] = res.picks[k]  # include the winner to check its score
         t0, c0 = time.perf_counter(), time.process_time()
-        t_cand = loop_scores(y, z, picks, cand)
+        t_cand = loop_scores(y, zs, picks, cand)
         _sync(dev)
         el, cpu_el = time.perf_counter() - t0, time.process_time() - c0
         est = el * len(rem) / len(cand)
         t_loop += est
         cpu_loop += cpu_el * len(rem) / len(cand)
         # exactness of the sampled scores against the vectorised exact scores
-        xs = None if not picks else z[:, picks]
-        vec = codec_scores(y, z[:, cand], xs).tolist()
+        xs = None if not picks else zs[:, picks]
+        vec = codec_scores(y, zs[:, cand], xs).tolist()
         match = vec == t_cand
         all_match &= match
         step = {"k": k, "remaining": len(rem), "timed": len(cand), "time_timed_s": el,
@@ -213,13 +230,14 @@ def run(args: argparse.Namespace) -> dict:
     load_after = os.getloadavg()
     ratio = t_loop / t_vec
     out = {
-        "benchmark": "L-FOCI vectorised vs per-candidate cdist loop",
+        "benchmark": "L-FOCI vectorised vs per-candidate loop (one exact distance matrix per candidate)",
         "command": "python -m bench.bench_selection " + " ".join(args.argv),
         "kernel": kernel,
         "sizes": {"n_perturbations": args.n, "n_slices": args.s, "dtype": args.dtype, "device": str(dev),
                   "block_bytes": block},
         "data": "latent-factor activations, 30% ReLU, log-normal scales; y = loss of 3 slices + noise; "
-                "L-CODEC jitter applied once, same inputs to both",
+                "L-CODEC jitter applied once, same inputs to both; the loop runs on the standardised "
+                "columns that lfoci selects on, with exact squared distances",
         "relevant_slices": rel,
         "max_picks": args.max_picks,
         "picks_vectorised": res.picks,

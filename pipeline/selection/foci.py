@@ -46,9 +46,20 @@ class FociResult:
 
 
 def standardize_columns(z: Tensor) -> Tensor:
-    """(z - mean) / std per column (population std); a constant column becomes 0."""
-    centred = z - z.mean(dim=0, keepdim=True)
-    std = centred.pow(2).mean(dim=0, keepdim=True).sqrt()
+    """(z - mean) / std per column (population std); a constant column becomes 0.
+
+    The same bits on every device and layout: the column means and standard deviations are
+    reductions, whose order of operations differs between the CPU and CUDA (and with the
+    memory layout), so they are computed on the CPU from a contiguous copy; only the
+    elementwise (z - mean) / std (correctly rounded everywhere) runs on z's device.  A
+    last-bit difference here would move nearest neighbours that are nearly tied, and with
+    them the picks.
+    """
+    host = z.to("cpu").contiguous()
+    mean = host.mean(dim=0, keepdim=True)
+    std = (host - mean).pow(2).mean(dim=0, keepdim=True).sqrt()
+    mean, std = mean.to(z.device), std.to(z.device)
+    centred = z - mean
     return torch.where(std > 0, centred / torch.where(std > 0, std, torch.ones_like(std)), torch.zeros_like(centred))
 
 
