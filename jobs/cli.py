@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "jobs.evaluate",
     "jobs.submit",
     "jobs.mixed_linear_dist",
+    "jobs.receipt",
 )
 
 
