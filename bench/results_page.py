@@ -1,0 +1,253 @@
+"""Write docs/RESULTS.md, the measured-results page, from the JSON files in bench/results/.
+
+    python -m bench.results_page                      # writes docs/RESULTS.md (atomically)
+    python -m bench.results_page --out /tmp/R.md      # elsewhere (the test does this)
+    python -m bench.results_page --results DIR        # from another results folder
+
+One section per benchmark script, one subsection per JSON file: the command that produced it
+(recorded in the JSON, else the usage lines of the script's docstring), the machine it ran on (the
+JSON's ``environment`` or ``machine`` entry) and its tables. The tables come from the code that
+already renders them: the forgetting benchmark's from ``bench.forgetting`` (``render_summary``,
+``render_markdown``), the other benchmarks' from ``bench.run_all``'s summarisers, and the two
+stream benchmarks' key figures from the short lists below. A file that cannot be read or rendered
+gets one line naming it and the error, never a crash. The page is deterministic: files in sorted
+order, no timestamps, so running it twice gives the same bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+DEFAULT_OUT = ROOT / "docs" / "RESULTS.md"
+COMMAND = "python -m bench.results_page"
+
+
+# -- small formatting helpers ---------------------------------------------------------------------
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(fmt(x) for x in v)
+    if isinstance(v, dict):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def pick(d: Any, path: str) -> Any:
+    """``d["a"]["b"]`` for ``path`` "a.b"; None where any key is missing."""
+    for key in path.split("."):
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def figure_table(d: dict[str, Any], rows: list[tuple[str, str]]) -> list[str]:
+    """A "figure | value" table of the ``rows`` (label, dotted path) that the file holds."""
+    body = [f"| {label} | {fmt(pick(d, path))} |" for label, path in rows if pick(d, path) is not None]
+    return ["| figure | value |", "|---|---|", *body] if body else ["(none of the expected figures in this file)"]
+
+
+# -- renderers: (JSON) -> markdown lines ----------------------------------------------------------
+def render_forgetting(d: dict[str, Any]) -> list[str]:
+    from bench.forgetting import render_markdown, render_summary
+
+    full = render_markdown(d).rstrip("\n")
+    full = re.sub(r"^### ", "#### ", full, flags=re.M)  # one level below this page's file heading
+    return [render_summary(d).rstrip("\n"), "", "<details><summary>Full tables (UA, RA, TA, MIA, U-LiRA, seconds, "
+            "ratios)</summary>", "", full, "", "</details>"]
+
+
+STREAM_LOAD = [
+    ("data set", "dataset"), ("training samples", "n_train"), ("requests", "requests"),
+    ("clients", "clients"), ("SIGKILLs of the service", "kills_asked"),
+    ("latency acknowledged -> applied p50 (s)", "latency_ack_to_applied_s.p50"),
+    ("latency p95 (s)", "latency_ack_to_applied_s.p95"), ("latency p99 (s)", "latency_ack_to_applied_s.p99"),
+    ("requests applied per second", "throughput.applied_per_second"),
+    ("batches on the fast path", "paths.fast"), ("batches refreshed", "paths.refresh"),
+    ("fast path per batch, p50 (s)", "per_request_seconds.fast_path_state_update_and_solve.p50"),
+    ("whole remover per batch, p50 (s)", "per_request_seconds.remover_wall_incl_model_load.p50"),
+    ("a refresh, p50 (s)", "per_request_seconds.refresh.p50"),
+    ("one removal from scratch on cached head inputs (s)", "from_scratch_one_request.method_on_cached_inputs_seconds"),
+    ("one removal from scratch, remove() on the model directory (s)",
+     "from_scratch_one_request.remove_model_dir_seconds"),
+    ("Retrain of the head (s)", "retrain_seconds"),
+    ("from-scratch method / fast p50 latency", "floor.ratio_vs_method_on_cached_inputs"),
+    ("remove() / fast p50 latency", "floor.ratio_vs_remove_model_dir"),
+    ("layer moved by all removals", "drift.removal_moved_the_layer_by"),
+    ("served layer to the exact anchored optimum", "drift.served_to_exact"),
+    ("served layer to one from-scratch removal of all", "drift.served_to_from_scratch"),
+    ("largest distance bound of a published version", "drift.max_published_distance_bound"),
+    ("distance threshold", "drift.threshold.distance"),
+    ("test accuracy: original", "test_accuracy.original"), ("test accuracy: served", "test_accuracy.served"),
+    ("test accuracy: Retrain", "test_accuracy.retrain"),
+    ("requests acknowledged", "durability.audit.acknowledged"),
+    ("requests applied exactly once", "durability.audit.applied_exactly_once"),
+]
+STREAM_DRIFT = [
+    ("model", "model.preset"), ("dtype", "model.dtype"), ("training samples", "model.n_train"),
+    ("requests", "requests"), ("batch size", "batch"), ("batches", "batches"),
+    ("batches on the fast path", "paths.fast"), ("batches refreshed", "paths.refresh"),
+    ("refreshes on drift", "refresh_reasons.drift"), ("distance threshold", "threshold.distance"),
+    ("largest distance of a published version to the optimum", "max_stream_to_optimum.value"),
+    ("every version within its own recorded bound", "every_batch_within_its_published_bound"),
+    ("after the last batch: to the optimum", "final.stream_to_optimum"),
+    ("after the last batch: to the chain of from-scratch removals", "final.stream_to_from_scratch"),
+    ("from-scratch chain to the optimum, worst", "max_from_scratch_to_optimum"),
+    ("the same stream without refreshes, to the optimum", "max_no_refresh_to_optimum"),
+    ("layer moved by all removals", "removal_moved_the_layer_by"),
+    ("fast batch p50 (s)", "seconds.fast_path_p50"), ("from-scratch removal p50 (s)", "seconds.from_scratch_remove_p50"),
+]
+
+
+def summariser(kind: str) -> Callable[[dict[str, Any]], list[str]]:
+    def render(d: dict[str, Any]) -> list[str]:
+        from bench import run_all
+
+        return list(run_all.SUMMARISERS[kind](d))
+    return render
+
+
+# prefix of the JSON file name -> (section title, the script that writes it, renderer)
+BENCHMARKS: list[tuple[str, str, str | None, Callable[[dict[str, Any]], list[str]]]] = [
+    ("forgetting", "Forgetting against Retrain, full data sets", "bench/forgetting.py", render_forgetting),
+    ("stream_load", "Streaming removals under load", "bench/stream_load.py",
+     lambda d: figure_table(d, STREAM_LOAD)),
+    ("stream_drift", "Drift of the streaming fast path", "bench/stream_drift.py",
+     lambda d: figure_table(d, STREAM_DRIFT)),
+    ("gpu_reid", "One removal on the ResNet-50 re-ID model", "bench/bench_gpu_reid.py", summariser("gpu_reid")),
+    ("gpu_check", "GPU check", None, summariser("generic")),
+    ("huge_layers", "Huge layers: VGG-16 on the CPU", "bench/bench_huge_layers.py", summariser("huge_layers")),
+    ("growth", "Growth of one removal", "bench/bench_growth.py", summariser("growth")),
+    ("selection", "L-FOCI selection speed", "bench/bench_selection.py", summariser("selection")),
+    ("scaling", "Scaling with Ray workers", "bench/bench_scaling.py", summariser("scaling")),
+    ("fmnist", "Small-n protocol run: Fashion-MNIST", "bench/bench_fmnist.py", summariser("fmnist")),
+    ("text_r8", "Small-n protocol run: MiniLM on Reuters R8", "bench/bench_text_r8.py", summariser("text_r8")),
+]
+OTHER = ("", "Other results", None, summariser("generic"))
+
+
+def usage_lines(script: str | None) -> list[str]:
+    """The command lines in the script's docstring (``... -m bench.<module> ...``)."""
+    if script is None or not (ROOT / script).is_file():
+        return []
+    module = "bench." + Path(script).stem
+    doc = ast.get_docstring(ast.parse((ROOT / script).read_text())) or ""
+    return [line.strip() for line in doc.splitlines() if f"-m {module}" in line and "python" in line]
+
+
+def command_lines(d: Any, script: str | None) -> list[str]:
+    recorded = d.get("command") if isinstance(d, dict) else None
+    if recorded:
+        text = " ".join(recorded) if isinstance(recorded, list) else str(recorded)
+        return ["Command (recorded in the file):", "", "```bash", text, "```"]
+    usage = usage_lines(script)
+    if usage:
+        return ["Command: not recorded in the file; the script's usage (its docstring):", "", "```bash", *usage, "```"]
+    return ["Command: not recorded in the file, and no script in bench/ writes it."]
+
+
+def machine_line(d: Any) -> str:
+    env = (d.get("environment") or d.get("machine")) if isinstance(d, dict) else None
+    if not isinstance(env, dict) or not env:
+        gpu = d.get("gpu") if isinstance(d, dict) else None
+        return "Machine: not recorded in the file" + (f" (it names the GPU: {fmt(gpu)})." if gpu else ".")
+    parts = [f"{k} {fmt([round(x, 2) for x in v] if isinstance(v, list) else v)}" for k, v in env.items()
+             if not isinstance(v, dict)]
+    return "Machine (the file's environment entry): " + "; ".join(parts) + "."
+
+
+def file_section(path: Path, script: str | None, render: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    link = f"../bench/results/{path.name}"
+    lines = [f"### `{path.name}`", ""]
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return lines + [f"`{path.name}` could not be read ({type(err).__name__}: {err}).", ""]
+    if not isinstance(d, dict):
+        return lines + [f"`{path.name}` holds no JSON object; nothing to render.", ""]
+    lines += [f"File: [{path.name}]({link})" + (f"; wall time of the run {fmt(d['wall_seconds'])} s"
+                                                 if isinstance(d.get("wall_seconds"), (int, float)) else "") + ".",
+              "", machine_line(d), "", *command_lines(d, script), ""]
+    plot = path.with_suffix(".png")
+    if plot.is_file():
+        lines += [f"Plot: [{plot.name}](../bench/results/{plot.name})", ""]
+    try:
+        lines += render(d)
+    except Exception as err:  # a file this page cannot render is named, never a crash
+        lines.append(f"`{path.name}` could not be rendered ({type(err).__name__}: {err}).")
+    return lines + [""]
+
+
+def slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+def build(results_dir: Path = RESULTS_DIR) -> str:
+    files = sorted(results_dir.glob("*.json"))
+    groups: dict[str, list[Path]] = {}
+    for path in files:
+        entry = next((b for b in BENCHMARKS if path.stem.startswith(b[0])), OTHER)
+        groups.setdefault(entry[1], []).append(path)
+    sections = [b for b in [*BENCHMARKS, OTHER] if b[1] in groups]
+    lines = [
+        "# Measured results", "",
+        f"<!-- Generated by `{COMMAND}`: do not edit by hand. -->", "",
+        f"This page is generated by `{COMMAND}` (run from the repository root with the project's `.venv`) from "
+        f"the {len(files)} JSON files in `bench/results/`; do not edit it by hand: re-run the benchmark, then that "
+        "command. Each section names the script that writes its files; each file, the command that produced it and "
+        "the machine it ran on. Figures are as measured when each file was written: the code may have changed since "
+        "(what changed, and the notes on each run, are in [NOTES.md](NOTES.md); the maths in "
+        "[METHODS.md](METHODS.md)). `bench/results/summary.md` is an older summary of the same files, written by "
+        "`python -m bench.run_all`.", "",
+        "Contents:", "",
+        *[f"- [{title}](#{slug(title)}) ({len(groups[title])} file{'s' if len(groups[title]) > 1 else ''})"
+          for _, title, _, _ in sections], "",
+    ]
+    for _, title, script, render in sections:
+        lines += [f"## {title}", "", f"Script: `{script}`." if script else "Script: none in bench/.", ""]
+        for path in groups[title]:
+            lines += file_section(path, script, render)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of the benchmark JSON files")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="page to write (default docs/RESULTS.md)")
+    args = parser.parse_args(argv)
+    write_atomic(args.out, build(args.results))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
