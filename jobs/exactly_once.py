@@ -196,7 +196,9 @@ class ExactlyOnce:
         self.limits = limits or Limits()
         self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
         self._remover = remover
-        self._measure = measure  # verification metrics (default: removal_metrics, passes over the data)
+        # verification metrics (default: RemovalMetrics, which keeps an unchanged frozen prefix's outputs
+        # from batch to batch)
+        self._measure = measure
         self._split_on_error = False
         # version -> its removal's release (None: not a removal); versions are immutable once
         # published (never overwritten or deleted), so each manifest is read once, not per batch
@@ -266,7 +268,7 @@ class ExactlyOnce:
         return self._compute_and_publish(batch, parent, cumulative_ids)
 
     def _compute_and_publish(self, batch: BatchRow, parent: VersionInfo, cumulative_ids: Sequence[int]) -> BatchResult:
-        from pipeline.evaluate.removal_metrics import removal_metrics
+        from pipeline.evaluate.removal_metrics import RemovalMetrics
         from pipeline.models.card import read_card
 
         n = read_card(parent.path).training.n
@@ -290,7 +292,9 @@ class ExactlyOnce:
         crash_point("after_compute")
         try:
             with memory.use_budget(budget):
-                metrics = (self._measure or removal_metrics)(parent.path, run, batch.sample_ids, cumulative_ids)
+                if self._measure is None:
+                    self._measure = RemovalMetrics()
+                metrics = self._measure(parent.path, run, batch.sample_ids, cumulative_ids)
             release = release_of_record(run.record)
             history = self._release_history()
             decision = check_budget(history, release, self.limits.budget)

@@ -33,6 +33,7 @@ from pipeline import memory
 from pipeline.curvature.hessian import block_gradient
 from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer, products_dtype
 from pipeline.curvature.softmax_layer import layer_ordered
+from pipeline.curvature.solve import inverse_from_cholesky
 from pipeline.data.sampleset import SampleSet
 from pipeline.frozen_prefix import PrefixCache, cache_frozen_prefix
 from pipeline.param_block import ParamBlock
@@ -118,7 +119,7 @@ class DecisionLayerState(Prepared):
         if _dense_within(block.numel):
             matrix = op.to_dense()
             chol, status = torch.linalg.cholesky_ex(matrix)
-            inverse = torch.cholesky_inverse(chol) if int(status) == 0 else None
+            inverse = inverse_from_cholesky(chol) if int(status) == 0 else None
         inputs = inputs_t = logits = inputs_norm = None
         dtype = products_dtype(layer)
         if inputs_within(len(data), layer.in_features, itemsize=torch.finfo(dtype).bits // 8):

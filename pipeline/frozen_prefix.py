@@ -32,8 +32,8 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Batch, Task
 
-__all__ = ["PrefixCache", "SPLITTERS", "Split", "cache_frozen_prefix", "register_splitter", "split_for",
-           "suffix_start"]
+__all__ = ["PrefixCache", "SPLITTERS", "Split", "cache_frozen_prefix", "deterministic_prefix", "register_splitter",
+           "split_for", "suffix_start"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,27 @@ class PrefixCache:
         return {"suffix_start_module": self.start, "suffix_modules": [type(m).__name__ for m in self.suffix.children()],
                 "cached_input_shape": {k: list(v.shape) for k, v in cached.items()},
                 "cached_bytes": int(sum(v.numel() * v.element_size() for v in cached.values()))}
+
+
+_RANDOM_IN_TRAINING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                       nn.modules.batchnorm._BatchNorm)
+
+
+def deterministic_prefix(model: nn.Module, task: Task, block: ParamBlock) -> bool:
+    """True when ``model`` splits before ``block`` and its prefix computes the same in train mode as
+    in eval mode: no dropout with p > 0 and no batch-norm (whose statistics move in training), so its
+    outputs can stand for it at every step of training too."""
+    split = split_for(model, task, block)
+    if split is None:
+        return False
+    inside = {id(m) for m in split.suffix_of(model).modules()}
+    prefix = [m for m in model.modules() if id(m) not in inside]
+    for module in prefix:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return False
+        if isinstance(module, _RANDOM_IN_TRAINING) and getattr(module, "p", 0.0) > 0:
+            return False
+    return True
 
 
 @torch.no_grad()

@@ -116,10 +116,30 @@ def start_weights(card: "ModelCard") -> dict[str, torch.Tensor]:
 
 
 def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
-    """Fit in place with the recipe's optimiser; every random draw from the recipe's seed."""
+    """Fit in place with the recipe's optimiser; every random draw from the recipe's seed.
+
+    Frozen layers in front (``requires_grad`` False, e.g. a text encoder's lower layers) whose
+    forward pass draws nothing at random in train mode (no dropout with p > 0, no batch-norm
+    statistics) compute the same outputs at every step: they run once over ``data``
+    (``pipeline.frozen_prefix``) and the optimiser fits the trainable suffix over their cached
+    outputs, the same objective and the same steps at a fraction of the cost."""
+    from pipeline.frozen_prefix import cache_frozen_prefix, deterministic_prefix
+    from pipeline.param_block import ParamBlock
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
-        return OPTIMIZERS[recipe.optimizer](model, task, data, recipe)
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        prefix = None
+        if trainable and len(trainable) < len(list(model.parameters())):
+            block = ParamBlock.from_rows(model, {name: None for name in trainable})
+            if deterministic_prefix(model, task, block):
+                was = model.training
+                model.eval()
+                prefix = cache_frozen_prefix(model, task, data, block, recipe.batch_size or 256)
+                model.train(was)
+        if prefix is None:
+            return OPTIMIZERS[recipe.optimizer](model, task, data, recipe)
+        return OPTIMIZERS[recipe.optimizer](prefix.suffix, prefix.task, prefix.train, recipe)
 
 
 @dataclass

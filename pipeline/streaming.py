@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.curvature import DenseOperator, cg_solve
+from pipeline.curvature.solve import inverse_from_cholesky
 from pipeline.curvature.linear_layer import closed_form_layer, linear_cross_entropy_hessian
 from pipeline.data.sampleset import SampleSet
 from pipeline.decision_layer import DecisionLayerState
@@ -351,7 +352,7 @@ class DecisionLayerStream:
             chol = torch.linalg.cholesky(self.system())
             residual = self.G / self.n + self.lam * self.theta - self.anchor
             norm = float(torch.linalg.vector_norm(residual))
-            self._ref = _Refresh(self.theta.clone(), torch.cholesky_inverse(chol), self.n)
+            self._ref = _Refresh(self.theta.clone(), inverse_from_cholesky(chol), self.n)
             newton = sum(s["kind"] == "newton" for s in steps)
             if not converge or norm <= tol or newton >= budget:
                 break
