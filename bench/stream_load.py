@@ -494,7 +494,7 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
         # a step's drift is measured before the refresh it may trigger: the largest of those, and the
         # largest bound of a version as published (after its refresh, at the dtype-cast weights)
         "max_fast_step_distance_bound_before_refresh": max(f["distance_bound"] for f in fast),
-        "max_published_distance_bound": max(f["published_distance_bound"] for f in fast),
+        "max_distance_to_target_bound": max(f["distance_to_target_bound"] for f in fast),
         "threshold": {"drift_threshold": FAST_PATH["drift_threshold"],
                       "distance": FAST_PATH["drift_threshold"] / lam},
         "from_scratch_all_seconds": scratch_seconds,

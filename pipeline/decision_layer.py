@@ -91,9 +91,11 @@ class DecisionLayerState(Prepared):
 
     @classmethod
     def build(cls, binding: Binding, model: nn.Module, task: Task, train: SampleSet, block: ParamBlock,
-              weight_decay: float, batch_size: int = 4096, prefix: PrefixCache | None = None) -> "DecisionLayerState":
+              weight_decay: float, batch_size: int = 4096, prefix: PrefixCache | None = None,
+              dense: bool = True) -> "DecisionLayerState":
         """Cache the frozen prefix over D (unless ``prefix`` is given: outputs of the same frozen
-        modules on ``train``), then the closed forms at the layer's current weights."""
+        modules on ``train``), then the closed forms at the layer's current weights (the dense
+        H_P(D) and its inverse only with ``dense``: a state built for one removal does without)."""
         started = time.perf_counter()
         if prefix is None:
             prefix = cache_frozen_prefix(model, task, train, block, batch_size)
@@ -116,7 +118,7 @@ class DecisionLayerState(Prepared):
                                            batch_size=batch_size)
         op = LinearCrossEntropyHessian(suffix, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
         matrix = inverse = None
-        if _dense_within(block.numel):
+        if dense and _dense_within(block.numel):
             matrix = op.to_dense()
             chol, status = torch.linalg.cholesky_ex(matrix)
             inverse = inverse_from_cholesky(chol) if int(status) == 0 else None

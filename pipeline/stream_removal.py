@@ -14,9 +14,14 @@ one exact pass. After a published fast removal the state continues from the publ
 Verification metrics (``metrics``: the keys of ``pipeline.evaluate.removal_metrics``) come from
 the cached layer inputs: the predictions of the parent and of the new weights on the whole split
 (one matrix product each) and on the test split, read off for the batch, the cumulative forget
-set and the retained set. A version counts as verified exact (``record["fast_path"]["verified_exact"]``)
-only when its refresh converged; every version carries the exact residual of its weights as
-published (dtype-cast), ``published_residual``, and ``published_distance_bound`` = that / lambda.
+set and the retained set. The removal's target is the stationary point theta*_a of
+F_R(theta) - <a, theta> (a = the anchor: 0 for ``anchor: none``, where theta*_a is the optimum of D_r;
+else grad F_D(theta_0), where it is NOT the optimum of D_r). A version counts as having reached it
+(``record["fast_path"]["target_reached"]``) only when its refresh converged; every version carries
+the exact residual of its weights as published (dtype-cast) against that target,
+``published_residual`` = ||grad F_R(theta_pub) - a||, and ``distance_to_target_bound`` = that / lambda
+>= ||theta_pub - theta*_a|| (lambda-strong convexity): a bound on the distance to the target, not
+to the optimum of D_r unless the anchor is none.
 The state rounds a fast step to the model's dtype before measuring its drift (``publish_dtype``),
 so after a fast step that measure is already the published residual of exactly these weights
 (checked by equality; a refresh's weights get their own exact pass).
@@ -208,14 +213,17 @@ class WarmStreamRemover:
             "method": self.method, "settings": self.settings.model_dump(mode="json"),
             "seed": seed, "sample_ids": ids, "n_before": card.training.n, "n_after": new_card.training.n,
             "fast_path": {**step.as_record(),
-                          # a converged exact refresh; the weights as published are then within
-                          # published_distance_bound of the exact optimum of D_r (dtype rounding included)
-                          "verified_exact": bool(refresh_converged),
+                          # a converged exact refresh; the weights as published are within
+                          # distance_to_target_bound of the target's stationary point (dtype rounding included)
+                          "target_reached": bool(refresh_converged),
                           "refresh_converged": refresh_converged,
-                          "published_residual": published, "published_distance_bound": published / state.lam,
+                          "published_residual": published, "distance_to_target_bound": published / state.lam,
                           "published_residual_from": published_from,
                           "state": state.describe(), "built": built},
-            "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor))},
+            "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor)),
+                       "point": "the optimum of D_r (grad F_R = 0)" if self.anchor == "none" else
+                       "the stationary point of F_R - <a, theta>, a = grad F_D at the state's build (not the optimum "
+                       "of D_r)"},
             "step_norm": step.step_norm,
             "release": PrivacyRelease.non_private().model_dump(mode="json"),
             "wall_seconds": time.perf_counter() - started,

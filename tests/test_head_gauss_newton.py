@@ -233,9 +233,10 @@ def test_heads_it_cannot_cover_are_refused_by_name():
 
 
 def test_head_method_moves_the_hidden_layer_by_the_step(head):
-    """head-gauss-newton publishes the decision layer exactly as decision-layer-newton does and the
-    hidden layer moved by the Gauss-Newton step's hidden part (the step itself is checked against
-    the dense solve above; what it does for forgetting is measured in bench/forgetting.py)."""
+    """head-gauss-newton moves the hidden layer by the Gauss-Newton step's hidden part (the step
+    itself is checked against the dense solve above; what it does for forgetting is measured in
+    bench/forgetting.py), then solves the decision layer over the new features to the same anchored
+    target decision-layer-newton solves it to over the old ones."""
     model, task, data = head
     n = len(data)
     forget = torch.arange(3, n, 53)[:30]
@@ -252,8 +253,8 @@ def test_head_method_moves_the_hidden_layer_by_the_step(head):
     moved = run("head-gauss-newton", {**base, "hidden_step_rows": n, "hidden_step_iterations": 50})
     assert set(plain.new_parameters) == {"3.weight", "3.bias"}
     assert set(moved.new_parameters) == {"1.weight", "1.bias", "3.weight", "3.bias"}
-    for k in ("3.weight", "3.bias"):
-        assert torch.allclose(moved.new_parameters[k], plain.new_parameters[k], rtol=0, atol=1e-12)
+    assert moved.record["target"] == plain.record["target"]  # the same anchor: the start's grad_P L_D
+    assert moved.record["gradient_norms"]["residual_after"] <= 1e-5 * moved.record["gradient_norms"]["residual_before"]
     step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=50, batch_size=512)
     params = dict(model.named_parameters())
     for k in ("1.weight", "1.bias"):

@@ -269,8 +269,16 @@ def test_same_seed_gives_different_noise_and_identical_everything_else(softmax_d
     assert not torch.equal(flat(a), flat(b))  # secret noise differs
     sigma = ra["noise"]["sigma"]
     assert sigma > 0 and float((flat(a) - flat(b)).std()) == pytest.approx(math.sqrt(2) * sigma, rel=0.25)
-    for key in set(ra) - {"noise_norm", "timings", "removal_seconds", "preparation"}:
-        assert ra[key] == rb[key], key
+    assert "noise_norm" not in ra
+    # only the published weights' own figures differ (anyone recomputes them from those weights)
+    published = {"gradient_norms": {"retain_mean_block_after", "residual_after"},
+                 "gradient_share": {"retained_removed"}, "step_norm": None}
+    for key in set(ra) - {"timings", "removal_seconds", "preparation"}:
+        if key in published and published[key] is not None:
+            for sub in set(ra[key]) - published[key]:
+                assert ra[key][sub] == rb[key][sub], (key, sub)
+        elif key not in published:
+            assert ra[key] == rb[key], key
     text = json.dumps(ra, allow_nan=False)  # strict JSON
     assert "seed" not in text.lower()  # nothing that regenerates the noise
 

@@ -89,7 +89,7 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     assert len(records) == 8
     paths = [r["fast_path"]["path"] for r in records]
     assert paths == ["fast", "fast", "refresh", "fast", "fast", "refresh", "fast", "fast"], paths
-    assert [r["fast_path"]["verified_exact"] for r in records] == [p == "refresh" for p in paths]
+    assert [r["fast_path"]["target_reached"] for r in records] == [p == "refresh" for p in paths]
     assert all(r["fast_path"]["built"] is None for r in records)  # warmed at start, then kept warm
     assert all(r["fast_path"]["gradient_error_bound"] >= 0 for r in records)
 
@@ -111,7 +111,7 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     # the bound recorded for the weights as published (float32), with no rounding allowance: rigorous
     # by lambda-strong convexity, up to the oracle's own distance to the optimum
     lam = card0.training.weight_decay
-    assert error <= records[-1]["fast_path"]["published_distance_bound"] + oracle_refresh["residual_after"] / lam
+    assert error <= records[-1]["fast_path"]["distance_to_target_bound"] + oracle_refresh["residual_after"] / lam
     assert all(r["fast_path"]["refresh_converged"] in (None, True) for r in records)
     # a fast step's published residual is its drift measure, taken at the rounded (published) weights:
     # the exact residual of exactly these weights

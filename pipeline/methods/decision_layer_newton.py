@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field
@@ -76,7 +76,7 @@ class DecisionLayerNewtonSettings(certify.PrivacySettings, MethodSettings):
                             "1.6e-2); auto: bfloat16 for a float32 layer where this machine multiplies bfloat16 "
                             "natively, else layer")
     newton_preconditioner: Literal["auto", "kronecker", "none"] = Field(
-        "auto", description="PCG preconditioner. auto: the prepared H_P(D)^{-1} when it was kept, else none; "
+        "auto", description="PCG preconditioner. auto: the prepared H_P(D)^{-1} when it was kept, else kronecker; "
                             "kronecker: (A (x) G + lambda I)^{-1}")
     newton_forcing: float = Field(
         0.5, gt=0, lt=1, description="each Newton system solved to relative residual "
@@ -117,44 +117,64 @@ class DecisionLayerNewton(RemovalMethod):
 
 
 class SolvedLayer:
-    """A converged decision-layer solve, written into the model, not yet noised or recorded."""
+    """A converged decision-layer solve, written into the model, not yet noised or recorded.
+    ``verify()``: grad_P L_{D\\U} at the layer's current weights over the features it was solved
+    over (the closed form, no pass through the model)."""
 
     def __init__(self, block: ParamBlock, record: dict[str, Any], timings: dict[str, float], g: torch.Tensor,
-                 anchor: torch.Tensor, start_norm: float, w_start: torch.Tensor, subsampled: bool,
-                 history: list[dict[str, Any]]):
+                 anchor: torch.Tensor, start_norm: float, residual_before: float, w_start: torch.Tensor,
+                 subsampled: bool, history: list[dict[str, Any]], verify: Callable[[], torch.Tensor]):
         self.block, self.record, self.timings, self.g, self.anchor = block, record, timings, g, anchor
-        self.start_norm, self.w_start, self.subsampled, self.history = start_norm, w_start, subsampled, history
+        self.start_norm, self.residual_before, self.w_start = start_norm, residual_before, w_start
+        self.subsampled, self.history, self.verify = subsampled, history, verify
 
     def publish(self, problem: RemovalProblem, settings: DecisionLayerNewtonSettings,
-                other_reasons: list[str] | None = None) -> RemovalOutcome:
-        """Noise on the layer (calibrated, secret), the release, the record and the new parameters."""
+                moved: list[str] | None = None, moved_reason: str | None = None) -> RemovalOutcome:
+        """The published weights: the solve's, noise on the layer (calibrated, secret); the release;
+        the record of exactly those weights (with noise, nothing computed from the weights before it);
+        the new parameters, with ``moved`` (parameters outside the layer the caller moved before the
+        solve, which was then made over their new features) among them."""
         model, block = problem.model, self.block
+        params = dict(model.named_parameters())
+        g, timings = self.g, self.timings
         cal = certify.calibration(settings, problem.m, problem.n, problem.weight_decay)
+        noised = cal.sigma > 0
         full_block = block.numel == trainable_numel(model)
         release = certify.release(
             model, problem.task, problem.weight_decay, settings, cal, full_block=full_block, steps=len(self.history),
             damping_used=0.0, subsampled=self.subsampled, shortened=any(h["step_length"] != 1.0 for h in self.history),
-            start_gradient_norm=self.start_norm, final_gradient_norm=_norm(self.g),
+            start_gradient_norm=self.start_norm, final_gradient_norm=_norm(g),
             inexact_solve=("each Newton system solved inexactly (PCG to the forcing term "
                            f"{settings.newton_forcing:g} or better), not Sekhari's exact-Hessian step"),
-            other_reasons=other_reasons)
-        params = dict(model.named_parameters())
-        w_solved = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
-        noise = secret_gaussian_noise(block.numel, cal.sigma)
-        block.add_to_model(model, noise)
-        new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
-        record = {**self.record, "noise": cal.as_record(),
-                  "epsilon_spent": None if math.isinf(cal.epsilon) else cal.epsilon,
-                  "delta_spent": None if math.isinf(cal.epsilon) else cal.delta,
-                  "step_norm": _norm(w_solved - self.w_start), "noise_norm": _norm(noise),
-                  "timings": self.timings, "release": release.model_dump(mode="json")}
+            other_reasons=[moved_reason] if moved and moved_reason else None,
+            bounds=certify.data_bounds(model, problem.task, problem.train) if noised else None)
+        block.add_to_model(model, secret_gaussian_noise(block.numel, cal.sigma))
+        new_parameters = {name: params[name].detach().clone() for name in [*(p.name for p in block.parts),
+                                                                             *(moved or [])]}
+        if noised:  # the record describes the published weights: nothing of the solution before the noise
+            with problem.stage("verify_published", timings):
+                g = self.verify()
+        norm = _norm(g - self.anchor)
+        w_published = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+        record = dict(self.record)
+        record["newton"] = {**record["newton"], "history": certify.published_history(record["newton"]["history"], noised)}
+        record["gradient_norms"] = {**record["gradient_norms"], "residual_after": norm, "retain_mean_block_after": _norm(g)}
+        record["gradient_share"] = {"retained_removed": 1.0 - norm / self.residual_before if self.residual_before > 0
+                                    else 1.0}
+        record["published"] = "the weights published: the solve's" + (" and the noise added" if noised else "")
+        record.update({"noise": cal.as_record(), "epsilon_spent": None if math.isinf(cal.epsilon) else cal.epsilon,
+                       "delta_spent": None if math.isinf(cal.epsilon) else cal.delta,
+                       "step_norm": _norm(w_published - self.w_start), "timings": timings,
+                       "release": release.model_dump(mode="json")})
         return RemovalOutcome(new_parameters, record, release)
 
 
 def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonSettings,
-                         state: DecisionLayerState) -> SolvedLayer:
+                         state: DecisionLayerState, start_gradient: torch.Tensor | None = None) -> SolvedLayer:
     """The converged Newton solve on the layer (module docstring), written into ``problem.model``;
-    ``RemovalNotServed`` (the model left as it was) when it does not converge or removes too little."""
+    ``RemovalNotServed`` (the model left as it was) when it does not converge or removes too little.
+    ``start_gradient``: grad_P L_D at the removal's start when ``state`` was built at other weights
+    (the head method's, after its hidden step): the anchor keeps the start's."""
     n, m, lam, task, bs = problem.n, problem.m, problem.weight_decay, problem.task, problem.batch_size
     timings: dict[str, float] = {}
     block = state.block
@@ -168,7 +188,7 @@ def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonS
         g_forget = block_gradient(work.model, task, work.forget, block, lam, reduction="sum", batch_size=bs)
         # grad L_{D\U} = (n grad L_D - g_U) / (n - m): only the m forgotten samples are passed over
         g = (n * state.training_gradient - g_forget) / (n - m)
-    r0 = state.training_gradient  # grad_P L_D(w) at the start
+    r0 = state.training_gradient if start_gradient is None else start_gradient  # grad_P L_D(w) at the start
     anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
     unanchored: list[int] = []
     if settings.anchor == "training_residual" and not settings.anchor_absent_classes:
@@ -210,12 +230,13 @@ def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonS
         "curvature": {"operator": "closed-form products at the current weights (matrix-free)", "solvers": solvers,
                       "retained_gradient": "prepared grad L_D minus the forgotten samples'"},
         "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
-                   "converged": norm_g <= tol, "history": history},
+                   "converged": norm_g <= tol, "history": history, "solved_over": "the start weights of every other "
+                   "parameter (the frozen prefix's cached outputs)"},
         "gradient_norms": {"forget_sum_block": _norm(g_forget), "data_mean_block_start": _norm(r0),
                            "residual_before": g0, "residual_after": norm_g, "retain_mean_block_after": _norm(g)},
         "gradient_share": {"retained_removed": reduction},
     }
-    return SolvedLayer(block, record, timings, g, anchor, _norm(r0), w_start, subsampled, history)
+    return SolvedLayer(block, record, timings, g, anchor, _norm(r0), g0, w_start, subsampled, history, verify)
 
 
 def _layer_order(model: nn.Module, block: ParamBlock, layer: nn.Linear) -> torch.Tensor:
@@ -298,8 +319,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block: ParamBlock, lam
     objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, curvature_dtype, keep, xt, x_norm)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
-    if choice == "auto":
-        preconditioner = "none"
+    if choice == "auto":  # the prepared inverse; the Kronecker-factored one where none was kept
+        preconditioner = choice = "kronecker"
         if state.inverse is not None:
             preconditioner = dense_preconditioner(state.layer_inverse(order, product_dtype), (k, d + 1))
             choice = "prepared H_P(D)^-1"

@@ -385,14 +385,15 @@ def _searched_step(problem: RemovalProblem, block: ParamBlock, retain: SampleSet
     return torch.zeros_like(step), out
 
 
-def _verify(g_before: Tensor, g_newton: Tensor, kind: str, newton: bool) -> dict[str, Any]:
-    """Surface (never hide) a Newton step that made the retained-objective gradient larger."""
+def _verify(g_before: Tensor, g_newton: Tensor, kind: str, newton: bool, numbers: bool = True) -> dict[str, Any]:
+    """Surface (never hide) a Newton step that made the retained-objective gradient larger
+    (``numbers``: quote the norms; not where the step was noised: they would describe it before the noise)."""
     reduced = _norm(g_newton) <= _norm(g_before)
     out: dict[str, Any] = {"retain_gradient_reduced": reduced}
     if newton and not reduced:
-        out["note"] = (f"the {kind} Newton step increased ||grad L_Dr|| ({_norm(g_before):.3e} -> "
-                       f"{_norm(g_newton):.3e}): the quadratic model does not hold at this step; use the dense "
-                       "curvature on a smaller block, add damping, or set newton_step=false")
+        norms = f" ({_norm(g_before):.3e} -> {_norm(g_newton):.3e})" if numbers else ""
+        out["note"] = (f"the {kind} Newton step increased ||grad L_Dr||{norms}: the quadratic model does not hold at "
+                       "this step; use the dense curvature on a smaller block, add damping, or set newton_step=false")
     return out
 
 
@@ -437,8 +438,14 @@ class FisherScrub(RemovalMethod):
             del probe
         with problem.stage("update", timings):
             block.add_to_model(model, step + noise)
-        with problem.stage("verify", timings):
-            g_after = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+        noised = scale > 0
+        if noised:
+            with problem.stage("verify", timings):
+                g_after = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
+        else:
+            g_after = g_newton
+        # with noise, the record describes the published weights only: nothing of the step before the noise
+        published_step = step + noise
 
         release = _release(curv, scale)
         params = dict(model.named_parameters())
@@ -450,17 +457,16 @@ class FisherScrub(RemovalMethod):
                           "damping": settings.damping,
                           "fisher": settings.fisher if kind == "diagonal" else None},
             "noise": {"tradeoff": settings.tradeoff, "sigma_h": settings.sigma_h, "scale": scale,
-                      "covariance": "sqrt(tradeoff * sigma_h^2) * B^-1/2", "norm": _norm(noise),
-                      "source": "OS CSPRNG (secret)"},
+                      "covariance": "sqrt(tradeoff * sigma_h^2) * B^-1/2", "source": "OS CSPRNG (secret)"},
             "gradient_norms": {
                 "retain_mean_block_before": _norm(g_before),
-                "retain_mean_block_after_newton": _norm(g_newton),
-                "retain_mean_block_after_noise": _norm(g_after),
+                "retain_mean_block_after": _norm(g_after),  # at the published weights
             },
-            "step_norm": _norm(step),
+            "step_norm": _norm(published_step),  # the published step (noise included)
             "step_search": search,
             "anchor": {"kind": settings.anchor, "norm": _norm(anchor)},
-            "verification": _verify(g_before - anchor, g_newton - anchor, kind, settings.newton_step),
+            # the Newton step's own check: made before the noise, published only as its verdict when noised
+            "verification": _verify(g_before - anchor, g_newton - anchor, kind, settings.newton_step, numbers=not noised),
             "timings": timings,
             "release": release.model_dump(mode="json"),
         }

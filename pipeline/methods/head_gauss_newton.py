@@ -5,7 +5,8 @@ The model is a classifier head: an nn.Sequential of Linear layers and parameter-
 cross-entropy (usually the trainable head over cached features). Its decision layer is solved as
 ``decision-layer-newton`` solves it; the parameters outside it move by their part of one anchored,
 truncated Gauss-Newton step on the whole head, taken at the start weights
-(``pipeline.curvature.gauss_newton``):
+(``pipeline.curvature.gauss_newton``), and the decision layer is then solved over the hidden layers'
+new features (its anchor the start's), so the record and the checks describe the published weights:
 
     w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss(w, z) - m mean_D grad loss(w, z)) / (n - m)
 
@@ -26,6 +27,7 @@ from pydantic import Field
 from pipeline.curvature.gauss_newton import GaussNewtonStep, HeadCurvature, gauss_newton_step, head_layout
 from pipeline.decision_layer import DecisionLayerState, decision_layer_block
 from pipeline.methods.base import RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method
+from pipeline.errors import RemovalNotServed
 from pipeline.methods.decision_layer_newton import DecisionLayerNewtonSettings, solve_decision_layer
 from pipeline.prepared import Binding, Prepared
 
@@ -78,17 +80,31 @@ class HeadGaussNewton(RemovalMethod):
         timings: dict[str, float] = {}
         with problem.stage("hidden_step", timings):  # at the start weights, before the decision layer moves
             hidden = _hidden_step(problem, prepared, settings)
-        solved = solve_decision_layer(problem, settings, prepared.layer)
-        solved.timings.update(timings)
-        moved = bool(hidden.delta)
-        outcome = solved.publish(problem, settings, other_reasons=[
-            "hidden layers moved by a truncated Gauss-Newton step, without noise"] if moved else None)
         params = dict(problem.model.named_parameters())
-        with torch.no_grad():
-            for name, delta in hidden.delta.items():
-                params[name].add_(delta.to(params[name].dtype))
-                outcome.new_parameters[name] = params[name].detach().clone()
+        saved = {name: params[name].detach().clone() for name in hidden.delta}
+        state, start_gradient = prepared.layer, None
+        if hidden.delta:  # the hidden layers move first; the decision layer is then solved over their new features
+            with torch.no_grad():
+                for name, delta in hidden.delta.items():
+                    params[name].add_(delta.to(params[name].dtype))
+            with problem.stage("hidden_features", timings):
+                state = DecisionLayerState.build(prepared.binding, problem.model, problem.task, problem.train,
+                                                 prepared.layer.block, problem.weight_decay, problem.batch_size,
+                                                 dense=False)
+            start_gradient = prepared.layer.training_gradient  # the anchor stays the start's
+        try:
+            solved = solve_decision_layer(problem, settings, state, start_gradient)
+        except RemovalNotServed:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    params[name].copy_(value)
+            raise
+        solved.timings.update(timings)
+        outcome = solved.publish(problem, settings, moved=list(hidden.delta),
+                                 moved_reason="hidden layers moved by a truncated Gauss-Newton step, without noise")
         outcome.record["hidden_step"] = hidden.record
+        outcome.record["newton"]["solved_over"] = ("the hidden layers' features after the hidden step" if hidden.delta
+                                                   else outcome.record["newton"]["solved_over"])
         return outcome
 
 
@@ -108,8 +124,5 @@ def _hidden_step(problem: RemovalProblem, prepared: HeadPrepared, settings: Head
                              batch_size=problem.batch_size)
     outside = {k: step.delta[k] for k in outside_names if k in step.delta}
     moved = float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in outside.values()]))) if outside else 0.0
-    record: dict[str, Any] = {**step.record, "parameters": outside_names, "step_norm_outside_block": moved,
-                              "block_solved_over": "the start weights of these parameters: the record's newton, "
-                                                   "gradient_norms and gradient_share describe the weights before "
-                                                   "this step was added"}
+    record: dict[str, Any] = {**step.record, "parameters": outside_names, "step_norm_outside_block": moved}
     return GaussNewtonStep(outside, record)

@@ -231,16 +231,22 @@ class LFociNewton(RemovalMethod):
             raise
 
         params = dict(model.named_parameters())
-        w_solved = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         damping_used = max(h["damping"] for h in history) if history else settings.damping
-        raw_after = _norm(g)
+        noised = noise_cal.sigma > 0
+        converged = norm_g <= tol  # (the solve's, before the noise: a removal that does not reach it is still served
+        # when it removes min_gradient_reduction of the residual)
         release = certify.release(
             problem.model, problem.task, lam, settings, noise_cal, full_block=full_block, steps=len(history),
             damping_used=damping_used, subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
-            start_gradient_norm=start_norm, final_gradient_norm=raw_after)
-        noise = secret_gaussian_noise(block.numel, noise_cal.sigma)
-        block.add_to_model(model, noise)
+            start_gradient_norm=start_norm, final_gradient_norm=_norm(g),
+            bounds=certify.data_bounds(problem.model, problem.task, problem.train) if noised else None)
+        block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
         new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
+        w_published = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+        if noised:  # the record describes the published weights: nothing of the solution before the noise
+            with problem.stage("verify_published", timings):
+                g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
+            norm_g = _norm(g - anchor)
         record = {
             "block": {"numel": block.numel, "full_model": full_block,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
@@ -253,7 +259,7 @@ class LFociNewton(RemovalMethod):
                           "solver": dict(info.__dict__) if info else None, "solvers": solvers,
                           "damping": settings.damping, "damping_used": damping_used},
             "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
-                       "converged": norm_g <= tol, "history": history},
+                       "converged": converged, "history": certify.published_history(history, noised)},
             "noise": noise_cal.as_record(),
             "epsilon_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.epsilon,
             "delta_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.delta,
@@ -261,16 +267,15 @@ class LFociNewton(RemovalMethod):
                 "forget_sum_block": _norm(g_forget),
                 "data_mean_block_start": start_norm,
                 "retain_mean_block_before": raw0,
-                "retain_mean_block_after": raw_after,
+                "retain_mean_block_after": _norm(g),   # at the published weights
                 "residual_before": g0,   # ||grad_P L_D\\U - anchor|| (= retain gradient when anchor is none)
                 "residual_after": norm_g,
             },
             "gradient_share": {
-                "retained_removed": reduction,  # 1 - ||residual after|| / before (pre-noise)
+                "retained_removed": 1.0 - norm_g / g0 if g0 > 0 else 1.0,  # at the published weights
                 "forget_in_block": share,       # ||g_P(U)|| / ||g(U)|| (None: record_gradient_share off)
             },
-            "step_norm": _norm(w_solved - w_start),
-            "noise_norm": _norm(noise),
+            "step_norm": _norm(w_published - w_start),  # the published step
             "timings": timings,
             "release": release.model_dump(mode="json"),
         }

@@ -5,7 +5,8 @@ record as ``record["release"]``; ``release_from_record`` is the one reader (pyda
 validation, no key aliases; records from before typed releases are read with one strict legacy
 schema and never count as certified). A private release is a Gaussian mechanism: noise of standard
 deviation sigma on an update of L2 sensitivity gamma, noise multiplier z = sigma / gamma
-(without gamma, z is recovered from the classical calibration z = sqrt(2 ln(1.25/delta)) / eps).
+(without gamma, z is recovered from the release's own calibration of (epsilon, delta): classical
+z = sqrt(2 ln(1.25/delta)) / eps, analytic the smallest z of Balle & Wang's exact condition).
 A model's releases are composed with one named rule (``COMPOSITION``):
 
   basic  epsilon_total = sum of the releases' epsilons, delta_total = sum of their deltas
@@ -141,9 +142,11 @@ def as_privacy_release(release: AnyRelease) -> PrivacyRelease:
     if guarantee is Guarantee.NONE:
         guarantee = Guarantee.HEURISTIC
     reasons = list(release.reasons) or [LEGACY_REASON]
+    # (a legacy release's epsilon >= 1 can only have come from the analytic calibration)
     return PrivacyRelease(mechanism="gaussian", sigma=release.sigma, sensitivity=release.sensitivity or None,
                           epsilon=release.epsilon, delta=release.delta if 0 < release.delta < 1 else 1e-5,
-                          calibration="classical", guarantee=guarantee, reasons=reasons)
+                          calibration="classical" if release.epsilon < 1 else "analytic", guarantee=guarantee,
+                          reasons=reasons)
 
 
 @dataclass(frozen=True)
