@@ -1,7 +1,7 @@
 """Fine-tune ("FT", Warnecke et al. 2023; Jia et al., NeurIPS 2023): a few epochs of SGD with
 momentum on the retained data D_r, starting from the trained weights; catastrophic forgetting
 of D_f, no guarantee. Also the mini-batch SGD machinery shared by the field's reference
-approximate methods (gradient ascent, random labels, SalUn).
+approximate methods (gradient ascent, random labels, SalUn, NegGrad+, SCRUB, l1-sparse).
 
 One step on a batch B of the objective J (mean loss over B, plus (lambda/2)||w_P||^2 for
 descent objectives), on the parameters P (PyTorch's SGD convention, dampening 0):
@@ -15,7 +15,7 @@ exactly. The model is updated in place; ``new_parameters`` holds the changed par
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal, TypeVar
 
 import torch
 from pydantic import Field
@@ -32,6 +32,9 @@ from pipeline.tasks import Batch, Task
 # numbers kept apart from pipeline.methods.base.RandomStream's).
 FINETUNE_STREAM = 21
 RANDOM_LABEL_STREAM = 22
+FORGET_ORDER_STREAM = 23  # the order of D_f's batches where D_r's batches come from FINETUNE_STREAM
+
+T = TypeVar("T")
 
 
 class SGDSettings(MethodSettings):
@@ -73,11 +76,42 @@ def shuffled_batches(data: SampleSet, batch_size: int, generator: torch.Generato
         yield data.take(order[start:start + batch_size]).columns
 
 
+def draw_positions(n: int, count: int | None, generator: torch.Generator) -> Tensor:
+    """Positions (sorted) of a seeded draw of ``count`` of ``n`` samples; all of them (drawing
+    nothing from ``generator``) when ``count`` is None or at least ``n``."""
+    if count is None or count >= n:
+        return torch.arange(n)
+    return torch.randperm(n, generator=generator)[:count].sort().values
+
+
 def retain_draw(retain: SampleSet, count: int | None, generator: torch.Generator) -> SampleSet:
     """All of D_r, or a seeded draw of ``count`` samples of it."""
     if count is None or count >= len(retain):
         return retain
-    return retain.take(torch.randperm(len(retain), generator=generator)[:count].sort().values)
+    return retain.take(draw_positions(len(retain), count, generator))
+
+
+class RetainEpochs:
+    """The retained batches of every epoch, drawn up front: per epoch a seeded draw of ``count``
+    samples of D_r (all when None), then a seeded order over it, consumed from ``generator`` in the
+    order ``FineTune`` consumes it lazily (draw, order, next epoch), so that with the same seed the
+    batches are exactly fine-tuning's. ``seen()`` is every retained sample some epoch visits."""
+
+    def __init__(self, retain: SampleSet, count: int | None, epochs: int, batch_size: int,
+                 generator: torch.Generator) -> None:
+        self.retain, self.batch_size = retain, batch_size
+        self.orders: list[Tensor] = []
+        for _ in range(epochs):
+            drawn = draw_positions(len(retain), count, generator)
+            self.orders.append(drawn[torch.randperm(len(drawn), generator=generator)])
+
+    def __call__(self, epoch: int) -> Iterator[Batch]:
+        order = self.orders[epoch]
+        for start in range(0, len(order), self.batch_size):
+            yield self.retain.take(order[start:start + self.batch_size]).columns
+
+    def seen(self) -> SampleSet:
+        return self.retain.take(torch.unique(torch.cat(self.orders)))
 
 
 def mean_batch_loss(model: nn.Module, task: Task, batch: Batch) -> Tensor:
@@ -115,10 +149,11 @@ def l2(params: dict[str, nn.Parameter], weight_decay: float) -> Tensor | float:
     return 0.5 * weight_decay * sum(p.pow(2).sum() for p in params.values())
 
 
-def run_epochs(problem: RemovalProblem, epochs: int, epoch_batches: Callable[[int], Iterable[Batch]],
-               objective: Callable[[Batch], Tensor], optimizer: SGD, timings: dict[str, float],
+def run_epochs(problem: RemovalProblem, epochs: int, epoch_batches: Callable[[int], Iterable[T]],
+               objective: Callable[[T], Tensor], optimizer: SGD, timings: dict[str, float],
                stage: str) -> None:
-    """``epochs`` passes; each batch's ``objective`` is minimised by one optimizer step."""
+    """``epochs`` passes; each batch's ``objective`` is minimised by one optimizer step (a "batch"
+    is whatever ``epoch_batches`` yields: a Batch, or e.g. a pair of them)."""
     with problem.stage(stage, timings):
         for epoch in range(epochs):
             for batch in epoch_batches(epoch):
@@ -129,10 +164,35 @@ def outcome(params: dict[str, nn.Parameter], record: dict) -> RemovalOutcome:
     return RemovalOutcome({k: p.detach().clone() for k, p in params.items()}, record)
 
 
-def forget_loss(model: nn.Module, task: Task, forget: SampleSet, batch_size: int) -> float:
+def mean_loss(model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> float:
+    """(1/|S|) sum_{z in S} loss(w, z), without gradients."""
     with torch.no_grad():
-        total = sum(float(task.per_sample_loss(task.forward(model, b), b).sum()) for b in forget.batches(batch_size))
-    return total / len(forget)
+        total = sum(float(task.per_sample_loss(task.forward(model, b), b).sum()) for b in data.batches(batch_size))
+    return total / len(data)
+
+
+def forget_loss(model: nn.Module, task: Task, forget: SampleSet, batch_size: int) -> float:
+    return mean_loss(model, task, forget, batch_size)
+
+
+class LossRecord:
+    """Mean losses on D_f and on the retained samples a removal visits (``RetainEpochs.seen``),
+    measured at construction (before the removal) and by ``after()``; timed as stage "losses"."""
+
+    def __init__(self, problem: RemovalProblem, retain_seen: SampleSet, timings: dict[str, float]) -> None:
+        self.problem, self.retain_seen, self.timings = problem, retain_seen, timings
+        self.before = self._measure()
+
+    def _measure(self) -> tuple[float, float]:
+        p = self.problem
+        with p.stage("losses", self.timings):
+            return (mean_loss(p.model, p.task, p.forget, p.batch_size),
+                    mean_loss(p.model, p.task, self.retain_seen, p.batch_size))
+
+    def after(self) -> dict:
+        forget, retain = self._measure()
+        return {"forget_loss": {"before": self.before[0], "after": forget},
+                "retain_loss": {"before": self.before[1], "after": retain, "samples": len(self.retain_seen)}}
 
 
 @register_method
