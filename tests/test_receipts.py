@@ -262,11 +262,11 @@ def test_no_noise_derived_value_anywhere(world, monkeypatch):
     vs = VersionStore(world["store"])
     for rid, version in (("c-0", 1), ("c-1", 2), ("c-2", 3)):
         record = vs.manifest("m", version)["record"]
-        assert record["noise_norm"] > 0  # noise was added (epsilon 2)
+        assert record["noise"]["sigma"] > 0 and "noise_norm" not in record  # noise was added (epsilon 2)
         text = receipts.dumps(_issue(world, rid))
         for key in ("noise_norm", "step_norm", "noise"):
             assert f'"{key}"' not in text
-        for value in (record["noise_norm"], record["step_norm"]):
+        for value in (record["noise"]["sigma"], record["step_norm"]):
             assert repr(value) not in text and f"{value:.10g}" not in text
             assert re.sub(r"\D", "", f"{value:.10e}".split("e")[0]) not in re.sub(r"[^0-9]", " ", text)
         assert set(json.loads(text)["body"]) == set(receipts.BODY_KEYS)
