@@ -10,14 +10,16 @@ dense reference, and the one PCG every solver uses.
   softmax_layer the decision-layer objective's matrix-free products and preconditioners
   newton        converged inexact Newton on the decision layer (newton_minimise)
   gauss_newton  the generalised Gauss-Newton matrix of a classifier head, its EK-FAC, the head step
+  ggn           matrix-free Gauss-Newton products J^T H_loss J restricted to a block of any network
 """
+from pipeline.curvature.ggn import BlockGaussNewton
 from pipeline.curvature.hessian import BlockHessian, BlockObjective, block_gradient, gradient_batch_size
 from pipeline.curvature.operators import CappedProducts, Combination, DenseOperator, LinearOperator, ProductsSpent
 from pipeline.curvature.pcg import PCGResult, pcg
 from pipeline.curvature.solve import SolveInfo, cg_solve, check_dense_solve, solve_dense, solve_newton_system
 
 __all__ = [
-    "BlockHessian", "BlockObjective", "CappedProducts", "Combination", "DenseOperator", "LinearOperator", "PCGResult",
+    "BlockGaussNewton", "BlockHessian", "BlockObjective", "CappedProducts", "Combination", "DenseOperator", "LinearOperator", "PCGResult",
     "ProductsSpent", "SolveInfo", "block_gradient", "cg_solve", "check_dense_solve", "gradient_batch_size", "pcg",
     "solve_dense", "solve_newton_system",
 ]
