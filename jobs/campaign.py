@@ -136,6 +136,7 @@ def status(spec: str) -> None:
         raise click.ClickException(f"no ledger at {loaded.ledger_path()}: the campaign has not started")
     summary = campaign_summary(VersionStore(loaded.model.store), Ledger(loaded.ledger_path()), loaded.name)
     summary.pop("spec")
+    summary["costs"].pop("per_request", None)  # (in report.json)
     click.echo(json.dumps(summary, indent=2, default=str))
 
 

@@ -13,16 +13,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from jobs.costs import STAGES
 from jobs.exactly_once import BatchInputError, BatchResult, ExactlyOnce, validate_memory_budget, validate_settings
 from pipeline.removal import training_set
 from jobs.report import write_report
 from jobs.specs import CampaignSpec
 from pipeline.data.requests import DeletionRequest, read_requests
 from pipeline.models.card import read_card
-from pipeline.progress import bar as progress_bar, forced
+from pipeline.progress import bar as progress_bar, forced, note
 from pipeline.store.crashpoint import crash_point
 from pipeline.store.ledger import Ledger
 from pipeline.store.versions import VersionStore
+
+
+class RunningCosts:
+    """What this run spent so far per request, by stage (``jobs.costs``; the preparation as paid,
+    not amortised: the report amortises it)."""
+
+    def __init__(self) -> None:
+        self.requests, self.seconds = 0, {s: 0.0 for s in STAGES}
+
+    def add(self, costs: dict | None) -> None:
+        if costs:
+            self.requests += costs["requests"]
+            for s in STAGES:
+                self.seconds[s] += costs["seconds"].get(s, 0.0)
+
+    def describe(self, full: bool = False) -> str:
+        if not self.requests:
+            return "no batch applied in this run yet"
+        total = sum(self.seconds.values()) / self.requests
+        parts = ", ".join(f"{s} {v / self.requests:.3g}" for s, v in self.seconds.items() if full or v > 0)
+        return f"{total:.3g} s/request ({parts})" + (f" over {self.requests} requests" if full else "")
 
 
 class CampaignError(ValueError):
@@ -134,6 +156,7 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
             origin = f"campaign:{spec.name}"
             results: list[BatchResult] = []
             removed: list[int] = []
+            spent = RunningCosts()
             with progress_bar(len(chunks), f"campaign {spec.name}", unit="batch", leave=True) as bar:
                 for k, chunk in enumerate(chunks):
                     batch = ledger.get_batch(f"{origin}:{k}")
@@ -143,7 +166,11 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
                     if result.state == "applied":
                         removed += batch.sample_ids
                     results.append(result)
-                    bar.set_postfix(state=result.state, version=result.version, refresh=False)
+                    spent.add(result.costs)
+                    bar.set_postfix_str(f"{result.state} v{result.version}; {spent.describe()}", refresh=False)
+                    if result.costs:
+                        note(f"batch {k}: {result.state} (version {result.version}), {result.costs['requests']} "
+                             f"requests, {result.costs['wall_seconds'] / max(1, result.costs['requests']):.3g} s/request")
                     bar.update(1)
             crash_point("before_report")
             report_dir = write_report(store, ledger, spec.name, spec.report_path())
@@ -155,6 +182,8 @@ def _run_campaign(spec: CampaignSpec, *, resume: bool, echo: Callable[[str], Non
     applied = sum(r.state == "applied" for r in results)
     echo(f"campaign '{spec.name}': {applied}/{len(results)} batches applied, model '{model}' at version {final}; "
          f"report in {report_dir}")
+    if spent.requests:
+        echo(f"  this run: {spent.describe(full=True)}")
     for r in results:
         if r.state != "applied":
             echo(f"  batch {r.batch_key}: {r.state}: {r.reason}")

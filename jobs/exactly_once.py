@@ -35,12 +35,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from pydantic import ValidationError
 
+from jobs.costs import EVENT as COSTS_EVENT, BatchCosts, new_lineage
 from jobs.specs import LEDGER_FILE, Limits
 from pipeline import memory
 from pipeline.errors import RemovalNotServed
@@ -80,6 +83,7 @@ class BatchResult:
     version: int | None
     reason: str | None
     metrics: dict[str, Any] | None
+    costs: dict[str, Any] | None = None  # what this process spent on the batch (jobs/costs.py), when it worked on it
 
 
 # -- the typed privacy release -----------------------------------------------------------------
@@ -193,6 +197,10 @@ class ExactlyOnce:
         # hold (another version, after a rollback or a restart)
         self.prepared: Any = None
         self._published_run: Any = None  # the last published removal: its next_prepared(), taken when needed
+        self._lineage: str | None = None  # the cold build ``prepared`` descends from (jobs/costs.py)
+        self._costs: dict[str, BatchCosts] = {}  # batch key -> what this process spent on it so far
+        self._ledger_carry = 0.0  # seconds of the last cost record's write: charged to the next batch
+        self._batch_costs: BatchCosts | None = None  # the batch being applied
         self.limits = limits or Limits()
         self.cluster = cluster  # cluster.hooks.ClusterOptions, or None: in this process
         self._remover = remover
@@ -212,9 +220,11 @@ class ExactlyOnce:
     # -- schedule -----------------------------------------------------------------------------
     def schedule(self, origin: str, index: int, request_ids: Sequence[str], seed: int) -> BatchRow:
         key = f"{origin}:{index}"
-        batch = self.ledger.schedule_batch(batch_key=key, model=self.model, origin=origin, index=index,
-                                           request_ids=list(request_ids), parent_version=self.store.current(self.model),
-                                           seed=seed)
+        costs = self._costs.setdefault(key, BatchCosts())
+        with costs.stage("ledger"):
+            batch = self.ledger.schedule_batch(batch_key=key, model=self.model, origin=origin, index=index,
+                                               request_ids=list(request_ids),
+                                               parent_version=self.store.current(self.model), seed=seed)
         crash_point("after_schedule")
         return batch
 
@@ -248,9 +258,26 @@ class ExactlyOnce:
 
     # -- apply -----------------------------------------------------------------------------------
     def apply(self, batch: BatchRow, cumulative_ids: Sequence[int] = ()) -> BatchResult:
-        """Bring a batch to a final state (see the module docstring); returns that state."""
+        """Bring a batch to a final state (see the module docstring); returns that state, with what
+        this process spent on it (``costs``, also recorded in the ledger: ``jobs.costs``)."""
         if batch.state != "scheduled":
             return self.result(batch.batch_key)
+        costs = self._costs.setdefault(batch.batch_key, BatchCosts())
+        costs.add("ledger", self._ledger_carry)
+        self._ledger_carry = 0.0
+        self._batch_costs = costs
+        try:
+            result = self._apply(batch, cumulative_ids)
+        finally:
+            self._batch_costs = None
+        self._costs.pop(batch.batch_key, None)
+        record = costs.to_json(len(batch.request_ids))
+        started = time.perf_counter()
+        self.ledger.record_event(self.model, COSTS_EVENT, batch.batch_key, record)
+        self._ledger_carry = time.perf_counter() - started
+        return replace(result, costs=record)
+
+    def _apply(self, batch: BatchRow, cumulative_ids: Sequence[int]) -> BatchResult:
         current = self.store.current(self.model)
         published = self._published(batch)
         if published is not None:
@@ -262,16 +289,23 @@ class ExactlyOnce:
             if current == published.parent:
                 return self._record_published(batch, published)
         if current != batch.parent_version:  # a rollback since scheduling (orphaning any version published for it)
-            self.ledger.rebase_batch(batch.batch_key, current)
+            with self._stage("ledger"):
+                self.ledger.rebase_batch(batch.batch_key, current)
             batch = self.ledger.get_batch(batch.batch_key)  # type: ignore[assignment]
-        parent = self.store.open_verified(self.model, batch.parent_version)
+        with self._stage("load"):
+            parent = self.store.open_verified(self.model, batch.parent_version)
         return self._compute_and_publish(batch, parent, cumulative_ids)
+
+    def _stage(self, name: str):
+        """Time a stage of the batch being applied (``jobs.costs``); a no-op outside ``apply``."""
+        return self._batch_costs.stage(name) if self._batch_costs is not None else nullcontext()
 
     def _compute_and_publish(self, batch: BatchRow, parent: VersionInfo, cumulative_ids: Sequence[int]) -> BatchResult:
         from pipeline.evaluate.removal_metrics import RemovalMetrics
         from pipeline.models.card import read_card
 
-        n = read_card(parent.path).training.n
+        with self._stage("load"):
+            n = read_card(parent.path).training.n
         if len(batch.sample_ids) >= n:
             return self._close(batch, "needs_retrain", (
                 f"the batch removes {len(batch.sample_ids)} samples, every one of the {n} training samples of version "
@@ -291,13 +325,13 @@ class ExactlyOnce:
             return self._close(batch, "needs_retrain", f"the method cannot serve this batch: {run.record['needs_retrain']}")
         crash_point("after_compute")
         try:
-            with memory.use_budget(budget):
+            with self._stage("verification"), memory.use_budget(budget):
                 if self._measure is None:
                     self._measure = RemovalMetrics()
                 metrics = self._measure(parent.path, run, batch.sample_ids, cumulative_ids)
-            release = release_of_record(run.record)
-            history = self._release_history()
-            decision = check_budget(history, release, self.limits.budget)
+                release = release_of_record(run.record)
+                history = self._release_history()
+                decision = check_budget(history, release, self.limits.budget)
         except TRANSIENT_ERRORS:
             raise
         except (ValidationError, ValueError, ArithmeticError, MemoryError) as err:
@@ -326,7 +360,9 @@ class ExactlyOnce:
             "method": self.method, "settings": run.record.get("settings"), "seed": batch.seed,
             "privacy": privacy, "metrics": metrics, "record": run.record,
         })
-        info = self.store.publish(self.model, run.new_state, run.card, parent=batch.parent_version, manifest=manifest)
+        with self._stage("publish"):
+            info = self.store.publish(self.model, run.new_state, run.card, parent=batch.parent_version,
+                                      manifest=manifest)
         self._published_run = run  # the next batch starts from this version: its state updated from this removal
         return self._record_published(batch, info)
 
@@ -336,26 +372,56 @@ class ExactlyOnce:
         from pipeline.progress import StageProgress
         from pipeline.removal import remove
 
+        costs = self._batch_costs or BatchCosts()
+        started = time.perf_counter()
         if self._remover is not None:
-            return self._remover(model_dir, batch)
+            run = self._remover(model_dir, batch)
+            self._charge_removal(costs, run, time.perf_counter() - started)
+            return run
         if self._published_run is not None:  # (used only where it holds for this parent: run_removal checks)
-            self.prepared = self._published_run.next_prepared() or self.prepared
+            t = time.perf_counter()
+            carried = self._published_run.next_prepared()
+            costs.updated += time.perf_counter() - t
+            costs.add("preparation", time.perf_counter() - t)
+            self.prepared = carried or self.prepared
             self._published_run = None
         hook = StageProgress(f"batch {batch.index} ({self.ref.name})")
+        started = time.perf_counter()
         if self.cluster is None:
             run = remove(model_dir, batch.sample_ids, method=self.ref, prepared=self.prepared, seed=batch.seed,
                          stage_hook=hook, memory_budget=memory.current_budget())
-            self.prepared = run.prepared  # the parent's state: still the right one if this batch is not published
-            return run
-        from cluster.hooks import ray_removal_hooks
+        else:
+            from cluster.hooks import ray_removal_hooks
 
-        with ray_removal_hooks(model_dir, self.cluster) as hooks:
-            describe = hooks.pop("describe")
-            run = remove(model_dir, batch.sample_ids, method=self.ref, prepared=self.prepared,
-                         seed=batch.seed, stage_hook=hook, memory_budget=memory.current_budget(), **hooks)
-            run.record["distributed"] = describe()
+            with ray_removal_hooks(model_dir, self.cluster) as hooks:
+                describe = hooks.pop("describe")
+                run = remove(model_dir, batch.sample_ids, method=self.ref, prepared=self.prepared,
+                             seed=batch.seed, stage_hook=hook, memory_budget=memory.current_budget(), **hooks)
+                run.record["distributed"] = describe()
+        self._charge_removal(costs, run, time.perf_counter() - started)
         self.prepared = run.prepared  # the parent's state: still the right one if this batch is not published
         return run
+
+    def _charge_removal(self, costs: BatchCosts, run: Any, wall: float) -> None:
+        """Split a removal call's wall time: a preparation it built (a new lineage), the method's
+        removal, and the rest (loading the parent version and its data, checking the result)."""
+        record = getattr(run, "record", None) or {}
+        prep, fast = record.get("preparation") or {}, record.get("fast_path")
+        if fast is not None:  # the stream's warm remover: its state built (or not) inside the call
+            built_now = bool(fast.get("built"))
+            built = float((fast.get("built") or {}).get("seconds") or 0.0)
+            removal = wall - built
+        else:
+            built_now = bool(prep.get("built_for_this_request"))
+            built = float(prep.get("seconds") or 0.0) if built_now else 0.0
+            removal = float(record.get("removal_seconds") or 0.0) if prep else wall
+        if built_now or self._lineage is None:
+            self._lineage = new_lineage()
+        costs.built += built
+        costs.lineage = self._lineage
+        costs.add("preparation", built)
+        costs.add("removal", removal)
+        costs.add("load", wall - built - removal)
 
     def _release_history(self) -> list[PrivacyRelease]:
         """The release of every published removal (rolled back or not: a release stays released),
@@ -376,22 +442,25 @@ class ExactlyOnce:
         return PrivacyRelease.model_validate(raw) if raw else PrivacyRelease.non_private()
 
     def _close(self, batch: BatchRow, state: str, reason: str, metrics: dict[str, Any] | None = None) -> BatchResult:
-        self.ledger.finish_batch(batch.batch_key, state, reason=reason, metrics=metrics)
+        with self._stage("ledger"):
+            self.ledger.finish_batch(batch.batch_key, state, reason=reason, metrics=metrics)
         return self.result(batch.batch_key)
 
     def _record_published(self, batch: BatchRow, info: VersionInfo) -> BatchResult:
         """Steps 5-6 for a version that exists: CURRENT onto it (from its parent), then the ledger."""
-        if self.store.current(self.model) == info.parent:
-            self.store.set_current(self.model, info.version, expected=info.parent, kind="publish")
+        with self._stage("publish"):
+            if self.store.current(self.model) == info.parent:
+                self.store.set_current(self.model, info.version, expected=info.parent, kind="publish")
         privacy = info.manifest["privacy"]
         epsilon = privacy["release"].get("epsilon")
-        self.ledger.finish_batch(
-            batch.batch_key, "applied", version=info.version, epsilon=math.inf if epsilon is None else epsilon,
-            metrics={**info.manifest["metrics"],
-                     "privacy": {"guarantee": privacy.get("guarantee"), "releases": privacy.get("releases"),
-                                 "epsilon_total": privacy["spent_after"]["epsilon"],
-                                 "delta_total": privacy["spent_after"]["delta"]}},
-        )
+        with self._stage("ledger"):
+            self.ledger.finish_batch(
+                batch.batch_key, "applied", version=info.version, epsilon=math.inf if epsilon is None else epsilon,
+                metrics={**info.manifest["metrics"],
+                         "privacy": {"guarantee": privacy.get("guarantee"), "releases": privacy.get("releases"),
+                                     "epsilon_total": privacy["spent_after"]["epsilon"],
+                                     "delta_total": privacy["spent_after"]["delta"]}},
+            )
         crash_point("after_ledger_applied")
         return self.result(batch.batch_key)
 

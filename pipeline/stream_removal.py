@@ -141,8 +141,10 @@ class WarmStreamRemover:
         full = splits[card.data.split]
         test = splits.get("test") if card.data.split != "test" else None
 
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+
         def layer_inputs(data) -> Tensor:
-            data = data.astype(train.columns["x"].dtype)  # the model's dtype, as the training set has
+            data = data.astype(dtype)  # the model's dtype, as the training set has (token ids stay integers)
             size = memory.forward_batch_size(model, task, data, self.batch_size)
             with torch.no_grad():
                 xs = [(prefix.prefix(model, b)["x"] if prefix is not None else b["x"]) for b in data.batches(size)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -69,25 +70,18 @@ def _raw(root: str, split: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels.astype(np.int64)
 
 
-def fashion_mnist_dataset(
+def _select(
     *, root: str | None = None, classes: Sequence[int] | None = None, per_class: int | None = None,
     test_per_class: int | None = None, limit: int | None = None, seed: int = 0, splits: Sequence[str] = ("train", "test"),
-) -> Any:
-    """``DatasetDict`` with sample_id (row in file), image (uint8 28x28), label (0..K-1 in the
-    order of ``classes``), label_orig (0..9)."""
-    offline()
-    import datasets
-
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """split -> (sample ids = rows in the file, images uint8 (n, 28, 28), label 0..K-1 in the order
+    of ``classes``, label_orig 0..9) of the rows the options keep."""
     path = str(_root(root))
     chosen = list(range(10)) if classes is None else [int(c) for c in classes]
     if any(c not in range(10) for c in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError(f"data.options.classes must be distinct labels in 0..9, got {classes}")
     remap = np.full(10, -1, dtype=np.int64)
     remap[chosen] = np.arange(len(chosen))
-    features = datasets.Features({
-        ID_COLUMN: datasets.Value("int64"), "image": datasets.Array2D((28, 28), "uint8"),
-        "label": datasets.ClassLabel(names=[CLASS_NAMES[c] for c in chosen]), "label_orig": datasets.Value("int64"),
-    })
     out = {}
     for split in splits:
         if split not in FILES:
@@ -95,10 +89,26 @@ def fashion_mnist_dataset(
         images, labels = _raw(path, split)
         rows = select_rows(labels, classes=chosen, per_class=per_class if split == "train" else test_per_class,
                            limit=limit if split == "train" else None, seed=seed)
-        out[split] = datasets.Dataset.from_dict(
-            {ID_COLUMN: rows.astype(np.int64), "image": images[rows], "label": remap[labels[rows]],
-             "label_orig": labels[rows]}, features=features)
-    return datasets.DatasetDict(out)
+        out[split] = (rows.astype(np.int64), images[rows], remap[labels[rows]], labels[rows])
+    return out
+
+
+def fashion_mnist_dataset(**options: Any) -> Any:
+    """``DatasetDict`` with sample_id (row in file), image (uint8 28x28), label (0..K-1 in the
+    order of ``classes``), label_orig (0..9); options as ``_select``."""
+    offline()
+    import datasets
+
+    selected = _select(**options)
+    chosen = list(range(10)) if options.get("classes") is None else [int(c) for c in options["classes"]]
+    features = datasets.Features({
+        ID_COLUMN: datasets.Value("int64"), "image": datasets.Array2D((28, 28), "uint8"),
+        "label": datasets.ClassLabel(names=[CLASS_NAMES[c] for c in chosen]), "label_orig": datasets.Value("int64"),
+    })
+    return datasets.DatasetDict({
+        split: datasets.Dataset.from_dict({ID_COLUMN: ids, "image": images, "label": label, "label_orig": orig},
+                                          features=features)
+        for split, (ids, images, label, orig) in selected.items()})
 
 
 @register_source("fashion-mnist")
@@ -108,16 +118,28 @@ def fashion_mnist(
 ) -> dict[str, SampleSet]:
     """Splits as SampleSets: x float32 (N, C, H, W) (or flattened), y int64, label_orig int64.
     Options: root, classes, per_class, test_per_class, limit, seed, image_size, channels,
-    normalize, flatten."""
-    dsd = fashion_mnist_dataset(**options)
+    normalize, flatten.
+
+    The files are read and the images prepared once per process and options (the last few kept:
+    a campaign reads its data again for every batch); the SampleSets are immutable, so callers
+    share them."""
+    key = json.dumps({"root": str(_root(options.get("root"))), "image_size": image_size, "channels": channels,
+                      "normalize": normalize, "flatten": flatten, **options}, sort_keys=True, default=str)
+    return dict(_prepared(key))
+
+
+@functools.lru_cache(maxsize=4)
+def _prepared(key: str) -> dict[str, SampleSet]:
+    options = json.loads(key)
+    image_size, channels = options.pop("image_size"), options.pop("channels")
+    normalize, flatten = options.pop("normalize"), options.pop("flatten")
+    if isinstance(image_size, list):
+        image_size = tuple(image_size)
     out = {}
-    for split, ds in dsd.items():
-        table = ds.with_format("numpy")[:]
-        x = prepare(table["image"], image_size=image_size, channels=channels, normalize=normalize,
-                    mean=(MEAN,), std=(STD,), flatten=flatten)
-        out[split] = SampleSet(
-            {"x": x, "y": torch.from_numpy(np.asarray(table["label"], dtype=np.int64)),
-             "label_orig": torch.from_numpy(np.asarray(table["label_orig"], dtype=np.int64))},
-            torch.from_numpy(np.asarray(table[ID_COLUMN], dtype=np.int64)),
-        )
+    for split, (ids, images, label, orig) in _select(**options).items():
+        x = prepare(images, image_size=image_size, channels=channels, normalize=normalize, mean=(MEAN,), std=(STD,),
+                    flatten=flatten)
+        out[split] = SampleSet({"x": x, "y": torch.from_numpy(np.asarray(label, dtype=np.int64)),
+                                "label_orig": torch.from_numpy(np.asarray(orig, dtype=np.int64))},
+                               torch.from_numpy(np.asarray(ids, dtype=np.int64)))
     return out
