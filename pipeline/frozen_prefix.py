@@ -20,9 +20,12 @@ or a prepared state means the same coordinates on the model and on the suffix.
 """
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -32,8 +35,8 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Batch, Task
 
-__all__ = ["PrefixCache", "SPLITTERS", "Split", "cache_frozen_prefix", "deterministic_prefix", "register_splitter",
-           "split_for", "suffix_start"]
+__all__ = ["PrefixCache", "PrefixMemo", "SPLITTERS", "Split", "cache_frozen_prefix", "deterministic_prefix",
+           "memoized", "prefix_digest", "register_splitter", "split_for", "suffix_start"]
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,128 @@ def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: P
     """The suffix and D with cached prefix outputs, or None when no split applies (the block
     starts at the model's first layer, or no splitter knows the architecture). The caller holds
     the model in eval mode; the prefix must hold no parameter of the block (by construction) and is
-    never modified. ``batch_size`` is lowered to fit the memory budget."""
+    never modified. ``batch_size`` is lowered to fit the memory budget. Inside ``memoized(memo)``
+    the outputs come from (and go to) ``memo``."""
     split = split_for(model, task, block)
     if split is None:
         return None
     started = time.perf_counter()
-    cached = prefix_outputs(split, model, task, train, batch_size)
+    memo = _MEMO.get()
+    if memo is not None:
+        cached = memo.outputs(split, model, task, train, batch_size)
+    else:
+        cached = prefix_outputs(split, model, task, train, batch_size)
     return PrefixCache(split, split.suffix_of(model), cached, time.perf_counter() - started)
+
+
+def prefix_digest(split: Split, model: nn.Module) -> str:
+    """BLAKE2b-256 of the split point and of every parameter and buffer outside the split's suffix
+    (names, dtypes, shapes, values): two models with equal digests compute the same prefix. A tensor's own
+    digest is kept while it is the same live tensor at the same version (``Tensor._version`` counts in-place
+    writes: optimiser steps, ``load_state_dict``), so asking again about an unchanged model hashes nothing."""
+    inside = {id(t) for t in split.suffix_of(model).parameters()} | {id(t) for t in split.suffix_of(model).buffers()}
+    h = hashlib.blake2b(digest_size=32)
+    h.update(f"split:{split.start};".encode())
+    for kind, named in (("p.", model.named_parameters()), ("b.", model.named_buffers())):
+        for name, t in named:
+            if id(t) not in inside:
+                h.update((kind + name + ":").encode())
+                h.update(_tensor_digest_cached(t))
+    return h.hexdigest()
+
+
+_DIGESTS: dict[int, tuple[Any, int, bytes]] = {}
+
+
+def _tensor_digest_cached(t: Tensor) -> bytes:
+    import weakref
+
+    from pipeline.prepared import _tensor_digest
+
+    held = _DIGESTS.get(id(t))
+    if held is not None and held[0]() is t and held[1] == t._version:
+        return held[2]
+    h = hashlib.blake2b(digest_size=32)
+    _tensor_digest(h, "", t)
+    value = h.digest()
+    if len(_DIGESTS) > 100_000:
+        _DIGESTS.clear()
+    _DIGESTS[id(t)] = (weakref.ref(t), t._version, value)
+    return value
+
+
+@dataclass
+class _Bank:
+    ids: Tensor                 # sample ids, sorted
+    order: Tensor               # positions in the rows below of the sorted ids
+    inputs: dict[str, Tensor]   # the consumed input columns (checked equal on every lookup)
+    outputs: dict[str, Tensor]  # the prefix's output columns
+
+
+@dataclass
+class PrefixMemo:
+    """Outputs of frozen prefixes kept per sample, so that repeated trainings (Retrain, shadow models) and
+    evaluations of models that share one frozen prefix run it once per sample (benchmarks, campaigns of
+    retrainings). Keyed by ``prefix_digest`` (the prefix's weights and the split point); each key holds banks of
+    rows (sample ids, the consumed input columns, the outputs). A lookup takes its rows from a bank that holds
+    every asked sample id with identical input columns, else runs the prefix on the asked data and keeps the
+    result as a new bank: the outputs are always the prefix's own on those inputs. ``computed`` lists each run of
+    the prefix: (rows, seconds)."""
+
+    banks: dict[str, list[_Bank]] = field(default_factory=dict)
+    computed: list[tuple[int, float]] = field(default_factory=list)
+
+    def seconds_per_sample(self) -> float | None:
+        rows = sum(r for r, _ in self.computed)
+        return None if rows == 0 else sum(s for _, s in self.computed) / rows
+
+    def _lookup(self, bank: _Bank, split: Split, data: SampleSet) -> SampleSet | None:
+        wanted = data.sample_ids.to(torch.long)
+        where = torch.searchsorted(bank.ids, wanted).clamp(max=len(bank.ids) - 1)
+        if not bool((bank.ids[where] == wanted).all()):
+            return None
+        rows = bank.order[where]
+        for key in split.consumed:
+            if key in data.columns and not torch.equal(bank.inputs[key][rows], data.columns[key].to(bank.inputs[key].device)):
+                return None
+        columns = {k: v for k, v in data.columns.items() if k not in split.consumed}
+        columns.update({k: v[rows] for k, v in bank.outputs.items()})
+        return SampleSet(columns, data.sample_ids)
+
+    def outputs(self, split: Split, model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> SampleSet:
+        """``data`` with the prefix's outputs in place of the columns it consumes (``prefix_outputs``)."""
+        key = prefix_digest(split, model)
+        for bank in self.banks.get(key, []):
+            found = self._lookup(bank, split, data)
+            if found is not None:
+                return found
+        started = time.perf_counter()
+        was = model.training
+        model.eval()
+        try:
+            out = prefix_outputs(split, model, task, data, batch_size)
+        finally:
+            model.train(was)
+        self.computed.append((len(data), time.perf_counter() - started))
+        ids, order = torch.sort(data.sample_ids.to(torch.long))
+        self.banks.setdefault(key, []).append(_Bank(
+            ids, order, {k: data.columns[k] for k in split.consumed if k in data.columns},
+            {k: out.columns[k] for k in split.cached}))
+        return out
+
+
+_MEMO: contextvars.ContextVar[PrefixMemo | None] = contextvars.ContextVar("unlearn_prefix_memo", default=None)
+
+
+@contextmanager
+def memoized(memo: PrefixMemo | None) -> Iterator[PrefixMemo | None]:
+    """Within the block, ``cache_frozen_prefix`` (training's frozen layers, run once per fit) takes its
+    outputs from ``memo`` and adds what it computes to it (None: unchanged)."""
+    if memo is None:
+        yield None
+        return
+    token = _MEMO.set(memo)
+    try:
+        yield memo
+    finally:
+        _MEMO.reset(token)

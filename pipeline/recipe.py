@@ -41,6 +41,9 @@ class Recipe(BaseModel):
     seed: int = 0
     max_steps: int = Field(200, gt=0)
     tolerance: float = Field(1e-8, gt=0)
+    report_samples: int | None = Field(
+        None, gt=0, description="sgd: measure the final objective and gradient norm on a seeded subsample of this many "
+                                "training samples (null: all of them; on a large set that costs about a third of an epoch)")
 
     @field_validator("optimizer")
     @classmethod
@@ -72,7 +75,8 @@ def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> F
     if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1:
         raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
     return fit_sgd(model, task, data, recipe.weight_decay, epochs=recipe.epochs, lr=recipe.lr,
-                   batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed)
+                   batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed,
+                   report_samples=recipe.report_samples)
 
 
 OPTIMIZERS: dict[str, FitFn] = {"lbfgs": _fit_lbfgs, "sgd": _fit_sgd}

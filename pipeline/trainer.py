@@ -131,6 +131,8 @@ def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: S
         model, task, init_report, seconds = result.model, result.task, result.init_report, result.seconds
         fit_summary = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
                        "steps": result.fit.steps}
+        if result.fit.report_samples is not None:  # measured on a seeded subsample (recipe.report_samples)
+            fit_summary["report_samples"] = result.fit.report_samples
         mixed, user = None, None
         accuracy_of = lambda split: task_accuracy(model, task, split)  # noqa: E731
     else:
@@ -160,7 +162,8 @@ def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: S
             extra={
                 "recipe": recipe.model_dump(), "init": config.model.init.model_dump(), "dtype": config.model.dtype,
                 "init_report": init_report, "eval_split": config.data.eval_split,
-                "fit": {k: summary[k] for k in ("final_objective", "gradient_norm", "steps", "train_seconds")},
+                "fit": {k: summary[k] for k in ("final_objective", "gradient_norm", "steps", "train_seconds",
+                                                "report_samples") if k in summary},
                 "metrics": {k: v for k, v in summary.items() if k.endswith("_accuracy")},
                 "seeds": {"init": recipe.seed, "shuffle": recipe.seed, "dropout": recipe.seed},
                 "torch": torch.__version__, "python": platform.python_version(),

@@ -36,3 +36,13 @@ def bernoulli_kl_from_logits(p_logits: Tensor, q_logits: Tensor) -> float:
 
 
 KL_BY_KIND = {"single": kl_from_logits, "multi": bernoulli_kl_from_logits}
+
+
+def function_space_gap(model_logits: Tensor, retrain_logits: Tensor, reseed_logits: Tensor,
+                       kind: str = "single") -> dict[str, float | None]:
+    """Mean KL(model || Retrain) over a set of samples, in nats and in units of KL(retrain-reseed ||
+    Retrain) on the same samples (Retrain's recipe from another seed: how far two equally valid Retrains'
+    predictions are apart). ``units`` is None when that unit is 0 (two identical Retrains)."""
+    kl = KL_BY_KIND[kind]
+    value, unit = kl(model_logits, retrain_logits), kl(reseed_logits, retrain_logits)
+    return {"kl": value, "unit": unit, "units": (value / unit) if unit > 0 else None}

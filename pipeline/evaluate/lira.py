@@ -18,7 +18,7 @@ saw D_f (member rate ~ the out-model rate); a failed one gives Lambda > 0 on man
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -120,7 +120,8 @@ def lira_scores(
     return {**summarize(scores), "scores": scores.tolist()}
 
 
-def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_var: float = 1e-4) -> dict[str, float]:
+def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_var: float = 1e-4,
+                          resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
     """U-LiRA distinguishing game (Hayes et al. 2024), leave one shadow pair out.
 
     ``unlearned`` (S, N): phi of each forget example under S models trained on D (different
@@ -128,7 +129,11 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
     out pair s the attacker fits, per example, Gaussians N(mu_u, v_u) and N(mu_r, v_r) on the
     other S - 1 pairs (variances pooled over examples, Carlini et al.'s fixed-variance variant),
     and calls a target "unlearned" when log N(phi; mu_u, v_u) - log N(phi; mu_r, v_r) > 0 (a tie
-    counts half). Accuracy over the 2 S N decisions, in percent: 50 = indistinguishable."""
+    counts half). Accuracy over the 2 S N decisions, in percent: 50 = indistinguishable.
+
+    ``ci95``: a 95 % interval of the accuracy by a bootstrap over the forget examples (``resamples``
+    draws of N examples with replacement, each example's 2 S decisions kept together; seeded), the
+    examples being the independent units of the game (the shadow models are shared by all of them)."""
     u, r = np.asarray(unlearned, dtype=np.float64), np.asarray(retrained, dtype=np.float64)
     if u.shape != r.shape or u.ndim != 2 or u.shape[0] < 3:
         raise ValueError(f"U-LiRA needs (S, N) statistics with S >= 3 shadow pairs of equal shape, got {u.shape}, {r.shape}")
@@ -143,6 +148,37 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
             llr = _log_normal(target, mu_u, np.full_like(mu_u, var_u)) - _log_normal(target, mu_r, np.full_like(mu_r, var_r))
             said = np.where(llr > 0, 1.0, np.where(llr < 0, 0.0, 0.5))
             correct.append(said if is_unlearned else 1.0 - said)
-    acc = np.concatenate(correct)
-    return {"accuracy": 100.0 * float(acc.mean()), "shadow_pairs": int(s_count), "examples": int(u.shape[1]),
-            "decisions": int(acc.size)}
+    acc = np.stack(correct)  # (2 S, N)
+    per_example = acc.mean(0)
+    out: dict[str, Any] = {"accuracy": 100.0 * float(acc.mean()), "shadow_pairs": int(s_count),
+                           "examples": int(u.shape[1]), "decisions": int(acc.size)}
+    if resamples > 0:
+        rng = np.random.default_rng(seed)
+        draws = rng.integers(0, len(per_example), size=(int(resamples), len(per_example)))
+        means = 100.0 * per_example[draws].mean(1)
+        out["ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+        out["interval"] = f"bootstrap over the {len(per_example)} forget examples ({int(resamples)} resamples)"
+    return out
+
+
+def forget_statistics(model: nn.Module, task: Task, forget: SampleSet, batch_size: int = 256,
+                      logits: Tensor | None = None) -> np.ndarray:
+    """phi (``logit_confidence``) of every forget example under ``model`` (or of given ``logits``)."""
+    z = logits if logits is not None else logits_of(model, task, forget, batch_size)
+    return logit_confidence(z, forget.columns["y"])
+
+
+def ulira_game(retrained: Sequence[np.ndarray], rows: Mapping[str, Any], *, resamples: int = 1000,
+               seed: int = 0) -> dict[str, Any]:
+    """The attack for each row of a U-LiRA cell. ``retrained``: phi on D_f of the S retrained shadow models;
+    ``rows``: per row, either the S unlearned shadows' phi (a list of arrays; the untouched originals for the
+    'original' row) or a dict saying why the row has no game (a refusal or an error on a shadow request),
+    passed through as it is."""
+    r = np.stack([np.asarray(p, dtype=np.float64) for p in retrained])
+    out: dict[str, Any] = {}
+    for name, phis in rows.items():
+        if isinstance(phis, dict):
+            out[name] = dict(phis)
+            continue
+        out[name] = ulira_attack_accuracy(np.stack(phis), r, resamples=resamples, seed=seed)
+    return out

@@ -43,6 +43,41 @@ def build_small_cnn(
     )
 
 
+def build_cnn(
+    *, in_channels: int = 1, channels: tuple[int, ...] | list[int] = (16, 32, 64), pool: tuple[int, ...] | list[int] = (2, 2, 1),
+    kernel: int = 3, hidden: tuple[int, ...] | list[int] = (128,), num_classes: int = 10, image_size: int = 28,
+    activation: str = "relu", **_: Any,
+) -> nn.Module:
+    """A VGG-style CNN trained end to end: for each entry of ``channels`` a conv (``kernel`` x ``kernel``,
+    same padding), the activation and a max-pool of the matching ``pool`` size (1: none); then flatten, the
+    hidden Linear layers with the activation, and the output Linear. One ``nn.Sequential`` (the frozen-prefix
+    splitter and the probe address its modules by index). Default: conv 1->16->32->64 with two 2x2 pools on
+    28x28 inputs, fc 3136 -> 128 -> 10: 426k parameters in 5 trained layers."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"model.options.activation '{activation}' is unknown; choose one of {sorted(ACTIVATIONS)}")
+    if len(pool) != len(channels) or any(int(p) < 1 for p in pool):
+        raise ValueError(f"model.options.pool must give one pool size >= 1 per conv layer ({len(channels)}), got {list(pool)}")
+    if int(kernel) < 1 or int(kernel) % 2 == 0:
+        raise ValueError(f"model.options.kernel must be an odd size >= 1, got {kernel}")
+    layers: list[nn.Module] = []
+    width, size = int(in_channels), int(image_size)
+    for c, p in zip(channels, pool):
+        layers += [nn.Conv2d(width, int(c), int(kernel), padding=int(kernel) // 2), ACTIVATIONS[activation]()]
+        if int(p) > 1:
+            layers.append(nn.MaxPool2d(int(p)))
+            size //= int(p)
+        width = int(c)
+    if size < 1:
+        raise ValueError(f"model.options.pool: pooling leaves no pixel of a {image_size}x{image_size} image")
+    layers.append(nn.Flatten())
+    features = width * size * size
+    for h in hidden:
+        layers += [nn.Linear(features, int(h)), ACTIVATIONS[activation]()]
+        features = int(h)
+    layers.append(nn.Linear(features, int(num_classes)))
+    return nn.Sequential(*layers)
+
+
 def build_random_conv_mlp(
     *, in_channels: int = 1, channels: int = 32, kernel: int = 5, pool: int = 4, seed: int = 0, image_size: int = 28,
     hidden: tuple[int, ...] | list[int] = (128,), num_classes: int = 10, activation: str = "relu", **_: Any,
@@ -69,6 +104,9 @@ register_preset(Preset("linear", build_linear, _classification_task,
 register_preset(Preset("mlp", build_mlp, _classification_task,
                        {"weight_decay": 0.01, "epochs": 300, "lr": 0.1, "batch_size": 0},
                        "multilayer perceptron"))
+register_preset(Preset("cnn", build_cnn, _classification_task,
+                       {"weight_decay": 5e-4, "epochs": 4, "lr": 0.05, "batch_size": 128},
+                       "VGG-style CNN trained end to end (conv stack + MLP head; 28x28 grey images by default)"))
 register_preset(Preset("random-conv-mlp", build_random_conv_mlp, _classification_task,
                        {"weight_decay": 5e-4, "epochs": 6, "lr": 0.05, "batch_size": 128},
                        "frozen random conv trunk + MLP head (28x28 grey images)"))
