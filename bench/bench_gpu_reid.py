@@ -5,6 +5,16 @@ solve on the CPU (falls back to a reduced CPU run when there is no CUDA device).
     python -m bench.bench_gpu_reid --threads 1  # the CPU run on a shared, busy machine (~1-3 min)
     python -m bench.bench_gpu_reid --smoke      # tiny (tests; any machine)
     python -m bench.bench_gpu_reid --device cpu # force the CPU run
+    python -m bench.bench_gpu_reid --device cuda --train-steps 4000 --train-seconds 150
+                                                # train towards a plateau within a time budget
+
+Training length: ``--train-steps`` (the most SGD steps; the profile's when not given),
+``--train-seconds`` (stop once the training has run this long) and ``--plateau-window`` (stop
+once the mean loss over the last window of steps is no more than 1% below the window before it,
+0: off). The record says which stopped the training and holds the loss curve (window means).
+A request the method refuses (``RemovalNotServed``: nothing published, the model as it was) is
+the protocol's ``needs_retrain``, recorded with its reason, its numbers and the time to the
+refusal (``outcome``: ``served`` or ``needs_retrain``), not a crash.
 
 Needs the project's environment (torch, pydantic, safetensors) and this repository: no Ray,
 no data sets, no network.
@@ -16,8 +26,9 @@ Data (generated here, seeded): each identity has a prototype (a random 3x16x8 co
 bilinearly upsampled to 256x128) and its images are the prototype + a random brightness / shift
 + pixel noise; ``per_id`` images per identity for ``ids`` identities. The request forgets every
 image of identity 0 (one person asking to be removed).
-Weights: torchvision-style initialisation, ``train_steps`` SGD steps, then the BatchNorm
-statistics recomputed on the data (lightly trained: the timing does not depend on accuracy).
+Weights: torchvision-style initialisation, ``train_steps`` SGD steps (lr 0.01, momentum 0.9,
+weight decay 5e-4, batches of ``train_batch``), then the BatchNorm statistics recomputed on the
+data.
 Damping: the restricted Hessian of a near-random network is indefinite. With the earlier method
 (fixed damping, capped CG) the GPU profile used 1.0 and the CPU profile 10.0 (measured there
 with damping 1 / 3 / 10: CG met negative curvature at iteration 3 / 4 / 4). Now damping 0: the
@@ -50,8 +61,8 @@ if str(ROOT) not in sys.path:  # run as a file on a bare machine
 
 import torch  # noqa: E402
 
-from bench.common import (RESULTS_DIR, RssSampler, gib, machine_info, measure_removal, peak_rss_bytes,  # noqa: E402
-                          print_table, record_summary, set_threads, write_json)
+from bench.common import (RESULTS_DIR, RssSampler, gib, jsonable, machine_info, measure_removal,  # noqa: E402
+                          peak_rss_bytes, print_table, record_summary, set_threads, write_json)
 
 # lfoci-newton refuses (RemovalNotServed) a Newton system not solved to cg_rtol and a step that
 # removes less than half of the retained block gradient: CG runs to cg_rtol (cg_max_iter is a
@@ -100,8 +111,11 @@ def synthetic_reid(ids: int, per_id: int, height: int, width: int, seed: int = 0
     return SampleSet({"x": x.contiguous(), "y": y}, torch.arange(n, dtype=torch.long))
 
 
-def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 0):
-    """Seeded build, BatchNorm statistics calibrated on the data, ``train_steps`` SGD steps."""
+def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 0,
+                  stats: dict[str, Any] | None = None):
+    """Seeded build, at most ``train_steps`` SGD steps (fewer when ``train_seconds`` or the
+    plateau rule stops them: ``stats`` gets the steps run, why they stopped, the training seconds
+    and the loss curve), then BatchNorm statistics calibrated on the data."""
     from pipeline.models.reid_resnet50 import build_reid_resnet50, reid_task
 
     with torch.random.fork_rng(devices=[]):
@@ -110,6 +124,11 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
     task = reid_task()
     model.to(device)
     losses = []
+    stats = {} if stats is None else stats
+    budget = profile.get("train_seconds")
+    window = int(profile.get("plateau_window") or 0)
+    stopped = "train_steps"
+    started = time.perf_counter()
     if profile["train_steps"]:
         model.train()
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9,
@@ -117,7 +136,7 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
         g = torch.Generator().manual_seed(seed + 1)
         from pipeline.progress import track
 
-        for _ in track(range(profile["train_steps"]), desc="light training", unit="step"):
+        for step in track(range(profile["train_steps"]), desc="training", unit="step"):
             idx = torch.randperm(len(train), generator=g)[: profile["train_batch"]]
             batch = train.take(idx).columns
             loss = task.per_sample_loss(model(batch["x"]), batch).mean()
@@ -125,6 +144,23 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
+            if budget is not None and time.perf_counter() - started >= budget:
+                stopped = "train_seconds"
+                break
+            if window and (step + 1) % window == 0 and step + 1 >= 2 * window:
+                last, before = sum(losses[-window:]) / window, sum(losses[-2 * window:-window]) / window
+                if last >= 0.99 * before:
+                    stopped = "plateau"
+                    break
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    every = max(1, window or 50)
+    stats.update({"steps": len(losses), "stopped_by": stopped if losses else None,
+                  "train_seconds": time.perf_counter() - started,
+                  "epochs": len(losses) * profile["train_batch"] / max(1, len(train)),
+                  "loss_curve_every": every,
+                  "loss_curve": [sum(losses[i:i + every]) / len(losses[i:i + every])
+                                 for i in range(0, len(losses), every)]})
     # BatchNorm running statistics recomputed for the final weights (cumulative average over the
     # data): with the few-step statistics the eval-mode outputs of a near-random ResNet explode
     bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -142,6 +178,15 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
 
 
 @torch.no_grad()
+def accuracy(model: Any, data: Any, batch_size: int) -> float:
+    """Top-1 identity accuracy of the eval-mode classifier on ``data``."""
+    hits = 0
+    for batch in data.batches(batch_size):
+        hits += int((model(batch["x"]).argmax(-1) == batch["y"]).sum())
+    return hits / len(data)
+
+
+@torch.no_grad()
 def mean_loss(model: Any, task: Any, data: Any, batch_size: int) -> float:
     total = 0.0
     for batch in data.batches(batch_size):
@@ -149,7 +194,10 @@ def mean_loss(model: Any, task: Any, data: Any, batch_size: int) -> float:
     return total / len(data)
 
 
-def run(profile: dict[str, Any], device: str, seed: int = 0) -> dict[str, Any]:
+def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | None = None) -> dict[str, Any]:
+    """One removal; ``partial``: where to write the training's figures before the removal starts
+    (so a run stopped during the removal still leaves them)."""
+    from pipeline.errors import RemovalNotServed
     from pipeline.methods import RemovalProblem
 
     cuda = device.startswith("cuda")
@@ -159,27 +207,46 @@ def run(profile: dict[str, Any], device: str, seed: int = 0) -> dict[str, Any]:
     with RssSampler(interval=0.02) as rss:
         with rss.stage("make_data"):
             train = synthetic_reid(profile["ids"], profile["per_id"], profile["height"], profile["width_px"], seed).to(device)
+        training: dict[str, Any] = {}
         with rss.stage("prepare_model"):
-            model, task, train_losses = prepare_model(profile, train, device, seed)
+            model, task, train_losses = prepare_model(profile, train, device, seed, training)
             if sync:
                 sync()
         forget_pos = torch.nonzero(train.columns["y"].cpu() == 0).flatten()  # every image of identity 0
         forget, retain_probe = train.take(forget_pos), train.take(torch.arange(len(forget_pos), min(len(train), 256 + len(forget_pos))))
         bs = profile["batch_size"]
-        before = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs)}
+        before = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs),
+                  "train_accuracy": accuracy(model, train, bs)}
+        if partial is not None:
+            write_json(partial, {"benchmark": "gpu_reid", "partial": "written after training, before the removal",
+                                 "device": device, "profile": profile, "training": training,
+                                 "setup_stages": {k: rss.stages[k] for k in ("make_data", "prepare_model")},
+                                 "losses_before": before})
         problem = RemovalProblem(model, task, train, forget_pos, WEIGHT_DECAY, seed=seed, batch_size=bs)
         settings = {"perturbations": profile["perturbations"], "pass_size": profile["pass_size"],
                     "max_slices": profile["max_slices"], "curvature_samples": profile["curvature_samples"],
                     "damping": profile["damping"], "dense_max": 1, "cg_rtol": profile["cg_rtol"],
                     "cg_max_iter": profile["cg_max_iter"], "newton_max_steps": profile["newton_max_steps"]}
-        res = measure_removal(problem, "lfoci-newton", settings, sampler=rss, sync=sync)
-        res.pop("new_parameters")
-        record = res.pop("record")
+        started = time.perf_counter()
+        try:
+            res = measure_removal(problem, "lfoci-newton", settings, sampler=rss, sync=sync)
+        except RemovalNotServed as refused:  # the method's verdict: nothing published, the request goes to retraining
+            if sync:
+                sync()
+            res = {"outcome": "needs_retrain", "removal_seconds": time.perf_counter() - started,
+                   "needs_retrain": {"reason": refused.reason, "diagnostics": jsonable(refused.diagnostics)},
+                   "stages": {}, "stage_seconds": {}, "stage_source": None}
+            record = {}
+        else:
+            res["outcome"] = "served"
+            res.pop("new_parameters")
+            record = res.pop("record")
         with rss.stage("metrics"):
-            after = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs)}
+            after = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs),
+                     "train_accuracy": accuracy(model, train, bs)}
     summary = record_summary(record)
     res.update({"n": len(train), "m": int(forget_pos.numel()), "settings": settings, "method_record": record,
-                "block": {"numel": summary["block_numel"]},
+                "block": {"numel": summary["block_numel"] or (res.get("needs_retrain") or {}).get("diagnostics", {}).get("block_numel")},
                 "solver": {**((record.get("curvature") or {}).get("solver") or {}),
                            "cg_max_iter": profile["cg_max_iter"], "damping": profile["damping"]}})
     res["verify_losses"] = {"before": before, "after": after,
@@ -189,8 +256,9 @@ def run(profile: dict[str, Any], device: str, seed: int = 0) -> dict[str, Any]:
                     "input": [3, profile["height"], profile["width_px"]]}
     res["data"] = {"synthetic": True, "identities": profile["ids"], "per_identity": profile["per_id"], "n": len(train),
                    "forgotten_identity": 0, "m": len(forget_pos)}
-    res["light_training"] = {"steps": profile["train_steps"], "first_loss": train_losses[0] if train_losses else None,
+    res["light_training"] = {"steps": len(train_losses), "first_loss": train_losses[0] if train_losses else None,
                              "last_loss": train_losses[-1] if train_losses else None}
+    res["training"] = training
     res["setup_stages"] = {k: rss.stages[k] for k in ("make_data", "prepare_model")}
     res["metrics_stage"] = rss.stages["metrics"]
     # the method's stages as it reports them, plus the benchmark's own loss measurement
@@ -211,6 +279,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--perturbations", type=int, default=None)
     parser.add_argument("--cg-max-iter", type=int, default=None)
     parser.add_argument("--damping", type=float, default=None)
+    parser.add_argument("--train-steps", type=int, default=None, help="most SGD steps (default: the profile's)")
+    parser.add_argument("--train-seconds", type=float, default=None, help="stop training after this many seconds")
+    parser.add_argument("--plateau-window", type=int, default=0,
+                        help="stop training once a window's mean loss is within 1%% of the window before (0: off)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -228,10 +300,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile["cg_max_iter"] = args.cg_max_iter
     if args.damping is not None:
         profile["damping"] = args.damping
+    if args.train_steps is not None:
+        profile["train_steps"] = args.train_steps
+    profile["train_seconds"] = args.train_seconds
+    profile["plateau_window"] = args.plateau_window
     out_path = args.out or RESULTS_DIR / ("gpu_reid_smoke.json" if args.smoke else "gpu_reid.json")
     machine_before = machine_info()
     started = time.perf_counter()
-    res = run(profile, device)
+    res = run(profile, device, partial=out_path)
     result = {
         "benchmark": "gpu_reid", "device": device, "scale": "smoke" if args.smoke else ("full" if device == "cuda" else "reduced"),
         "cuda_available": has_cuda, "profile": profile, **res,
@@ -251,6 +327,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"solver {s.get('solver')}: {s.get('iterations')} iterations (cap {s['cg_max_iter']}), "
           f"relative residual {s.get('relative_residual')}; "
           f"losses before {res['verify_losses']['before']} after {res['verify_losses']['after']}", flush=True)
+    t = res["training"]
+    print(f"training: {t['steps']} steps ({t['epochs']:.1f} epochs, {t['train_seconds']:.1f} s, stopped by "
+          f"{t['stopped_by']}), loss {res['light_training']['first_loss']} -> {res['light_training']['last_loss']}", flush=True)
+    print(f"outcome: {res['outcome']}" + (f" ({res['needs_retrain']['reason']})" if res["outcome"] == "needs_retrain" else "")
+          + f" after {res['removal_seconds']:.1f} s", flush=True)
     print(f"wrote {out_path} in {result['wall_seconds']:.0f} s", flush=True)
     return result
 

@@ -206,6 +206,12 @@ def summarise_gpu(d: dict[str, Any]) -> list[str]:
             ["block entries", d.get("block", {}).get("numel")],
             ["CG iterations (cap)", f"{s.get('iterations')} ({s.get('cg_max_iter')})"],
             ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
+    if d.get("outcome"):
+        why = (d.get("needs_retrain") or {}).get("reason")
+        rows.append(["outcome", d["outcome"] + (f" ({why})" if why else "")])
+    t = d.get("training") or {}
+    if t:
+        rows.append(["training steps (stopped by)", f"{t.get('steps')} ({t.get('stopped_by')})"])
     rows += [[f"{k} (s)", v] for k, v in d.get("stage_summary", {}).items()]
     if d.get("gpu"):
         rows += [["GPU", d["gpu"].get("name")], ["peak GPU memory allocated (GiB)", d["gpu"].get("peak_allocated_gib")]]
