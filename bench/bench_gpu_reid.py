@@ -233,9 +233,13 @@ def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | Non
         except RemovalNotServed as refused:  # the method's verdict: nothing published, the request goes to retraining
             if sync:
                 sync()
+            # the stages the method reported through the hook before it refused (seconds summed
+            # over repeats; memory from the sampler's last entry of each)
+            seconds = dict(getattr(refused, "stage_seconds", {}))
             res = {"outcome": "needs_retrain", "removal_seconds": time.perf_counter() - started,
                    "needs_retrain": {"reason": refused.reason, "diagnostics": jsonable(refused.diagnostics)},
-                   "stages": {}, "stage_seconds": {}, "stage_source": None}
+                   "stages": {k: {**rss.stages.get(k, {}), "seconds": round(v, 4)} for k, v in seconds.items()},
+                   "stage_seconds": seconds, "stage_source": "stage_hook (up to the refusal)"}
             record = {}
         else:
             res["outcome"] = "served"

@@ -253,6 +253,9 @@ def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSa
         outcome = impl.run(problem, parsed)
         (sync or (lambda: None))()
         seconds = time.perf_counter() - t
+    except Exception as err:  # e.g. RemovalNotServed: the stage times up to the refusal go with it
+        err.stage_seconds = dict(recorder.seconds)  # type: ignore[attr-defined]
+        raise
     finally:
         problem.stage_hook = None
         if own:

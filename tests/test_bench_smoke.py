@@ -178,3 +178,20 @@ def test_summary_from_smoke_results(fmnist: dict, growth: dict, huge: dict, gpu:
         assert section in text
     assert "| lfoci-newton |" in text and "could not" not in text.split("## broken")[0]
     assert "unreadable" in text
+
+
+def test_gpu_reid_refusal_is_recorded_as_needs_retrain(out_dir: Path) -> None:
+    """One SGD step leaves the smoke model where the Newton step removes too little of the
+    retained gradient: the benchmark records the refusal (reason, numbers, stage times, time to
+    the refusal) as needs_retrain instead of crashing."""
+    from bench import bench_gpu_reid
+
+    path = out_dir / "gpu_reid_smoke_refused.json"
+    bench_gpu_reid.main(["--smoke", "--threads", "1", "--train-steps", "1", "--out", str(path)])
+    d = _load(path)
+    assert d["outcome"] == "needs_retrain" and "partial" not in d
+    assert "retained gradient" in d["needs_retrain"]["reason"]
+    assert d["needs_retrain"]["diagnostics"]["block_numel"] == d["block"]["numel"] > 0
+    assert d["removal_seconds"] > 0 and {"probe", "selection", "curvature_and_solve"} <= set(d["stage_summary"])
+    assert d["training"]["steps"] == 1 and d["training"]["stopped_by"] == "train_steps"
+    assert d["verify_losses"]["before"] == d["verify_losses"]["after"]  # nothing published
