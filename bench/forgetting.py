@@ -85,7 +85,7 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     # cg_max_iter is a safety cap well above what these damped systems need, not a truncation
     "lfoci-newton": {"perturbations": 256, "pass_size": 64, "max_slices": 32, "curvature_samples": 2048,
                      "dense_max": 1024, "damping": 0.01, "cg_rtol": 1e-6, "cg_max_iter": 1000},
-    "fisher": {"parameters": OUTPUT_LAYER, "anchor": "training_residual"},  # dense output-layer Hessian (closed form)
+    "fisher": {"parameters": OUTPUT_LAYER, "target": "retrain"},  # dense output-layer Hessian (closed form)
     "ntk": {"parameters": OUTPUT_LAYER},           # w0 = the recipe's seeded initialisation
     # the field's reference approximate methods ("retain_fraction": share of D_r seen per epoch)
     "finetune": {"epochs": 2, "lr": 0.02, "batch_size": 128, "retain_fraction": 0.1},
@@ -95,7 +95,7 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
 }
 # Rows that are method variants: files in configs/methods/ (a method and its settings), read as
 # `unlearn forget --method <row>` reads them (pipeline.methods.base.MethodRef), nothing added here.
-#   newton-head     decision-layer-newton: the head's output layer retrained to the anchored target by
+#   newton-head     decision-layer-newton: the head's output layer moved to Retrain's point (target: retrain) by
 #                   converged matrix-free Newton over the cached hidden features, from the layer's state
 #                   prepared once per trained model (pipeline/decision_layer.py)
 #   newton-head-gn  head-gauss-newton: newton-head plus the hidden layer moved by one truncated

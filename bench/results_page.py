@@ -89,7 +89,7 @@ STREAM_LOAD = [
     ("from-scratch method / fast p50 latency", "floor.ratio_vs_method_on_cached_inputs"),
     ("remove() / fast p50 latency", "floor.ratio_vs_remove_model_dir"),
     ("layer moved by all removals", "drift.removal_moved_the_layer_by"),
-    ("served layer to the exact anchored optimum", "drift.served_to_exact"),
+    ("served layer to the exact optimum of D_r", "drift.served_to_exact"),
     ("served layer to one from-scratch removal of all", "drift.served_to_from_scratch"),
     ("largest distance bound of a published version", "drift.max_published_distance_bound"),
     ("distance threshold", "drift.threshold.distance"),

@@ -14,7 +14,7 @@ through ``pipeline.stream_removal.WarmStreamRemover`` (the service's fast path, 
 version is written as a model directory and the next removal starts from it) with the fast-path
 settings of configs/stream/linear-digits.yaml (refresh every 100 batches or once the exact
 retained-gradient residual passes drift_threshold = 1e-5, i.e. a distance to the optimum of at
-most 1e-5 / lambda = 1e-3), anchor none (target: the retrained optimum).
+most 1e-5 / lambda = 1e-3), target minimiser (the retrained optimum).
 
 Compared after every batch with:
   optimum      the retrained optimum of D minus everything removed so far: L-BFGS then Newton in
@@ -48,11 +48,11 @@ from bench.common import RESULTS_DIR, ROOT, write_json
 LAYER = ["1.weight", "1.bias"]
 MODEL_CONFIG = ROOT / "configs" / "models" / "linear-digits.yaml"
 STREAM_CONFIG = ROOT / "configs" / "stream" / "linear-digits.yaml"
-# the fast path serves decision-layer-newton (its target: anchor none, the retrained optimum of the layer)
-FAST_METHOD: dict[str, Any] = {"parameters": LAYER, "epsilon": math.inf, "anchor": "none"}
+# the fast path serves decision-layer-newton (its target: minimiser, the retrained optimum of the layer)
+FAST_METHOD: dict[str, Any] = {"parameters": LAYER, "epsilon": math.inf, "target": "minimiser"}
 # from scratch: lfoci-newton's converged block Newton on the same layer, to the same target
 SCRATCH_METHOD: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "epsilon": math.inf, "damping": 0.0,
-                                  "anchor": "none", "newton_max_steps": 30, "newton_rtol": 0.0, "newton_atol": 1e-10,
+                                  "target": "minimiser", "newton_max_steps": 30, "newton_rtol": 0.0, "newton_atol": 1e-10,
                                   "dense_rtol": 1e-12}
 ORACLE_TOL = 1e-10
 
@@ -140,7 +140,7 @@ def run(requests: int = 1000, batch: int = 4, seed: int = 0, workdir: Path | Non
     batches = [ids[i:i + batch] for i in range(0, requests, batch)]
     settings = stream_settings(**(settings_override or {}))
     remover = WarmStreamRemover("decision-layer-newton", FAST_METHOD, settings)
-    control, _ = DecisionLayerStream.from_model(model, task, data, LAYER, lam, anchor="none",
+    control, _ = DecisionLayerStream.from_model(model, task, data, LAYER, lam,
                                                 settings=stream_settings(refresh_every=10**9,
                                                                          drift_threshold=math.inf))
     x_all, y_all = data.columns["x"].reshape(len(data), -1).to(torch.float64), data.columns["y"]
@@ -153,7 +153,7 @@ def run(requests: int = 1000, batch: int = 4, seed: int = 0, workdir: Path | Non
         stream_parent = work / f"stream-{k % 2}"
         write_model_dir(stream_parent, run_fast.new_state, run_fast.card)
         fast = run_fast.record["fast_path"]
-        control.remove(group)
+        control.remove(group, target=lambda st: torch.zeros(st.p, dtype=torch.float64))
         keep[data.positions_of(group)] = False
         theta_opt, oracle_norm = retrained_optimum(x_all[keep], y_all[keep], lam, theta_opt)
         theta_stream = block_of(run_fast.new_state)

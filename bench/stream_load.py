@@ -20,7 +20,7 @@ service, the from-scratch removal or Retrain, so all three compare the trainable
 bench/forgetting.py does for R8 (``--quick``: 1,200 stories, 64 tokens).
 
 Run: the real service (``python -m jobs.cli stream serve``) on 127.0.0.1 with ``fast_path``
-enabled (``FAST_PATH``; method decision-layer-newton on the output layer, anchored target, epsilon inf);
+enabled (``FAST_PATH``; method decision-layer-newton on the output layer, target minimiser, epsilon inf);
 ``--requests`` single-subject requests (one training sample each, distinct, seeded) from
 ``--clients`` concurrent HTTP clients, closed loop (each sends its next request once the last
 one is applied, read from the ledger every 20 ms). Latency = acknowledged (the ledger's received_at, committed
@@ -35,7 +35,7 @@ version: data load, the trunk over 60,000 images, closed-form curvature, Newton;
 alone on cached head inputs, like bench/forgetting.py's newton-head row without a prepared
 curvature), Retrain (the head's recipe on D_r), and the fast path's own seconds per request.
 Drift: the last published output layer against (a) one from-scratch lfoci-newton removal of all
-removed samples from version 0 (anchored, converged tightly) and (b) the exact anchored optimum of
+removed samples from version 0 (target minimiser, converged tightly) and (b) the exact optimum of
 D_r (a refreshed ``DecisionLayerStream``); the recorded drift bounds and the threshold.
 
 Writes bench/results/stream_load[_r8][_quick][_kills].json (atomically).
@@ -79,9 +79,9 @@ LAYER = ["3.weight", "3.bias"]
 TOKEN_ENV = "UNLEARN_BENCH_TOKEN"
 # the method the service runs (and the from-scratch comparison): decision-layer-newton on the output layer
 METHOD = "decision-layer-newton"
-METHOD_SETTINGS: dict[str, Any] = {"parameters": LAYER, "anchor": "training_residual", "newton_rtol": 1e-3}
+METHOD_SETTINGS: dict[str, Any] = {"parameters": LAYER, "target": "minimiser", "newton_rtol": 1e-3}
 # the from-scratch drift reference: lfoci-newton's converged block Newton on the same layer and target
-SCRATCH_SETTINGS: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "anchor": "training_residual",
+SCRATCH_SETTINGS: dict[str, Any] = {"selection": "parameters", "parameters": LAYER, "target": "minimiser",
                                     "dense_max": 4096, "damping": 0.0, "dense_rtol": 1e-10, "newton_max_steps": 30,
                                     "newton_rtol": 1e-9, "newton_atol": 1e-12}
 FAST_PATH: dict[str, Any] = {"enabled": True, "refresh_every": 100, "drift_threshold": 1e-5,
@@ -472,18 +472,17 @@ def drift_report(setup: dict[str, Any], root: Path, removed: list[int], records:
     scratch_seconds = time.perf_counter() - started
     theta_scratch = torch.cat([outcome.new_parameters["3.weight"].reshape(-1), outcome.new_parameters["3.bias"]]).double()
     state, _ = DecisionLayerStream.from_model(copy.deepcopy(setup["head"]), setup["task"], data.train, LAYER, lam,
-                                              anchor="training_residual",
                                               settings=StreamSettings(refresh_every=10**9, refresh_tol=1e-11,
                                                                       refresh_max_steps=30))
-    state.remove(removed)
+    state.remove(removed, target=lambda st: torch.zeros(st.p, dtype=torch.float64))
     refreshed = state.refresh(converge=True)
     exact = state.theta
     moved = float(torch.linalg.vector_norm(exact - theta0))
     fast = [r["fast_path"] for r in records]
     return {
-        "what": f"||theta|| of the output layer ({int(head_block(setup['head']).numel()):,} entries); exact = the anchored optimum of D_r (refreshed state, "
+        "what": f"||theta|| of the output layer ({int(head_block(setup['head']).numel()):,} entries); exact = the optimum of D_r (refreshed state, "
                 "converged to 1e-11); from_scratch = one lfoci-newton removal of all removed samples from version 0 "
-                "(anchored, converged to 1e-9 relative)",
+                "(target minimiser, converged to 1e-9 relative)",
         "removal_moved_the_layer_by": moved,
         "served_to_exact": float(torch.linalg.vector_norm(theta_served - exact)),
         "served_to_from_scratch": float(torch.linalg.vector_norm(theta_served - theta_scratch)),

@@ -38,9 +38,11 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.frozen_prefix import PrefixCache, cache_frozen_prefix
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
+from pipeline.target.oracles import SoftmaxLayerOracle
+from pipeline.target.replay import ReplayPrepared, ReplaySchedule, prepare_replay, replay_target
 from pipeline.tasks import Task
 
-__all__ = ["DecisionLayerState", "decision_layer_block", "inputs_within"]
+__all__ = ["DecisionLayerState", "LayerReplay", "decision_layer_block", "inputs_within"]
 
 
 def decision_layer_block(model: nn.Module, parameters: list[str]) -> ParamBlock:
@@ -71,6 +73,48 @@ def _dense_within(dim: int) -> bool:
 
 
 @dataclass
+class LayerReplay:
+    """The ``retrain`` target of the decision layer by recipe replay (``pipeline.target.replay``),
+    prepared over the layer's inputs on the D it was built for (``sample_ids``) and carried to later
+    versions whose frozen prefix is unchanged: a removal at any later version replays D minus every
+    sample removed since. ``whole_model``: the layer is every trained parameter, so the target is the
+    replay itself; otherwise the layer's trained weights move by the replay's difference,
+    theta_0 + replay(D \\ U) - replay(D), which cancels what the replay of one layer over the final
+    features cannot know of the training of the layers below it. All in the layer's (class,
+    input-with-bias) layout."""
+
+    sample_ids: Tensor
+    oracle: SoftmaxLayerOracle
+    prepared: ReplayPrepared
+    theta_origin: Tensor
+    whole_model: bool
+
+    @classmethod
+    def build(cls, inputs: Tensor, labels: Tensor, sample_ids: Tensor, smoothing: float, classes: int,
+              schedule: ReplaySchedule, theta_init: Tensor, theta_origin: Tensor, whole_model: bool) -> "LayerReplay":
+        targets = (1 - smoothing) * nn.functional.one_hot(labels.long(), classes).to(torch.float64) + smoothing / classes
+        oracle = SoftmaxLayerOracle(inputs, targets)
+        return cls(sample_ids.clone(), oracle, prepare_replay(oracle, schedule, theta_init.to(torch.float64)),
+                   theta_origin.to(torch.float64).clone(), whole_model)
+
+    def target(self, retained_ids: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        """(the layer's target weights, flat in the layer layout, and the replay's record) for the
+        retained samples ``retained_ids`` (a subset of ``sample_ids``)."""
+        started = time.perf_counter()
+        keep = torch.isin(self.sample_ids, retained_ids)
+        if int(keep.sum()) != len(retained_ids):
+            raise ValueError("the retained samples are not all among those the layer's replay was prepared on")
+        forget = torch.nonzero(~keep).squeeze(1)
+        theta, cost = replay_target(self.oracle, self.prepared, forget)
+        if not self.whole_model:
+            theta = self.theta_origin + theta - self.prepared.w_mean_field
+        return theta, {"how": "recipe replay" if self.whole_model else "theta_0 + replay(D \\ U) - replay(D)",
+                       "removed_since_preparation": int(forget.numel()), "seconds": time.perf_counter() - started,
+                       "cost": cost.as_record(), "preparation_cost": self.prepared.cost.as_record(),
+                       "preparation_seconds": self.prepared.seconds}
+
+
+@dataclass
 class DecisionLayerState(Prepared):
     """The decision layer's prepared state (module docstring)."""
 
@@ -85,6 +129,7 @@ class DecisionLayerState(Prepared):
     logits: Tensor | None = None        # theta X~^T, class-major (K, n)
     inputs_norm: float | None = None    # ||X~||_F
     layer_inverse_cache: "tuple[Tensor, torch.dtype, Tensor] | None" = field(default=None, repr=False, compare=False)
+    replay: LayerReplay | None = field(default=None, repr=False, compare=False)  # built on the first replay target
 
     what = ("the decision layer over the frozen prefix's cached outputs on D: H_P(D) and its inverse, grad_P L_D, "
             "X~ and the logits (pipeline.decision_layer)")
@@ -180,4 +225,30 @@ class DecisionLayerState(Prepared):
                                          prefix=replace(self.prefix, train=kept, seconds=0.0))
         state.seconds = time.perf_counter() - started
         state.details["updated_from_removal"] = "frozen prefix outputs of D \\ U kept; closed forms recomputed"
+        state.replay = self.replay  # prepared on an earlier D over the same inputs: it replays D minus all removed
         return state
+
+    def layer_replay(self, model: nn.Module, task: Task, train: SampleSet, schedule: ReplaySchedule,
+                     theta_init: Tensor, order: Tensor, whole_model: bool) -> LayerReplay:
+        """The layer's replay (``LayerReplay``), built here on first use over the layer's inputs on
+        ``train`` (the prefix's cached outputs) and kept with the state; ``theta_init`` and the
+        layer's weights are in block order and put into the layer layout by ``order``."""
+        if self.replay is not None and self.replay.whole_model == whole_model \
+                and self.replay.prepared.schedule == schedule:
+            return self.replay
+        suffix, task, data = self.suffix_and_data(model, task, train)
+        assert self.block is not None and self.theta is not None
+        layer = closed_form_layer(suffix, task, self.block)
+        assert layer is not None
+        x = torch.ones(len(data), layer.in_features + 1, dtype=torch.float64)
+        x[:, :-1] = data.columns["x"].reshape(len(data), -1)
+        smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
+
+        def layered(flat: Tensor) -> Tensor:
+            out = torch.empty(flat.numel(), dtype=torch.float64)
+            out[order] = flat.to("cpu", torch.float64)
+            return out
+
+        self.replay = LayerReplay.build(x, data.columns["y"], data.sample_ids, smoothing, layer.out_features, schedule,
+                                        layered(theta_init), layered(self.theta), whole_model)
+        return self.replay

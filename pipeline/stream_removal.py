@@ -14,14 +14,15 @@ one exact pass. After a published fast removal the state continues from the publ
 Verification metrics (``metrics``: the keys of ``pipeline.evaluate.removal_metrics``) come from
 the cached layer inputs: the predictions of the parent and of the new weights on the whole split
 (one matrix product each) and on the test split, read off for the batch, the cumulative forget
-set and the retained set. The removal's target is the stationary point theta*_a of
-F_R(theta) - <a, theta> (a = the anchor: 0 for ``anchor: none``, where theta*_a is the optimum of D_r;
-else grad F_D(theta_0), where it is NOT the optimum of D_r). A version counts as having reached it
+set and the retained set. The removal's target is the method's ``target`` (``pipeline.target``), the
+point theta_T each removal sets as the unique stationary point of F_R(theta) - <a, theta>: a = 0 for
+the minimiser of F_R; a = grad F_R(theta_T) for Retrain's point by recipe replay (the layer's replay
+is prepared with the state and replays D minus every sample removed since). A version counts as having reached it
 (``record["fast_path"]["target_reached"]``) only when its refresh converged; every version carries
 the exact residual of its weights as published (dtype-cast) against that target,
 ``published_residual`` = ||grad F_R(theta_pub) - a||, and ``distance_to_target_bound`` = that / lambda
 >= ||theta_pub - theta*_a|| (lambda-strong convexity): a bound on the distance to the target, not
-to the optimum of D_r unless the anchor is none.
+to the optimum of D_r unless the target is the minimiser.
 The state rounds a fast step to the model's dtype before measuring its drift (``publish_dtype``),
 so after a fast step that measure is already the published residual of exactly these weights
 (checked by equality; a refresh's weights get their own exact pass).
@@ -52,7 +53,7 @@ class FastPathError(ValueError):
 
 
 def check_fast_path_settings(method: str, settings: Any, field: str = "method") -> tuple[Any, str]:
-    """(the parsed decision-layer-newton settings, anchor), or FastPathError naming the field."""
+    """(the parsed decision-layer-newton settings, its target), or FastPathError naming the field."""
     from pipeline.methods.base import parse_settings
 
     if method != "decision-layer-newton":
@@ -63,7 +64,7 @@ def check_fast_path_settings(method: str, settings: Any, field: str = "method") 
     if parsed.epsilon != float("inf"):
         raise FastPathError(f"fast_path adds no privacy noise: {field}.settings.epsilon must be .inf (got "
                             f"{parsed.epsilon}); set fast_path.enabled: false for noisy removals")
-    return parsed, parsed.anchor
+    return parsed, parsed.target
 
 
 @dataclass
@@ -88,7 +89,9 @@ class WarmStreamRemover:
     def __init__(self, method: str, settings: Mapping[str, Any], stream: StreamSettings, *, batch_size: int = 4096,
                  log=None) -> None:
         self.method = method
-        self.settings, self.anchor = check_fast_path_settings(method, settings)
+        self.settings, self.target = check_fast_path_settings(method, settings)
+        self.target_term: Any = None  # state -> a, for the target of the state's version (set by warm)
+        self.target_record: dict[str, Any] = {}
         self.parameters: list[str] = []  # the decision layer's weight and bias (known once a state is built)
         self.stream_settings, self.batch_size = stream, batch_size
         self.log = log or (lambda _msg: None)
@@ -133,7 +136,7 @@ class WarmStreamRemover:
         self.parameters = [part.name for part in prepared.block.parts]
         block_dtype = model.state_dict()[self.parameters[0]].dtype
         state, prefix = DecisionLayerStream.from_state(prepared, model, task, train, card.training.weight_decay,
-                                                       anchor=self.anchor, settings=self.stream_settings,
+                                                       settings=self.stream_settings,
                                                        publish_dtype=block_dtype)
         from pipeline.data import load_source
 
@@ -159,8 +162,7 @@ class WarmStreamRemover:
         rest[in_state] = False
         if bool(rest.any()):
             x_all[rest] = layer_inputs(full.take(torch.nonzero(rest).squeeze(1)))
-        # the state converged at the build (anchor none) may already have moved the weights: the
-        # first removal's parent is still this directory, so "before" metrics use its weights
+        self.target_term, self.target_record = self._target_term(prepared, model, task, train, card, state)
         self._last_correct = None  # predictions were of the old cached inputs
         self.held = _Held(directory, {k: v.detach().clone() for k, v in model.state_dict().items()},
                           frozenset(int(i) for i in card.training.removed_ids), block_dtype,
@@ -175,6 +177,42 @@ class WarmStreamRemover:
                  f"(n = {state.n}, block {state.p})")
         return record
 
+    def _target_term(self, prepared: Any, model: Any, task: Any, train: Any, card: Any,
+                     state: DecisionLayerStream) -> tuple[Any, dict[str, Any]]:
+        """(state -> a, the target's record) for the method's ``target`` on this version: a = 0 for the
+        minimiser; a = grad F_R(theta_T) for the recipe replay's theta_T of the retained set.
+        FastPathError naming the field where the target cannot run on the fast path."""
+        from pipeline.methods.block_choice import trainable_numel
+        from pipeline.recipe import start_weights
+        from pipeline.target import resolve_target
+
+        kind, schedule, why = resolve_target(self.target, card, card.training.weight_decay, state.p,
+                                             self.settings.replay_max_parameters)
+        record: dict[str, Any] = {"setting": self.target, "how": kind, "why": why}
+        if kind == "minimiser":
+            record["point"] = "the optimum of D_r (grad F_R = 0)"
+            return (lambda st: torch.zeros(st.p, dtype=torch.float64)), record
+        if kind != "replay":
+            raise FastPathError(f"method.settings.target: the fast path serves the minimiser or the recipe replay of a "
+                                f"layer of at most replay_max_parameters = {self.settings.replay_max_parameters} "
+                                f"entries (this layer has {state.p}); raise replay_max_parameters, set target: "
+                                "minimiser, or set fast_path.enabled: false")
+        k, d = state.k, state.d
+        order = torch.cat([(torch.arange(k)[:, None] * (d + 1) + torch.arange(d)[None, :]).reshape(-1),
+                           torch.arange(k) * (d + 1) + d])  # the stream's [W row-major, b] -> (class, input-with-bias)
+        whole = state.p == trainable_numel(model)
+        theta_init = prepared.block.gather(start_weights(card))
+        replay = prepared.layer_replay(model, task, train, schedule, theta_init, order, whole)
+        record["point"] = ("Retrain's point by recipe replay (theta_T = replay(D \\ U))" if whole else
+                           "Retrain's point by recipe replay (theta_T = theta_0 + replay(D \\ U) - replay(D))")
+
+        def term(st: DecisionLayerStream) -> Tensor:
+            theta_layer, replayed = replay.target(st.retained_ids())
+            record["replay"] = replayed
+            return st.exact_gradient(theta_layer[order])
+
+        return term, record
+
     # -- one removal ------------------------------------------------------------------------
     def remove(self, directory: str | Path, sample_ids: Sequence[int], seed: int = 0) -> RemovalRun:
         """The removal of ``sample_ids`` from the parent in ``directory`` on the warm state."""
@@ -187,7 +225,7 @@ class WarmStreamRemover:
         w_name, b_name = self.parameters
         self._before = torch.cat([model.state_dict()[w_name].reshape(-1), model.state_dict()[b_name]]).to(torch.float64)
         try:
-            step = state.remove(sample_ids, field="sample_ids")
+            step = state.remove(sample_ids, field="sample_ids", target=self.target_term)
         except Exception:
             # a removal that failed part-way may have changed the sums: never reuse this state
             self.state, self.held = None, None
@@ -222,10 +260,7 @@ class WarmStreamRemover:
                           "published_residual": published, "distance_to_target_bound": published / state.lam,
                           "published_residual_from": published_from,
                           "state": state.describe(), "built": built},
-            "target": {"anchor": self.anchor, "anchor_norm": float(torch.linalg.vector_norm(state.anchor)),
-                       "point": "the optimum of D_r (grad F_R = 0)" if self.anchor == "none" else
-                       "the stationary point of F_R - <a, theta>, a = grad F_D at the state's build (not the optimum "
-                       "of D_r)"},
+            "target": {**self.target_record, "target_term_norm": float(torch.linalg.vector_norm(state.anchor))},
             "step_norm": step.step_norm,
             "release": PrivacyRelease.non_private().model_dump(mode="json"),
             "wall_seconds": time.perf_counter() - started,

@@ -9,8 +9,11 @@ the block order of ``ParamBlock`` (W row-major, then b); x~ = (x, 1). Per sample
     H_i(theta) = M_i (kron) x~_i x~_i^T,            M = diag(p) - p p^T
 
 The retained objective (the project's convention, ``pipeline.methods.lfoci_newton``):
-F_R(theta) = (1/n_R) sum_{i in R} loss_i + (lambda/2)||theta||^2, target grad F_R = a, with the
-anchor a = grad F_D(theta_0) at the state's build (``anchor: training_residual``) or 0.
+F_R(theta) = (1/n_R) sum_{i in R} loss_i + (lambda/2)||theta||^2, target grad F_R = a. The target
+term a is grad F_D(theta_0) at the build (the weights as they are: nothing removed yet) and is
+set by each removal (``remove(..., target=)``): 0 for the minimiser of F_R, or grad F_R(theta_T)
+for a target point theta_T (``pipeline.target``: the recipe replay), whose unique minimiser of
+F_R - <a, .> is theta_T (F_R is strictly convex).
 
 State, at the refresh point theta_ref (the weights of the last refresh), over the retained set R:
     G_R = sum_{i in R} g_i(theta_ref),   S_R = sum_{i in R} H_i(theta_ref)   (dense, p x p)
@@ -54,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -140,11 +143,8 @@ class DecisionLayerStream:
     (K, d) and ``bias`` (K,). Everything is float64 on the CPU."""
 
     def __init__(self, x: Tensor, y: Tensor, sample_ids: Tensor, weight: Tensor, bias: Tensor, weight_decay: float,
-                 *, anchor: str = "training_residual", label_smoothing: float = 0.0,
-                 settings: StreamSettings | None = None, converge_at_build: bool | None = None,
+                 *, label_smoothing: float = 0.0, settings: StreamSettings | None = None,
                  publish_dtype: torch.dtype | None = None) -> None:
-        if anchor not in ("none", "training_residual"):
-            raise ValueError(f"anchor must be 'none' or 'training_residual' (got {anchor!r})")
         if not weight_decay > 0:
             raise ValueError("the streaming state needs weight_decay > 0 (a strongly convex block objective); "
                              f"got {weight_decay}")
@@ -172,20 +172,17 @@ class DecisionLayerStream:
         self.removals_since_refresh = 0
         self.total_removed = 0
         self.refreshes = 0
-        self.anchor_kind = anchor
-        self.anchor = torch.zeros(self.p, dtype=torch.float64)
         self.G = torch.zeros(self.p, dtype=torch.float64)
         self.S = torch.zeros(self.p, self.p, dtype=torch.float64)
         self._ref: _Refresh | None = None
-        converge = (anchor == "none") if converge_at_build is None else converge_at_build
-        if anchor == "training_residual":  # a = grad F_D(theta_0): exact, at the build weights
-            self.anchor = self._gradient_sum(self.x, self.y, self.theta) / self.n + self.lam * self.theta
-        self.build_record = self.refresh(converge=converge, reason="build")
+        # a = grad F_D(theta_0), exact at the build weights: the state holds them until a removal sets its target
+        self.anchor = self._gradient_sum(self.x, self.y, self.theta) / self.n + self.lam * self.theta
+        self.build_record = self.refresh(converge=False, reason="build")
 
     # -- construction from a model ---------------------------------------------------------
     @classmethod
     def from_state(cls, prepared: DecisionLayerState, model: nn.Module, task: Task, train: SampleSet,
-                   weight_decay: float, *, anchor: str = "training_residual", settings: StreamSettings | None = None,
+                   weight_decay: float, *, settings: StreamSettings | None = None,
                    publish_dtype: torch.dtype | None = None) -> tuple["DecisionLayerStream", Any]:
         """The stream over the decision layer of ``prepared`` (the state the decision-layer methods
         prepare for ``model`` and ``train``: the same cached prefix outputs); returns it and the
@@ -197,13 +194,13 @@ class DecisionLayerStream:
         assert layer is not None and layer.bias is not None  # DecisionLayerState.build checked both
         x = data.columns["x"].reshape(len(data), -1)
         smoothing = float(getattr(task, "loss_options", {}).get("label_smoothing", 0.0))
-        state = cls(x, data.columns["y"], data.sample_ids, layer.weight, layer.bias, weight_decay, anchor=anchor,
+        state = cls(x, data.columns["y"], data.sample_ids, layer.weight, layer.bias, weight_decay,
                     label_smoothing=smoothing, settings=settings, publish_dtype=publish_dtype)
         return state, (None if prepared.prefix is None else prepared.prefix.split)
 
     @classmethod
     def from_model(cls, model: nn.Module, task: Task, train: SampleSet, parameters: Sequence[str],
-                   weight_decay: float, *, anchor: str = "training_residual", settings: StreamSettings | None = None,
+                   weight_decay: float, *, settings: StreamSettings | None = None,
                    batch_size: int = 4096, publish_dtype: torch.dtype | None = None,
                    ) -> tuple["DecisionLayerStream", nn.Module | None]:
         """``from_state`` of the decision-layer state prepared for ``model`` (the decision-layer
@@ -215,7 +212,7 @@ class DecisionLayerStream:
         method = get_method("decision-layer-newton")
         settings_ = method.Settings(parameters=list(parameters))
         prepared, _ = prepare(method, TrainedModel(model, task, train, weight_decay, batch_size), settings_)
-        return cls.from_state(prepared, model, task, train, weight_decay, anchor=anchor, settings=settings,
+        return cls.from_state(prepared, model, task, train, weight_decay, settings=settings,
                               publish_dtype=publish_dtype)
 
     # -- closed forms ------------------------------------------------------------------------
@@ -366,9 +363,12 @@ class DecisionLayerStream:
                 "converged": norm <= tol, "moved": float(torch.linalg.vector_norm(self.theta - theta_start)),
                 "history": steps, "seconds": time.perf_counter() - started}
 
-    def remove(self, sample_ids: Sequence[int], *, field: str = "sample_ids", force_refresh: bool = False) -> StreamStep:
+    def remove(self, sample_ids: Sequence[int], *, field: str = "sample_ids", force_refresh: bool = False,
+               target: "Callable[[DecisionLayerStream], Tensor] | None" = None) -> StreamStep:
         """Remove ``sample_ids`` (retained, distinct): the fast path, then a refresh when K removals
-        have passed since the last one, when the drift bound passes the threshold, or when forced."""
+        have passed since the last one, when the drift bound passes the threshold, or when forced.
+        ``target(state)``, called once the samples are out of the retained set, gives the new target
+        term a (0: the minimiser of F_R; grad F_R(theta_T): the point theta_T); None keeps a."""
         started = time.perf_counter()
         assert self._ref is not None
         pos = self.positions(sample_ids, field)
@@ -387,6 +387,8 @@ class DecisionLayerStream:
         self.cube_sum -= float(self.cube[pos].sum())
         self.total_removed += m
         self.removals_since_refresh += 1
+        if target is not None:
+            self.anchor = target(self).to(torch.float64)
         # the fast step: the minimiser of the quadratic model of F_R - <a, theta>
         residual = self.tracked_gradient() - self.anchor
         delta, solver = self._solve(self.system(), residual)
@@ -411,8 +413,8 @@ class DecisionLayerStream:
 
     def describe(self) -> dict[str, Any]:
         return {"classes": self.k, "inputs": self.d, "block_numel": self.p, "n_retained": self.n,
-                "removed": self.total_removed, "refreshes": self.refreshes, "anchor": self.anchor_kind,
-                "anchor_norm": float(torch.linalg.vector_norm(self.anchor)), "weight_decay": self.lam,
+                "removed": self.total_removed, "refreshes": self.refreshes,
+                "target_term_norm": float(torch.linalg.vector_norm(self.anchor)), "weight_decay": self.lam,
                 "settings": asdict(self.settings), "drift_constant": self.drift_constant(),
                 "publish_dtype": None if self.publish_dtype is None else str(self.publish_dtype).removeprefix("torch."),
                 "removals_since_refresh": self.removals_since_refresh}

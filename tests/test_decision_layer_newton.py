@@ -1,5 +1,5 @@
 """The decision layer (issue 12 section 2, issue 24): the closed-form Hessian of a Linear layer under
-cross-entropy, the frozen-prefix cache and the anchored target of lfoci-newton's block Newton, and
+cross-entropy, the frozen-prefix cache and the targets of lfoci-newton's block Newton, and
 the decision-layer-newton method (matrix-free Newton from the prepared state), each against an exact
 reference."""
 from __future__ import annotations
@@ -40,20 +40,30 @@ def sgd_mlp(digits):
     return sgd_mlp_head(digits, seed=2, epochs=3, weight_decay=LAMBDA)
 
 
-def run(model, data, positions, **settings):
+def sgd_card(data):
+    """A model card whose recipe is SGD for a fixed budget (the sgd_mlp fixture's): the ``retrain``
+    target then has a training budget tau to damp by."""
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+
+    return ModelCard(preset="mlp", options={"hidden": [16]}, data=DataRef(source="digits"),
+                     training=TrainingRecord(weight_decay=LAMBDA, n=len(data), optimizer="sgd", epochs=3, lr=0.1,
+                                             batch_size=64, seed=2))
+
+
+def run(model, data, positions, card=None, **settings):
     """lfoci-newton's block Newton on the decision layer (named), on a copy of ``model``."""
     work = copy.deepcopy(model)
     method = get_method("lfoci-newton")
-    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1)
+    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1, card=card)
     outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, **settings))
     return work, outcome.record
 
 
-def run_dl(model, data, positions, prepared=None, **settings):
+def run_dl(model, data, positions, prepared=None, card=None, **settings):
     """decision-layer-newton on a copy of ``model``, from ``prepared`` when given (else prepared here)."""
     work = copy.deepcopy(model)
     method = get_method("decision-layer-newton")
-    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1)
+    problem = RemovalProblem(work, softmax_task(), data, torch.as_tensor(positions), LAMBDA, seed=1, card=card)
     outcome = method.run(problem, method.Settings(**{"parameters": HEAD, **settings}), prepared)
     return work, outcome.record
 
@@ -73,20 +83,21 @@ def head_gradient(model, data, positions=None):
     return block_gradient(model, softmax_task(), keep, block, LAMBDA, reduction="mean")
 
 
-def anchored_minimiser(model, data, forget, r0):
-    """Oracle: the output layer minimising L_{D\\U}(w) - <r0, w_P> (convex in it), by a tight
-    L-BFGS solve over the hidden features; flat (weight, bias), float64."""
+def anchored_minimiser(model, data, forget, r0, mu=0.0):
+    """Oracle: the output layer minimising L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_P0||^2 (convex in
+    it), by a tight L-BFGS solve over the hidden features; flat (weight, bias), float64."""
     keep = data.without(torch.as_tensor(forget))
     h = model[:3](keep.columns["x"]).detach()
     y = keep.columns["y"]
     w = torch.cat([model[3].weight.detach().reshape(-1), model[3].bias.detach()]).clone().requires_grad_(True)
+    w0 = w.detach().clone()
     k, d = model[3].weight.shape
     others = sum(float(p.detach().pow(2).sum()) for p in (model[1].weight, model[1].bias))
 
     def objective():
         wt, b = w[: k * d].reshape(k, d), w[k * d:]
         loss = nn.functional.cross_entropy(h @ wt.T + b, y)
-        return loss + 0.5 * LAMBDA * (w.pow(2).sum() + others) - r0 @ w
+        return loss + 0.5 * LAMBDA * (w.pow(2).sum() + others) - r0 @ w + 0.5 * mu * (w - w0).pow(2).sum()
 
     opt = torch.optim.LBFGS([w], lr=1, max_iter=2000, tolerance_grad=1e-13, tolerance_change=1e-18,
                             history_size=50, line_search_fn="strong_wolfe")
@@ -137,41 +148,48 @@ def test_cached_prefix_and_closed_form_give_the_same_removal_as_the_full_model(s
     assert torch.equal(fast[1].weight, sgd_mlp[1].weight) and torch.equal(fast[1].bias, sgd_mlp[1].bias)
 
 
-def test_anchored_target_is_the_stationary_point_of_the_anchored_objective(sgd_mlp, digits):
-    """grad_P L_{D\\U}(w') = grad_P L_D(w) at the start: checked directly, and against a tight
-    L-BFGS minimisation of L_{D\\U}(w) - <r0, w_P> over the output layer (convex in it)."""
+def test_budget_damped_target_is_the_stationary_point_of_the_damped_objective_on_both_paths(sgd_mlp, digits):
+    """target: retrain on an SGD card with a layer above replay_max_parameters: the replay's one-window
+    form, grad_P L_{D\\U}(w') - r0 + mu (w' - w0) = 0 with r0 = grad_P L_D(w0) and mu = 1/tau, tau the
+    recipe's heavy-ball sum of rates on D \\ U; checked directly, against a tight L-BFGS minimisation of
+    the damped objective, and as the same point on the block-Newton and decision-layer paths."""
+    from pipeline.target import ReplaySchedule
+
     r0 = head_gradient(sgd_mlp, digits)
     assert float(torch.linalg.vector_norm(r0)) > 1e-3  # the SGD model is not at a stationary point
-    anchored, record = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
-                           newton_rtol=1e-10, newton_atol=1e-12)
-    assert record["target"]["anchor"] == "training_residual"
-    assert record["newton"]["converged"]
-    left = head_gradient(anchored, digits, FORGET) - r0
+    card = sgd_card(digits)
+    tau = ReplaySchedule(3, 0.1, 0.9, 64, LAMBDA).training_time(len(digits) - len(FORGET))
+    tight = dict(newton_max_steps=20, newton_rtol=1e-10, newton_atol=1e-12, replay_max_parameters=1)
+    damped, record = run(sgd_mlp, digits, FORGET, card=card, **tight)
+    assert record["target"]["how"] == "budget_damped" and record["newton"]["converged"]
+    assert record["target"]["mu"] == pytest.approx(1.0 / tau, rel=1e-12)
+    w0, w1 = flat(sgd_mlp)[-170:], flat(damped)[-170:]  # the output layer: 10 x 16 weight + 10 bias
+    left = head_gradient(damped, digits, FORGET) - r0 + (w1 - w0) / tau
     assert float(torch.linalg.vector_norm(left)) <= 1e-9
-
-    w = anchored_minimiser(sgd_mlp, digits, FORGET, r0)
-    ours = torch.cat([anchored[3].weight.detach().reshape(-1), anchored[3].bias.detach()])
-    assert float(torch.linalg.vector_norm(ours - w)) <= 1e-6 * float(torch.linalg.vector_norm(w))
-
-    # without the anchor the target is the retrained optimum of the block instead: a different point
-    plain, _ = run(sgd_mlp, digits, FORGET, newton_max_steps=20, newton_rtol=1e-10, newton_atol=1e-12)
+    w = anchored_minimiser(sgd_mlp, digits, FORGET, r0, mu=1.0 / tau)
+    assert float(torch.linalg.vector_norm(w1 - w)) <= 1e-6 * float(torch.linalg.vector_norm(w))
+    layer, rec_dl = run_dl(sgd_mlp, digits, FORGET, card=card, **{**tight, "newton_max_steps": 40})
+    assert rec_dl["target"]["how"] == "budget_damped"
+    assert float(torch.linalg.vector_norm(flat(layer) - flat(damped))) <= 1e-6 * float(torch.linalg.vector_norm(w))
+    # the minimiser is another point: the retrained optimum of the layer
+    plain, rec = run(sgd_mlp, digits, FORGET, target="minimiser", newton_max_steps=20, newton_rtol=1e-10,
+                     newton_atol=1e-12)
+    assert rec["target"]["how"] == "minimiser"
     assert float(torch.linalg.vector_norm(head_gradient(plain, digits, FORGET))) <= 1e-9
-    assert float(torch.linalg.vector_norm(flat(plain) - flat(anchored))) > 1e-2
+    assert float(torch.linalg.vector_norm(flat(plain) - flat(damped))) > 1e-2
 
 
-def test_anchor_changes_nothing_at_an_exact_optimum(digits):
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
-    torch.manual_seed(4)
-    fit_lbfgs(model, softmax_task(), digits, LAMBDA, tolerance=1e-7, max_steps=80)
-    report = fit_newton(model, softmax_task(), digits, LAMBDA, tolerance=1e-10, max_steps=40)
-    assert report.gradient_norm <= 1e-9, report
-    plain, _ = run(model, digits, FORGET, newton_max_steps=10, newton_rtol=1e-10, newton_atol=1e-12)
-    anchored, rec = run(model, digits, FORGET, anchor="training_residual", newton_max_steps=10,
-                        newton_rtol=1e-10, newton_atol=1e-12)
-    assert rec["target"]["anchor_norm"] <= 1e-8
-    moved = float(torch.linalg.vector_norm(flat(plain) - flat(model)))
-    assert moved > 1e-3
-    assert float(torch.linalg.vector_norm(flat(plain) - flat(anchored))) <= 1e-6 * moved
+def test_retrain_is_the_minimiser_without_an_sgd_recipe(sgd_mlp, digits):
+    """No card (Retrain's recipe unknown) or a converging recipe: target retrain is the minimiser."""
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+
+    lbfgs = ModelCard(preset="mlp", options={"hidden": [16]}, data=DataRef(source="digits"),
+                      training=TrainingRecord(weight_decay=LAMBDA, n=len(digits), optimizer="lbfgs"))
+    plain, _ = run(sgd_mlp, digits, FORGET, target="minimiser", newton_max_steps=10)
+    for card in (None, lbfgs):
+        same, rec = run(sgd_mlp, digits, FORGET, card=card, newton_max_steps=10)
+        assert rec["target"]["how"] == "minimiser" and rec["target"]["setting"] == "retrain"
+        assert torch.equal(flat(same), flat(plain))
 
 
 def test_prepared_state_is_used_only_where_it_holds_and_changes_no_result(sgd_mlp, digits):
@@ -222,24 +240,30 @@ def test_matrix_free_closed_form_products_equal_the_hessian_vector_products(sgd_
         assert float(torch.linalg.vector_norm(free - exact)) <= 1e-11 * float(torch.linalg.vector_norm(exact))
 
 
-@pytest.mark.parametrize("anchor", ["none", "training_residual"])
-def test_fisher_dense_step_on_the_decision_layer_is_the_exact_newton_step(sgd_mlp, digits, anchor):
-    """Noise off: w' = w - B^{-1} (grad L_Dr(w) - a), B the exact Hessian of L_Dr on the output layer
-    (Hessian-vector products), a = grad L_D(w) when anchored, else 0."""
+@pytest.mark.parametrize("target", ["minimiser", "retrain"])
+def test_fisher_dense_step_on_the_decision_layer_is_the_exact_newton_step(sgd_mlp, digits, target):
+    """Noise off: w' = w - (B + mu I)^{-1} (grad L_Dr(w) - a), B the exact Hessian of L_Dr on the output
+    layer (Hessian-vector products); minimiser a = 0, mu = 0; retrain on an SGD card the budget-damped
+    step, a = grad L_D(w), mu = 1/tau."""
+    from pipeline.target import ReplaySchedule
+
     forget = torch.as_tensor(FORGET)
     work = copy.deepcopy(sgd_mlp)
     method = get_method("fisher")
-    problem = RemovalProblem(work, softmax_task(), digits, forget, LAMBDA, seed=1)
-    outcome = method.run(problem, method.Settings(parameters=HEAD, curvature="dense", tradeoff=0.0, anchor=anchor))
+    problem = RemovalProblem(work, softmax_task(), digits, forget, LAMBDA, seed=1, card=sgd_card(digits))
+    outcome = method.run(problem, method.Settings(parameters=HEAD, curvature="dense", tradeoff=0.0, target=target))
+    mu = 0.0 if target == "minimiser" else 1.0 / ReplaySchedule(3, 0.1, 0.9, 64, LAMBDA).training_time(
+        len(digits) - len(FORGET))
     block = ParamBlock.from_rows(sgd_mlp, {name: None for name in HEAD})
     retain = digits.without(forget)
     b = BlockHessian(sgd_mlp, softmax_task(), retain, block, LAMBDA, reduction="mean").to_dense()
     g = head_gradient(sgd_mlp, digits, FORGET)
-    a = head_gradient(sgd_mlp, digits) if anchor == "training_residual" else torch.zeros_like(g)
+    a = head_gradient(sgd_mlp, digits) if target == "retrain" else torch.zeros_like(g)
+    b = b + mu * torch.eye(len(g), dtype=b.dtype)
     expected = block.gather(dict(sgd_mlp.named_parameters())).detach().double() - torch.linalg.solve(b, g - a)
     got = block.gather(dict(work.named_parameters())).double()
     assert float(torch.linalg.vector_norm(got - expected)) <= 1e-8 * float(torch.linalg.vector_norm(expected))
-    assert outcome.record["anchor"]["kind"] == anchor
+    assert outcome.record["target"]["how"] == ("budget_damped" if target == "retrain" else "minimiser")
 
 
 # ---- decision-layer-newton (Newton with the current curvature, never built) -------------------
@@ -249,7 +273,7 @@ def class_positions(data, label=3):
 
 def test_matrix_free_objective_matches_autograd():
     """grad F and H V of pipeline.curvature.softmax_layer against autograd on the same objective
-    (label smoothing, anchor): a wrong sign or a missing 1/n or lambda fails."""
+    (label smoothing, target term, proximal term): a wrong sign or a missing 1/n, lambda or mu fails."""
     gen = torch.Generator().manual_seed(3)
     n, d, k, s = 40, 5, 4, 0.1
     x = torch.cat([torch.randn(n, d, generator=gen), torch.ones(n, 1)], 1).double()  # exact in float32, as a
@@ -257,13 +281,13 @@ def test_matrix_free_objective_matches_autograd():
     targets = (1 - s) * nn.functional.one_hot(y, k).double() + s / k
     anchor, ref = torch.randn(k, d + 1, generator=gen, dtype=torch.float64), torch.randn(k, d + 1, generator=gen,
                                                                                          dtype=torch.float64)
-    obj = SoftmaxLayerObjective(x, targets, 0.07, anchor, ref)
+    obj = SoftmaxLayerObjective(x, targets, 0.07, anchor, ref, proximal=0.3)
     theta = torch.randn(k, d + 1, generator=gen, dtype=torch.float64, requires_grad=True)
 
     def f(t):
         z = x @ t.T
         return (nn.functional.cross_entropy(z, y, label_smoothing=s) + 0.035 * (t * t).sum()
-                - (anchor * (t - ref)).sum())
+                - (anchor * (t - ref)).sum() + 0.15 * ((t - ref) ** 2).sum())
 
     z = obj.logits(theta.detach())
     assert z.shape == (k, n)  # class-major
@@ -279,7 +303,7 @@ def test_matrix_free_objective_matches_autograd():
 
     # float32 inputs: float32 passes, their gradient within its stated rounding floor of the exact one
     # (and that floor far below the gradient), the same after the switch to float64 passes
-    obj32 = SoftmaxLayerObjective(x.float(), targets, 0.07, anchor, ref)
+    obj32 = SoftmaxLayerObjective(x.float(), targets, 0.07, anchor, ref, proximal=0.3)
     z32 = obj32.logits(theta.detach())
     p32 = torch.softmax(z32, dim=0)
     floor = obj32.gradient_floor(p32)
@@ -293,11 +317,11 @@ def test_matrix_free_objective_matches_autograd():
         <= 1e-12
 
 
-def test_decision_layer_newton_lands_on_the_anchored_minimiser_of_a_class_removal(sgd_mlp, digits):
-    """Class forgetting on the softmax head: the decision-layer Newton lands on the anchored optimum
-    (tight L-BFGS oracle), far from the start."""
+def test_decision_layer_newton_lands_on_the_minimiser_of_a_class_removal(sgd_mlp, digits):
+    """Class forgetting on the softmax head: the decision-layer Newton lands on the retrained optimum
+    of the layer (tight L-BFGS oracle), far from the start."""
     forget = class_positions(digits)
-    r0 = head_gradient(sgd_mlp, digits)
+    r0 = torch.zeros(170, dtype=torch.float64)
     oracle = anchored_minimiser(sgd_mlp, digits, forget, r0)
     start = torch.cat([sgd_mlp[3].weight.detach().reshape(-1), sgd_mlp[3].bias.detach()])
     span = float(torch.linalg.vector_norm(oracle - start))
@@ -306,8 +330,8 @@ def test_decision_layer_newton_lands_on_the_anchored_minimiser_of_a_class_remova
     def head(model):
         return torch.cat([model[3].weight.detach().reshape(-1), model[3].bias.detach()])
 
-    exact, rec = run_dl(sgd_mlp, digits, forget, anchor="training_residual", anchor_absent_classes=True,
-                        newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
+    exact, rec = run_dl(sgd_mlp, digits, forget, target="minimiser", newton_max_steps=60, newton_rtol=1e-11,
+                        newton_atol=1e-13)
     assert rec["newton"]["converged"] and rec["curvature"]["solvers"][0]["solver"] == "pcg-matrix-free"
     assert float(torch.linalg.vector_norm(head(exact) - oracle)) <= 1e-6 * span
     assert float(torch.linalg.vector_norm(head_gradient(exact, digits, forget) - r0)) <= 1e-9
@@ -316,9 +340,9 @@ def test_decision_layer_newton_lands_on_the_anchored_minimiser_of_a_class_remova
 
 @pytest.mark.parametrize("preconditioner", ["auto", "kronecker", "none"])
 def test_decision_layer_newton_equals_converged_block_newton_where_that_converges(sgd_mlp, digits, preconditioner):
-    newton, rec_n = run(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=20,
+    newton, rec_n = run(sgd_mlp, digits, FORGET, target="minimiser", newton_max_steps=20,
                         newton_rtol=1e-10, newton_atol=1e-12)
-    free, rec_f = run_dl(sgd_mlp, digits, FORGET, anchor="training_residual", newton_max_steps=40,
+    free, rec_f = run_dl(sgd_mlp, digits, FORGET, target="minimiser", newton_max_steps=40,
                          newton_rtol=1e-10, newton_atol=1e-12, newton_preconditioner=preconditioner)
     assert rec_n["newton"]["converged"] and rec_f["newton"]["converged"]
     expected = {"auto": "prepared H_P(D)^-1", "kronecker": "kronecker", "none": "none"}[preconditioner]
@@ -351,7 +375,7 @@ def test_subsampled_and_float32_products_reach_the_same_minimiser(sgd_mlp, digit
     """Hessian products on a subsample (curvature_samples) or in float32 (a float32 model) change
     the path, not the point: the gradient is exact, so the class-forgetting minimiser is the same."""
     forget = class_positions(digits)
-    settings = dict(anchor="training_residual", newton_max_steps=80)
+    settings = dict(target="minimiser", newton_max_steps=80)
     full, _ = run_dl(sgd_mlp, digits, forget, newton_rtol=1e-11, newton_atol=1e-13, curvature_samples=None, **settings)
     # a subsampled Hessian converges linearly: a looser stop, ||w - w*|| <= ||grad|| / lambda
     sub, rec = run_dl(sgd_mlp, digits, forget, curvature_samples=300, newton_rtol=1e-9, newton_atol=1e-13,
@@ -397,30 +421,6 @@ def test_bfloat16_curvature_products_are_within_their_stated_accuracy(sgd_mlp, d
         > 10 * float(torch.linalg.vector_norm(objectives[torch.float32].hessian_product(p.float(), v) - 1e-3 * v - want))
 
 
-def test_the_anchor_is_dropped_on_the_rows_of_a_class_with_no_retained_sample(sgd_mlp, digits):
-    """anchor_absent_classes false (the default): forgetting class 3 leaves D_r without it, so the
-    target is grad L_{D\\U}(w') = r0 with r0's class-3 weight row and bias zeroed (oracle: L-BFGS
-    on that objective); a forget set that leaves every class present is anchored as before."""
-    forget = class_positions(digits)
-    r0 = head_gradient(sgd_mlp, digits)
-    k, d = sgd_mlp[3].weight.shape
-    cut = r0.clone()
-    cut[3 * d:4 * d] = 0.0
-    cut[k * d + 3] = 0.0
-    oracle = anchored_minimiser(sgd_mlp, digits, forget, cut)
-    kept = anchored_minimiser(sgd_mlp, digits, forget, r0)
-    assert float(torch.linalg.vector_norm(oracle - kept)) > 0.1  # the two targets differ
-    settings = dict(anchor="training_residual", newton_max_steps=60, newton_rtol=1e-11, newton_atol=1e-13)
-    ours, rec = run_dl(sgd_mlp, digits, forget, **settings)
-    assert rec["target"]["unanchored_classes"] == [3]
-    got = torch.cat([ours[3].weight.detach().reshape(-1), ours[3].bias.detach()])
-    assert float(torch.linalg.vector_norm(got - oracle)) <= 1e-6 * float(torch.linalg.vector_norm(oracle))
-    # every class still present: nothing unanchored, the same point as anchor_absent_classes true
-    a, rec_a = run_dl(sgd_mlp, digits, FORGET, **settings)
-    b, _ = run_dl(sgd_mlp, digits, FORGET, anchor_absent_classes=True, **settings)
-    assert rec_a["target"]["unanchored_classes"] == [] and torch.equal(flat(a), flat(b))
-
-
 @pytest.mark.parametrize("preconditioner", ["auto", "kronecker"])
 def test_the_prepared_inputs_give_the_path_of_a_copy_of_the_retained_set(sgd_mlp, digits, preconditioner):
     """The prepared X~ of D with the forgotten rows masked (no copy of D_r per removal) takes the
@@ -431,7 +431,7 @@ def test_the_prepared_inputs_give_the_path_of_a_copy_of_the_retained_set(sgd_mlp
     assert torch.equal(state.inputs_t, state.inputs.T)
     copied = dataclasses.replace(state, inputs=None, inputs_t=None)
     for forget in (FORGET, class_positions(digits)):
-        common = dict(anchor="training_residual", newton_max_steps=40, newton_rtol=1e-7, newton_atol=1e-12,
+        common = dict(target="minimiser", newton_max_steps=40, newton_rtol=1e-7, newton_atol=1e-12,
                       curvature_samples=300, newton_preconditioner=preconditioner)
         masked, rec_m = run_dl(sgd_mlp, digits, forget, prepared=state, **common)
         copy_, rec_c = run_dl(sgd_mlp, digits, forget, prepared=copied, **common)
@@ -461,7 +461,7 @@ def test_prepared_training_gradient_gives_the_retained_gradient(sgd_mlp, digits)
     g_u = block_gradient(sgd_mlp, softmax_task(), digits.take(torch.as_tensor(FORGET)), block, LAMBDA, reduction="sum")
     retained = head_gradient(sgd_mlp, digits, FORGET)
     assert float(torch.linalg.vector_norm((n * state.training_gradient - g_u) / (n - m) - retained)) <= 1e-12
-    _, record = run_dl(sgd_mlp, digits, FORGET, prepared=state, anchor="none", newton_max_steps=40)
+    _, record = run_dl(sgd_mlp, digits, FORGET, prepared=state, target="minimiser", newton_max_steps=40)
     assert record["gradient_norms"]["residual_before"] == pytest.approx(float(torch.linalg.vector_norm(retained)),
                                                                       rel=1e-10)
 
@@ -500,7 +500,7 @@ def test_layer_ordered_prepared_inverse_is_the_block_inverse_in_the_layer_layout
 def test_gradient_share_diagnostic_can_be_left_out_without_changing_the_removal(sgd_mlp, digits):
     """record_gradient_share: false skips the whole-model forget gradient (a diagnostic only): the
     record says None, and the weights are the same as with it."""
-    common = dict(anchor="training_residual", newton_max_steps=20, newton_rtol=1e-7, newton_atol=1e-12)
+    common = dict(target="minimiser", newton_max_steps=20, newton_rtol=1e-7, newton_atol=1e-12)
     with_share, rec_a = run(sgd_mlp, digits, FORGET, **common)
     without, rec_b = run(sgd_mlp, digits, FORGET, record_gradient_share=False, **common)
     assert 0.0 < rec_a["gradient_share"]["forget_in_block"] < 1.0
@@ -542,7 +542,7 @@ def test_recycled_newton_reaches_the_same_class_forgetting_minimiser(sgd_mlp, di
     """newton_recycle changes the preconditioner of the later Newton systems, not the point: with
     and without it the decision-layer Newton ends at the same minimiser (a class forgotten)."""
     state = prepared_for(sgd_mlp, digits)
-    common = dict(anchor="training_residual", newton_max_steps=60, newton_rtol=1e-9, newton_atol=1e-13)
+    common = dict(target="minimiser", newton_max_steps=60, newton_rtol=1e-9, newton_atol=1e-13)
     plain, rec_p = run_dl(sgd_mlp, digits, class_positions(digits), prepared=state, newton_recycle=0, **common)
     recycled, rec_r = run_dl(sgd_mlp, digits, class_positions(digits), prepared=state, **common)
     assert rec_p["newton"]["converged"] and rec_r["newton"]["converged"]
@@ -664,7 +664,7 @@ def test_matrix_free_curvature_rows_are_cut_to_the_memory_budget(sgd_mlp, digits
     # the state prepared outside the budget, without its X~ (the removal then copies R) and with its
     # preconditioner already in the layer's layout (no bytes of its own)
     state = dataclasses.replace(prepared_for(sgd_mlp, digits), inputs=None, inputs_t=None)
-    settings = dict(anchor="training_residual", newton_max_steps=200, newton_rtol=1e-9, newton_atol=1e-13,
+    settings = dict(target="minimiser", newton_max_steps=200, newton_rtol=1e-9, newton_atol=1e-13,
                     prepared=state)
     full, rec_full = run_dl(sgd_mlp, digits, forget, curvature_samples=None, **settings)
     assert rec_full["curvature"]["solvers"][0]["curvature_rows"] == n_retain

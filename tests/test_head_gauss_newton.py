@@ -232,30 +232,43 @@ def test_heads_it_cannot_cover_are_refused_by_name():
         head_layout(nn.Sequential(nn.Linear(4, 2)), DenseInputTask(loss="mse"))
 
 
-def test_head_method_moves_the_hidden_layer_by_the_step(head):
-    """head-gauss-newton moves the hidden layer by the Gauss-Newton step's hidden part (the step
-    itself is checked against the dense solve above; what it does for forgetting is measured in
-    bench/forgetting.py), then solves the decision layer over the new features to the same anchored
-    target decision-layer-newton solves it to over the old ones."""
+@pytest.mark.parametrize("recipe", ["none", "sgd"])
+def test_head_method_moves_the_hidden_layer_by_the_step(head, recipe):
+    """head-gauss-newton moves the hidden layer by the Gauss-Newton step's hidden part towards the
+    method's target (the step itself is checked against the dense solve above; what it does for
+    forgetting is measured in bench/forgetting.py): without a card (Retrain's recipe unknown) the
+    step towards the minimiser; on an SGD card Retrain's budget-damped step (mu = 1/tau added to the
+    ridge). The decision layer is then solved over the new features to the same kind of target."""
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+    from pipeline.target import ReplaySchedule
+
     model, task, data = head
     n = len(data)
     forget = torch.arange(3, n, 53)[:30]
-    base = {"parameters": ["3.weight", "3.bias"], "anchor": "training_residual", "newton_max_steps": 40,
-            "newton_rtol": 1e-6}
+    card = None if recipe == "none" else ModelCard(
+        preset="mlp", data=DataRef(source="digits"),
+        training=TrainingRecord(weight_decay=LAMBDA, n=n, optimizer="sgd", epochs=2, lr=0.05, batch_size=128))
+    mu = 0.0 if card is None else 1.0 / ReplaySchedule(2, 0.05, 0.9, 128, LAMBDA).training_time(n - len(forget))
+    base = {"parameters": ["3.weight", "3.bias"], "newton_max_steps": 40, "newton_rtol": 1e-6,
+            "replay_max_parameters": 1}
 
     def run(name, settings, prepared=None):
         twin = copy.deepcopy(model)
         method = get_method(name)
-        problem = RemovalProblem(twin, task, data, forget, LAMBDA, seed=0, batch_size=512)
+        problem = RemovalProblem(twin, task, data, forget, LAMBDA, seed=0, batch_size=512, card=card)
         return method.run(problem, method.Settings.model_validate(settings), prepared)
 
     plain = run("decision-layer-newton", base)
     moved = run("head-gauss-newton", {**base, "hidden_step_rows": n, "hidden_step_iterations": 50})
     assert set(plain.new_parameters) == {"3.weight", "3.bias"}
     assert set(moved.new_parameters) == {"1.weight", "1.bias", "3.weight", "3.bias"}
-    assert moved.record["target"] == plain.record["target"]  # the same anchor: the start's grad_P L_D
+    how = "minimiser" if card is None else "budget_damped"
+    assert plain.record["target"]["how"] == moved.record["target"]["how"] == how
+    assert moved.record["hidden_step"]["target"]["how"] == how
+    assert moved.record["hidden_step"]["target"]["training_budget_damping"] == pytest.approx(mu, rel=1e-12)
     assert moved.record["gradient_norms"]["residual_after"] <= 1e-5 * moved.record["gradient_norms"]["residual_before"]
-    step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=50, batch_size=512)
+    step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=50, batch_size=512, damping=mu,
+                             minimiser=card is None)
     params = dict(model.named_parameters())
     for k in ("1.weight", "1.bias"):
         moved_by = moved.new_parameters[k] - params[k].detach()
@@ -335,7 +348,7 @@ def test_model_directory_removal_with_hidden_step(trained_model_dir):
     assert run.record["method"] == "head-gauss-newton" and run.record["preparation"]["built_for_this_request"]
 
 
-def test_no_ridge_and_unanchored_targets_are_refused_and_the_mode_is_restored(head):
+def test_no_ridge_and_unknown_settings_are_refused_and_the_mode_is_restored(head):
     model, task, data = head
     with pytest.raises(ValueError, match="hidden_step_damping"):
         gauss_newton_step(model, task, data, torch.arange(5), 0.0, rows=256, iterations=2)
@@ -349,5 +362,5 @@ def test_no_ridge_and_unanchored_targets_are_refused_and_the_mode_is_restored(he
     assert all(not m._forward_hooks for m in broken.modules())
     method = get_method("head-gauss-newton")
     problem = RemovalProblem(copy.deepcopy(model), task, data, torch.arange(5), LAMBDA, seed=0, batch_size=512)
-    with pytest.raises(ValueError, match="Gauss-Newton step.*anchor: training_residual"):
-        method.run(problem, method.Settings(anchor="none"))
+    with pytest.raises(ValueError, match="target"):  # the anchored target is gone: a clear error names the field
+        method.run(problem, method.Settings.model_validate({"anchor": "training_residual"}))

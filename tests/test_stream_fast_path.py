@@ -34,9 +34,15 @@ def sgd_mlp(digits):
 
 
 def build(model, data, **kw):
+    """The state, built holding the model's weights (target term a = grad F_D(theta_0) until a removal sets one)."""
     settings = kw.pop("settings", StreamSettings(refresh_every=10_000, drift_threshold=float("inf")))
     state, prefix = DecisionLayerStream.from_model(model, softmax_task(), data, HEAD, LAMBDA, settings=settings, **kw)
     return state, prefix
+
+
+def minimiser_term(state):
+    """The target term of the minimiser of F_R: a = 0."""
+    return torch.zeros(state.p, dtype=torch.float64)
 
 
 def features(model, data, removed=()):
@@ -93,7 +99,7 @@ def exact_objective_parts(state, model, data):
 
 
 def test_refresh_gradient_and_curvature_equal_a_from_scratch_computation(sgd_mlp, digits):
-    state, prefix = build(sgd_mlp, digits, anchor="training_residual")
+    state, prefix = build(sgd_mlp, digits)
     assert prefix is not None and prefix.start == 3  # the frozen modules before the layer: Flatten, Linear, ReLU
     g, hess = exact_objective_parts(state, sgd_mlp, digits)
     assert float((state.anchor - g).abs().max()) <= 1e-10        # a = grad F_D(theta_0)
@@ -122,14 +128,17 @@ def test_incremental_updates_equal_the_sums_over_the_retained_set(sgd_mlp, digit
     assert float((state.S - s_ref).abs().max()) <= 1e-9 * float(s_ref.abs().max())
 
 
-@pytest.mark.parametrize("anchor", ["none", "training_residual"])
-def test_fast_removals_then_a_refresh_land_on_the_retrained_optimum(sgd_mlp, digits, anchor):
-    state, _ = build(sgd_mlp, digits, anchor=anchor)
+@pytest.mark.parametrize("term", ["minimiser", "kept"])
+def test_fast_removals_then_a_refresh_land_on_the_target(sgd_mlp, digits, term):
+    """Each removal lands near the stationary point of F_R - <a, theta> its target term sets (the
+    minimiser's a = 0, or a kept from the build), a refresh on it."""
+    state, _ = build(sgd_mlp, digits)
     start = state.theta.clone()
-    target_anchor = state.anchor.clone()
+    target = minimiser_term if term == "minimiser" else None
+    target_anchor = torch.zeros(state.p, dtype=torch.float64) if term == "minimiser" else state.anchor.clone()
     ids = digits.sample_ids.tolist()
     removed = [ids[i] for i in range(11, 11 + 3 * 30, 3)]
-    steps = [state.remove([i]) for i in removed[:25]] + [state.remove(removed[25:])]
+    steps = [state.remove([i], target=target) for i in removed[:25]] + [state.remove(removed[25:], target=target)]
     assert all(s.path == "fast" for s in steps)
     oracle = retrained_optimum(sgd_mlp, digits, removed, target_anchor)
     span = float(torch.linalg.vector_norm(start - oracle))
@@ -140,21 +149,21 @@ def test_fast_removals_then_a_refresh_land_on_the_retrained_optimum(sgd_mlp, dig
     record = state.refresh(converge=True)
     assert record["converged"]
     assert float(torch.linalg.vector_norm(state.theta - oracle)) <= ORACLE_TOL
-    if anchor == "training_residual":  # the anchor matters: without it the optimum is elsewhere
+    if term == "kept":  # the target term matters: without it the optimum is elsewhere
         plain = retrained_optimum(sgd_mlp, digits, removed, torch.zeros_like(target_anchor))
         assert float(torch.linalg.vector_norm(plain - oracle)) > 1e3 * ORACLE_TOL
 
 
 def test_first_fast_removal_after_a_refresh_is_one_lfoci_newton_step(sgd_mlp, digits):
     """Same conventions as lfoci-newton: mean loss + weight decay, n - m normalisation, the
-    anchored retained gradient, the sign of the step."""
-    state, _ = build(sgd_mlp, digits, anchor="training_residual")
+    retained gradient, the sign of the step (both towards the minimiser)."""
+    state, _ = build(sgd_mlp, digits)
     positions = [4, 8, 15, 16, 23, 42]
-    state.remove(digits.sample_ids[positions].tolist())
+    state.remove(digits.sample_ids[positions].tolist(), target=minimiser_term)
     work = copy.deepcopy(sgd_mlp)
     method = get_method("lfoci-newton")
     problem = RemovalProblem(work, softmax_task(), digits, torch.as_tensor(positions), LAMBDA, seed=1)
-    outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, anchor="training_residual",
+    outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, target="minimiser",
                                                   newton_max_steps=1, max_backtracks=0, min_gradient_reduction=0.0))
     theirs = torch.cat([outcome.new_parameters["3.weight"].reshape(-1), outcome.new_parameters["3.bias"]])
     moved = float(torch.linalg.vector_norm(theirs - torch.cat([sgd_mlp[3].weight.reshape(-1), sgd_mlp[3].bias])))
@@ -163,7 +172,7 @@ def test_first_fast_removal_after_a_refresh_is_one_lfoci_newton_step(sgd_mlp, di
 
 
 def test_drift_bound_bounds_the_measured_gradient_error(sgd_mlp, digits):
-    state, _ = build(sgd_mlp, digits, anchor="training_residual")
+    state, _ = build(sgd_mlp, digits)
     ids = digits.sample_ids.tolist()
     ratios = []
     for j in range(40):
@@ -173,7 +182,7 @@ def test_drift_bound_bounds_the_measured_gradient_error(sgd_mlp, digits):
         measured = float(torch.linalg.vector_norm(state.exact_gradient() - state.anchor))
         assert measured <= step.gradient_error_bound
         ratios.append(measured / step.gradient_error_bound)
-        # distance to the anchored optimum of this retained set: within the recorded bound
+        # distance to the stationary point of F_R - <a, .> on this retained set: within the recorded bound
         if j in (9, 39):
             removed = state.sample_ids[~state.retained].tolist()
             oracle = retrained_optimum(sgd_mlp, digits, removed, state.anchor)

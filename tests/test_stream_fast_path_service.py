@@ -21,7 +21,7 @@ from tests.unlearn_store_support import REPO, cached_model_dir, http_json, make_
 
 MODEL = "digits"
 LAYER = ["1.weight", "1.bias"]
-METHOD = {"name": "decision-layer-newton", "settings": {"parameters": LAYER, "anchor": "training_residual"}}
+METHOD = {"name": "decision-layer-newton", "settings": {"parameters": LAYER, "target": "retrain"}}
 HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 
@@ -93,13 +93,15 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     assert all(r["fast_path"]["built"] is None for r in records)  # warmed at start, then kept warm
     assert all(r["fast_path"]["gradient_error_bound"] >= 0 for r in records)
 
-    # the published weights: within the recorded distance bound of the anchored target on D_r
-    # (a = grad F_D at version 0, converged exactly from version 0's state), up to float32 rounding
+    # the published weights: within the recorded distance bound of the target on D_r (the model was trained
+    # by L-BFGS, so Retrain's point is the minimiser: a = 0, converged exactly from version 0's state), up to
+    # float32 rounding
+    assert all(r["target"]["how"] == "minimiser" for r in records)
     vs = VersionStore(store)
     model0, task, card0 = load_model_dir(vs.version_dir(MODEL, 0))
     oracle, _ = DecisionLayerStream.from_model(model0, task, training_set(card0), LAYER, card0.training.weight_decay,
-                                               anchor="training_residual", settings=StreamSettings(refresh_every=10**6))
-    oracle.remove(ids[:8])
+                                               settings=StreamSettings(refresh_every=10**6))
+    oracle.remove(ids[:8], target=lambda st: torch.zeros(st.p, dtype=torch.float64))
     oracle_refresh = oracle.refresh(converge=True)
     assert oracle_refresh["converged"]
     model, _, _ = load_model_dir(vs.open_verified(MODEL).path)
@@ -155,7 +157,7 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
 def test_fast_path_refuses_noisy_settings_naming_the_field(tmp_path, tmp_path_factory):
     store = make_store(tmp_path / "store", cached_model_dir(tmp_path_factory), MODEL)
     config, _ = _config(tmp_path, store)
-    text = config.read_text().replace("anchor: training_residual", "anchor: training_residual\n    epsilon: 2.0")
+    text = config.read_text().replace("target: retrain", "target: retrain\n    epsilon: 2.0")
     config.write_text(text)
     run = subprocess.run(unlearn_argv("stream", "serve", "--config", str(config)), capture_output=True, text=True,
                          timeout=120, cwd=REPO, env=_env())

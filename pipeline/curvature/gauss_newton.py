@@ -401,8 +401,10 @@ class GaussNewtonStep:
 def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_positions: Tensor,
                       weight_decay: float, *, rows: int, iterations: int, damping: float = 0.0,
                       min_trace_share: float = 0.9, prepared: HeadCurvature | None = None,
-                      batch_size: int = 4096) -> GaussNewtonStep:
-    """d = (G_{D\\U} + (lambda + mu) I)^{-1} g_U, truncated (module docstring): ``iterations``
+                      batch_size: int = 4096, minimiser: bool = False) -> GaussNewtonStep:
+    """d = (G_{D\\U} + (lambda + mu) I)^{-1} g_U, truncated (module docstring); ``minimiser``: the
+    step towards grad L_{D\\U} = 0 instead, d = -(G_{D\\U} + (lambda + mu) I)^{-1} grad L_{D\\U}(w) with
+    grad L_{D\\U}(w) = mean_D grad loss + lambda w - g_U. ``iterations``
     PCG steps from x0 = P^{-1} g_U, products over the ``rows`` retained samples of largest tr M.
 
     The truncation assumes the rows left out carry ~0 curvature. Where the ``rows`` kept hold less
@@ -429,7 +431,8 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
     picked = torch.topk(trace, count).indices.sort().values
     kept_share = float(prepared.curvature_trace[picked].sum() / prepared.curvature_trace[keep].sum().clamp_min(1e-300))
     record: dict[str, Any] = {
-        "equation": "w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss - m mean_D grad loss) / (n - m)",
+        "equation": ("w' = w - (G_{D\\U} + (lambda + mu) I)^{-1} grad L_{D\\U}(w)" if minimiser else
+                     "w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss - m mean_D grad loss) / (n - m)"),
         "curvature": "generalised Gauss-Newton J^T (diag p - p p^T) J of the cross-entropy",
         "rows": count, "rows_trace_share": kept_share, "min_trace_share": min_trace_share,
         "prepared": "computed in this removal" if prepared_here else "prepared for these weights and data",
@@ -459,6 +462,9 @@ def gauss_newton_step(model: nn.Module, task: Task, train: SampleSet, forget_pos
     finally:
         capture.close()
     g_u = (forget_sum - m * prepared.mean_gradient) / (n - m)
+    if minimiser:
+        weights = layout.flatten({k: v.detach() for k, v in model.named_parameters()}).to(torch.float64)
+        g_u = g_u - prepared.mean_gradient - weight_decay * weights  # -grad L_{D\\U}(w)
     op = HeadGaussNewton(model, task, train.take(picked), layout, divisor=n - m, ridge=ridge,
                          batch_size=batch_size)
 

@@ -7,8 +7,11 @@ the retained set R = D \\ U (n_r samples), targets t(y) (one-hot, or label-smoot
 target term; r0 = 0 for the plain retrained optimum):
 
     F(theta) = (1/n_r) sum_R [logsumexp(theta x~) - <t, theta x~>] + (lambda/2)||theta||^2 - <r0, theta - theta_0>
-    grad F   = (1/n_r) (P - T)^T X~ + lambda theta - r0                 (P = softmax(X~ theta^T))
-    H V      = (1/n_r) [P o (X~ V^T) - P o rowsum(P o X~ V^T)]^T X~ + lambda V
+               + (mu/2)||theta - theta_0||^2
+    grad F   = (1/n_r) (P - T)^T X~ + lambda theta - r0 + mu (theta - theta_0)     (P = softmax(X~ theta^T))
+    H V      = (1/n_r) [P o (X~ V^T) - P o rowsum(P o X~ V^T)]^T X~ + (lambda + mu) V
+(mu = ``proximal``: the training-budget damping of the ``retrain`` target's one-window form,
+``pipeline.target``; 0 for the minimiser.)
 
 Options of the products: ``curvature_rows`` (a seeded subsample of R: a subsampled Hessian,
 Byrd et al. 2011; the gradient and F stay exact, so the minimiser is the same, only the path
@@ -73,6 +76,12 @@ class SoftmaxLayerObjective:
     keep: Tensor | None = None
     xt: Tensor | None = None
     x_norm: float | None = None  # ||X~||_F over every row of x, when the caller holds it
+    proximal: float = 0.0        # mu of the term (mu/2)||theta - reference||^2
+
+    @property
+    def ridge(self) -> float:
+        """lambda + mu: the identity part of the Hessian."""
+        return self.weight_decay + self.proximal
 
     def __post_init__(self) -> None:
         if self.xt is not None and self.xt.dtype != self.x.dtype:
@@ -149,7 +158,8 @@ class SoftmaxLayerObjective:
         per_row = lse - (self.targets_t * z).sum(dim=0)
         loss = (per_row if self.mask is None else per_row * self.mask).sum(dtype=torch.float64) / self.n
         return float(loss + 0.5 * self.weight_decay * (theta * theta).sum()
-                     - (self.anchor * (theta - self.reference)).sum())
+                     - (self.anchor * (theta - self.reference)).sum()
+                     + 0.5 * self.proximal * ((theta - self.reference) ** 2).sum())
 
     @staticmethod
     def probabilities(z: Tensor) -> Tensor:
@@ -171,7 +181,7 @@ class SoftmaxLayerObjective:
                         for i in self._spans())
         else:
             total = (residual @ self.x).to(torch.float64)
-        return total / self.n + self.weight_decay * theta - self.anchor
+        return total / self.n + self.weight_decay * theta - self.anchor + self.proximal * (theta - self.reference)
 
     def gradient_floor(self, p: Tensor) -> float:
         """An estimate of the rounding error of ``gradient`` in float32 passes: eps_32 ||P - T||_F
@@ -197,7 +207,7 @@ class SoftmaxLayerObjective:
             self.passes += share
             pdz = pc * (v.to(x.dtype) @ xt).to(work)
             mz = torch.addcmul(pdz, pc, pdz.sum(dim=0, keepdim=True), value=-1.0)
-            return (mz.to(x.dtype) @ x).to(torch.float64) / rows + self.weight_decay * v
+            return (mz.to(x.dtype) @ x).to(torch.float64) / rows + self.ridge * v
 
         return product
 
@@ -243,7 +253,7 @@ def kronecker_preconditioner(objective: SoftmaxLayerObjective, p: Tensor,
     a = torch.diag(p.mean(dim=1)) - p @ p.T / objective.n
     s_a, u_a = torch.linalg.eigh(a)
     s_g, u_g = gram
-    scale = 1.0 / (s_a.clamp_min(0)[:, None] * s_g.clamp_min(0)[None, :] + objective.weight_decay)
+    scale = 1.0 / (s_a.clamp_min(0)[:, None] * s_g.clamp_min(0)[None, :] + objective.ridge)
 
     def apply(v: Tensor) -> Tensor:
         return u_a @ ((u_a.T @ v @ u_g) * scale) @ u_g.T

@@ -114,6 +114,15 @@ class MethodSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("anchor" in data or "anchor_absent_classes" in data):
+            raise ValueError("anchor: this setting was removed (its anchored target over-forgets); the removal's "
+                             "point is set by target: retrain (where the card's recipe run on D \\ U lands) or "
+                             "target: minimiser (grad L_{D\\U} = 0)")
+        return data
+
 
 @dataclass
 class TrainedModel:

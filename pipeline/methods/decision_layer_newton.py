@@ -2,13 +2,18 @@
 
 The block is the whole last Linear layer (theta = [W, b]) of a Sequential under cross-entropy over
 the frozen prefix's cached outputs (``pipeline.decision_layer.DecisionLayerState``, prepared once
-per model version). A removal minimises the retained objective with the target term
-    F(theta) = L_{D\\U}(theta) - <a, theta - theta_0>,     grad F = grad_P L_{D\\U} - a
-(a = 0: the retrained optimum of the layer; ``training_residual``: a = r0 = grad_P L_D(theta_0), the
-unfinished training an SGD-trained model carries, which Retrain with the same recipe leaves
-unfinished too; rows of a class with no retained sample are not anchored unless
-``anchor_absent_classes``: their residual is the forgotten samples' unfinished fit) by Newton's
-method with the exact Hessian at the current weights, never built (``pipeline.curvature.newton``):
+per model version). A removal lands on the layer's target (``target``, ``pipeline.target``) by
+minimising
+    F(theta) = L_{D\\U}(theta) - <a, theta - theta_0> + (mu/2)||theta - theta_0||^2,
+    grad F   = grad_P L_{D\\U} - a + mu (theta - theta_0)
+  minimiser             a = 0, mu = 0: the retrained optimum of the layer;
+  retrain, replay       the layer Retrain's recipe gives (recipe replay, ``pipeline.target.replay``,
+                        prepared once and carried between versions): theta_T, then a =
+                        grad_P L_{D\\U}(theta_T), mu = 0, whose unique minimiser is theta_T (the
+                        layer's objective is strictly convex);
+  retrain, budget-damped (a layer above ``replay_max_parameters``) a = grad_P L_D(theta_0),
+                        mu = 1/tau (the replay's one-window form);
+by Newton's method with the exact Hessian at the current weights, never built (``pipeline.curvature.newton``):
 closed-form products over the cached inputs, each Newton system solved by PCG to the forcing
 tolerance, preconditioned with the prepared H_P(D)^{-1} (recycled by L-BFGS from the CG pairs of the
 earlier systems), until ||grad F|| <= max(newton_atol, newton_rtol ||grad F_0||); otherwise, or when
@@ -44,6 +49,8 @@ from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding
 from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
+from pipeline.recipe import start_weights
+from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, resolve_target
 from pipeline.tasks import Task
 
 __all__ = ["DecisionLayerNewton", "DecisionLayerNewtonSettings", "MATRIX_FREE_MAX_CG", "MIN_CURVATURE_ROWS"]
@@ -60,12 +67,13 @@ class DecisionLayerNewtonSettings(certify.PrivacySettings, MethodSettings):
     parameters: list[str] = Field(
         default_factory=list, description="the decision layer's weight and bias; empty: the model's last module, "
                                           "when that is a Linear layer")
-    anchor: Literal["none", "training_residual"] = Field(
-        "training_residual", description="none: the retrained optimum of the layer (grad L_{D\\U} = 0); "
-                                         "training_residual: grad L_{D\\U}(w') = grad_P L_D(w) at the start")
-    anchor_absent_classes: bool = Field(
-        False, description="training_residual: keep the anchor on the rows of classes that have no retained sample "
-                           "(false: those rows go to the plain retrained optimum)")
+    target: TargetKind = Field(
+        "retrain", description="retrain: where the card's recipe run on D \\ U lands (the minimiser for a converging "
+                               "recipe; recipe replay or its budget-damped form for SGD: pipeline.target); minimiser: "
+                               "grad L_{D\\U} = 0 on the layer")
+    replay_max_parameters: int = Field(
+        REPLAY_MAX_PARAMETERS, gt=0, description="retrain on an SGD recipe: the largest layer the recipe replay holds "
+                                                 "P x P matrices for; larger layers take the budget-damped step")
     curvature_samples: int | None = Field(
         16384, gt=0, description="Hessian products on a seeded subsample of this many retained samples (null: all); "
                                  "the gradient and the objective stay exact, so the minimiser is the same")
@@ -123,8 +131,8 @@ class SolvedLayer:
 
     def __init__(self, block: ParamBlock, record: dict[str, Any], timings: dict[str, float], g: torch.Tensor,
                  anchor: torch.Tensor, start_norm: float, residual_before: float, w_start: torch.Tensor,
-                 subsampled: bool, history: list[dict[str, Any]], verify: Callable[[], torch.Tensor]):
-        self.block, self.record, self.timings, self.g, self.anchor = block, record, timings, g, anchor
+                 subsampled: bool, history: list[dict[str, Any]], verify: Callable[[], torch.Tensor], mu: float = 0.0):
+        self.block, self.record, self.timings, self.g, self.anchor, self.mu = block, record, timings, g, anchor, mu
         self.start_norm, self.residual_before, self.w_start = start_norm, residual_before, w_start
         self.subsampled, self.history, self.verify = subsampled, history, verify
 
@@ -154,7 +162,7 @@ class SolvedLayer:
         if noised:  # the record describes the published weights: nothing of the solution before the noise
             with problem.stage("verify_published", timings):
                 g = self.verify()
-        norm = _norm(g - self.anchor)
+        norm = _norm(_target_residual(g, self.anchor, self.mu, block, params, self.w_start))
         w_published = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         record = dict(self.record)
         record["newton"] = {**record["newton"], "history": certify.published_history(record["newton"]["history"], noised)}
@@ -189,25 +197,36 @@ def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonS
         # grad L_{D\U} = (n grad L_D - g_U) / (n - m): only the m forgotten samples are passed over
         g = (n * state.training_gradient - g_forget) / (n - m)
     r0 = state.training_gradient if start_gradient is None else start_gradient  # grad_P L_D(w) at the start
-    anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
-    unanchored: list[int] = []
-    if settings.anchor == "training_residual" and not settings.anchor_absent_classes:
-        # a class with no retained sample: its row's residual is the forgotten samples' unfinished
-        # fit, which Retrain never has; that row's target is the plain retrained optimum
-        unanchored, entries = _absent_class_entries(work, task, block)
-        anchor = anchor.clone()
-        anchor[entries] = 0.0
+    full_model = block.numel == trainable_numel(problem.model)
+    kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
+                                         settings.replay_max_parameters)
+    target: dict[str, Any] = {"setting": settings.target, "how": kind, "why": why}
+    mu = 0.0
+    anchor = torch.zeros_like(r0)
+    if kind == "budget_damped":
+        assert schedule is not None
+        anchor, mu = r0, budget_damping(schedule, n - m)
+        target.update(equation="grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0", mu=mu,
+                      training_budget=1.0 / mu)
+    elif kind == "replay":
+        assert schedule is not None and problem.card is not None
+        with problem.stage("target_replay", timings):
+            theta_target, replayed = _replay_target(problem, work, state, block, schedule, full_model)
+            anchor = _layer_gradient(work, task, block, state, theta_target, lam)
+        target.update(equation="grad_P L_D\\U(w') = grad_P L_D\\U(w_replay)  (w' = w_replay, the layer being "
+                               "strictly convex)", replay=replayed)
+    else:
+        target["equation"] = "grad_P L_D\\U(w') = 0"
     residual = g - anchor
     g0 = _norm(residual)
     tol = max(settings.newton_atol, settings.newton_rtol * g0)
     try:
         with problem.stage("curvature_and_solve", timings):
             history, solvers, verify = _matrix_free_newton(work, task, block, lam, anchor, residual, tol, settings,
-                                                           state)
+                                                           state, mu)
         with problem.stage("verify", timings):  # at the published (rounded) weights
             g = verify()
-        residual = g - anchor
-        norm_g = _norm(residual)
+        norm_g = _norm(_target_residual(g, anchor, mu, block, params, w_start))
         reduction = 1.0 - norm_g / g0 if g0 > 0 else 1.0
         if reduction < settings.min_gradient_reduction:
             raise RemovalNotServed(
@@ -224,9 +243,7 @@ def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonS
     record = {
         "block": {"numel": block.numel, "parts": block.describe()},
         "frozen_prefix": None if state.prefix is None else state.prefix.describe(),
-        "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor), "unanchored_classes": unanchored,
-                   "equation": "grad_P L_D\\U(w') = 0" if settings.anchor == "none"
-                   else "grad_P L_D\\U(w') = grad_P L_D(w_start)"},
+        "target": target,
         "curvature": {"operator": "closed-form products at the current weights (matrix-free)", "solvers": solvers,
                       "retained_gradient": "prepared grad L_D minus the forgotten samples'"},
         "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
@@ -236,7 +253,46 @@ def solve_decision_layer(problem: RemovalProblem, settings: DecisionLayerNewtonS
                            "residual_before": g0, "residual_after": norm_g, "retain_mean_block_after": _norm(g)},
         "gradient_share": {"retained_removed": reduction},
     }
-    return SolvedLayer(block, record, timings, g, anchor, _norm(r0), g0, w_start, subsampled, history, verify)
+    return SolvedLayer(block, record, timings, g, anchor, _norm(r0), g0, w_start, subsampled, history, verify, mu)
+
+
+def _target_residual(g: torch.Tensor, anchor: torch.Tensor, mu: float, block: ParamBlock,
+                     params: dict[str, torch.Tensor], w_start: torch.Tensor) -> torch.Tensor:
+    """grad F = grad_P L_D\\U - a + mu (w - w_start) at the layer's current weights."""
+    if mu == 0.0:
+        return g - anchor
+    w = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+    return g - anchor + mu * (w - w_start)
+
+
+def _replay_target(problem: RemovalProblem, work: RemovalProblem, state: DecisionLayerState, block: ParamBlock,
+                   schedule: Any, full_model: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The layer's recipe-replay target in block order (``DecisionLayerState.layer_replay``) and its record."""
+    assert problem.card is not None
+    layer = closed_form_layer(work.model, work.task, block)
+    assert layer is not None
+    order = _layer_order(work.model, block, layer)
+    theta_init = block.gather(start_weights(problem.card))
+    replay = state.layer_replay(problem.model, problem.task, problem.train, schedule, theta_init, order, full_model)
+    retained = work.retain.sample_ids
+    theta, record = replay.target(retained)
+    return theta[order], record
+
+
+def _layer_gradient(work: RemovalProblem, task: Task, block: ParamBlock, state: DecisionLayerState,
+                    theta: torch.Tensor, lam: float) -> torch.Tensor:
+    """grad_P L_D\\U (mean, lambda theta included) at block weights ``theta``, in block order, by the closed
+    form of the layer's replay oracle over the retained rows."""
+    replay = state.replay
+    assert replay is not None
+    layer = closed_form_layer(work.model, task, block)
+    assert layer is not None
+    order = _layer_order(work.model, block, layer)
+    keep = torch.isin(replay.sample_ids, work.retain.sample_ids)
+    layered = torch.empty(theta.numel(), dtype=torch.float64)
+    layered[order] = theta
+    gradient = replay.oracle.grad(layered, torch.nonzero(keep).squeeze(1)) + lam * layered
+    return gradient[order]
 
 
 def _layer_order(model: nn.Module, block: ParamBlock, layer: nn.Linear) -> torch.Tensor:
@@ -246,24 +302,11 @@ def _layer_order(model: nn.Module, block: ParamBlock, layer: nn.Linear) -> torch
     return layer_order(block, names, layer.out_features, layer.in_features)
 
 
-def _absent_class_entries(work: RemovalProblem, task: Task, block: ParamBlock) -> tuple[list[int], torch.Tensor]:
-    """The classes with no retained sample (counts over D less those over U) and the block
-    entries of their decision-layer rows (weight row and bias)."""
-    layer = closed_form_layer(work.model, task, block)
-    assert layer is not None
-    k = layer.out_features
-    labels = work.train.columns["y"].long().reshape(-1)
-    counts = torch.bincount(labels, minlength=k)[:k] - torch.bincount(labels[work.forget_positions], minlength=k)[:k]
-    absent = (counts == 0).nonzero().squeeze(1)
-    order = _layer_order(work.model, block, layer)
-    entries = torch.isin(order // (layer.in_features + 1), absent).nonzero().squeeze(1)
-    return absent.tolist(), entries
-
-
 def _matrix_free_newton(work: RemovalProblem, task: Task, block: ParamBlock, lam: float, anchor: torch.Tensor,
                         residual: torch.Tensor, tol: float, settings: DecisionLayerNewtonSettings,
-                        state: DecisionLayerState) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
-    """Minimise L_{D\\U}(w) - <anchor, w_P> over the decision layer (``newton_minimise``); the
+                        state: DecisionLayerState, mu: float = 0.0
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
+    """Minimise L_{D\\U}(w) - <anchor, w_P> + (mu/2)||w_P - w_start||^2 over the decision layer (``newton_minimise``); the
     result is written into the layer. Returns (history, solvers, verify): ``verify()`` is
     grad_P L_{D\\U} (mean, lambda w_P included) at the weights the layer then holds (rounded to its
     dtype), in block order, by the same closed form in the passes' last precision. Raises
@@ -316,7 +359,8 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block: ParamBlock, lam
         rows = torch.randperm(n_retain, generator=gen)[:count].sort().values
         if keep is not None:  # the same retained samples, as rows of D
             rows = torch.nonzero(keep).squeeze(1)[rows]
-    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, curvature_dtype, keep, xt, x_norm)
+    objective = SoftmaxLayerObjective(x, targets, lam, to_theta(anchor), theta0, rows, curvature_dtype, keep, xt, x_norm,
+                                      proximal=mu)
     choice = settings.newton_preconditioner
     preconditioner: Any = choice
     if choice == "auto":  # the prepared inverse; the Kronecker-factored one where none was kept
@@ -353,7 +397,7 @@ def _matrix_free_newton(work: RemovalProblem, task: Task, block: ParamBlock, lam
     def verify() -> torch.Tensor:
         published = to_theta(block.gather({name: p.detach() for name, p in params.items()}))
         gradient = objective.gradient(published, objective.probabilities(objective.logits(published))) \
-            + objective.anchor  # (F's anchor term taken off)
+            + objective.anchor - mu * (published - objective.reference)  # (F's target terms taken off)
         return gradient.reshape(-1)[order]
 
     return history, solvers, verify

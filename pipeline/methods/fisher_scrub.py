@@ -61,6 +61,7 @@ from pipeline.methods.base import (
 from pipeline.privacy.noise import secret_standard_normal
 from pipeline.privacy.release import Guarantee, PrivacyRelease
 from pipeline.param_block import ParamBlock
+from pipeline.target import TargetKind, budget_damping, resolve_target
 from pipeline.tasks import Task, output_logits
 
 
@@ -294,10 +295,10 @@ class FisherScrubSettings(MethodSettings):
                           "no model of the loss, and its full step can wreck a network (measured on MiniLM: "
                           "retain accuracy 99 -> 14); the dense curvature's step is Newton's and is taken whole")
     max_halvings: int = Field(12, ge=0, description="step_search: halvings tried before giving the step up")
-    anchor: Literal["none", "training_residual"] = Field(
-        "none", description="none: the step -B^{-1} grad L_Dr(w) (the quadratic view at w = w*(D)); "
-                            "training_residual: -B^{-1} (grad L_Dr(w) - grad L_D(w)), the removal's own share, "
-                            "for a model that training left off its optimum (equal at w*(D))")
+    target: TargetKind = Field(
+        "retrain", description="retrain (pipeline.target): for an SGD recipe the budget-damped step "
+                               "-(B + mu I)^{-1} (grad L_Dr(w) - grad L_D(w)), mu = 1/tau, else as minimiser; "
+                               "minimiser: the step -B^{-1} grad L_Dr(w) (the quadratic view at w = w*(D))")
     tradeoff: float = Field(1e-4, ge=0, description="lambda_f of the forgetting Lagrangian")
     sigma_h: float = Field(1e-2, ge=0, description="sigma_h: std of the isotropic error model")
     eigen_floor: float | None = Field(
@@ -350,10 +351,10 @@ def _block(model: nn.Module, parameters: Literal["all"] | list[str]) -> ParamBlo
 
 
 def _searched_step(problem: RemovalProblem, block: ParamBlock, retain: SampleSet, anchor: Tensor, g: Tensor,
-                   step: Tensor, max_halvings: int) -> tuple[Tensor, dict[str, Any]]:
+                   step: Tensor, max_halvings: int, mu: float = 0.0) -> tuple[Tensor, dict[str, Any]]:
     """The longest t * step, t = 1, 1/2, ..., 2^-max_halvings, with Armijo decrease of the block's
-    retained objective F(w) = L_Dr(w) + (lambda/2) ||w_P||^2 - <anchor, w_P> (whose gradient is
-    g - anchor): F(w + t s) <= F(w) + 1e-4 t <g - anchor, s>; a zero step (noise only) when none
+    retained objective F(w) = L_Dr(w) + (lambda/2) ||w_P||^2 - <anchor, w_P> + (mu/2) ||w_P - w_P0||^2
+    (whose gradient at w_0 is g - anchor): F(w + t s) <= F(w) + 1e-4 t <g - anchor, s>; a zero step (noise only) when none
     decreases it or s is no descent direction. One no-grad pass over D_r per trial."""
     from pipeline.training import mean_loss
 
@@ -364,7 +365,7 @@ def _searched_step(problem: RemovalProblem, block: ParamBlock, retain: SampleSet
     def objective(model: nn.Module, w: Tensor) -> float:
         with torch.no_grad():
             loss = float(mean_loss(model, problem.task, retain, problem.batch_size))
-        return loss + 0.5 * lam * float(w @ w) - float(anchor.to(torch.float64) @ w)
+        return loss + 0.5 * lam * float(w @ w) - float(anchor.to(torch.float64) @ w) + 0.5 * mu * float((w - w0) @ (w - w0))
 
     f0 = objective(problem.model, w0)
     slope = float((g - anchor).to(torch.float64) @ step.to(torch.float64))
@@ -415,20 +416,23 @@ class FisherScrub(RemovalMethod):
         if kind == "auto":
             kind = "dense" if block.numel <= settings.dense_max else "diagonal"
 
+        how, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel, replay_max_parameters=0)
         with problem.stage("gradient", timings):
             g_before = block_gradient(model, task, retain, block, lam, reduction="mean", batch_size=bs)
-            anchor = torch.zeros_like(g_before)
-            if settings.anchor == "training_residual":  # r0 = grad L_D(w) = ((n - m) g_Dr + sum_U grad f) / n
+            anchor, mu = torch.zeros_like(g_before), 0.0
+            if how == "budget_damped":  # r0 = grad L_D(w) = ((n - m) g_Dr + sum_U grad f) / n; mu = 1 / tau
                 g_forget = block_gradient(model, task, problem.forget, block, lam, reduction="sum", batch_size=bs)
                 anchor = ((problem.n - problem.m) * g_before + g_forget) / problem.n
+                mu = budget_damping(schedule, problem.n - problem.m)
         with problem.stage("curvature", timings):
-            curv = CURVATURES[kind](problem, block, settings, retain)
+            damped = settings if mu == 0.0 else settings.model_copy(update={"damping": settings.damping + mu})
+            curv = CURVATURES[kind](problem, block, damped, retain)
 
         with problem.stage("update", timings):
             step = -curv.solve(g_before - anchor) if settings.newton_step else torch.zeros_like(g_before)
             search = None
             if settings.newton_step and settings.step_search and kind == "diagonal":
-                step, search = _searched_step(problem, block, retain, anchor, g_before, step, settings.max_halvings)
+                step, search = _searched_step(problem, block, retain, anchor, g_before, step, settings.max_halvings, mu)
             scale = noise_scale(settings.tradeoff, settings.sigma_h)
             noise = curv.noise(scale) if scale > 0 else torch.zeros_like(g_before)  # secret (OS CSPRNG)
             probe = copy.deepcopy(model)
@@ -464,9 +468,10 @@ class FisherScrub(RemovalMethod):
             },
             "step_norm": _norm(published_step),  # the published step (noise included)
             "step_search": search,
-            "anchor": {"kind": settings.anchor, "norm": _norm(anchor)},
+            "target": {"setting": settings.target, "how": how, "why": why, "training_budget_damping": mu},
             # the Newton step's own check: made before the noise, published only as its verdict when noised
-            "verification": _verify(g_before - anchor, g_newton - anchor, kind, settings.newton_step, numbers=not noised),
+            "verification": _verify(g_before - anchor, g_newton - anchor + mu * step.to(g_newton.dtype), kind,
+                                    settings.newton_step, numbers=not noised),
             "timings": timings,
             "release": release.model_dump(mode="json"),
         }

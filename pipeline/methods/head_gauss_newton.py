@@ -3,13 +3,15 @@
 
 The model is a classifier head: an nn.Sequential of Linear layers and parameter-free modules under
 cross-entropy (usually the trainable head over cached features). Its decision layer is solved as
-``decision-layer-newton`` solves it; the parameters outside it move by their part of one anchored,
-truncated Gauss-Newton step on the whole head, taken at the start weights
-(``pipeline.curvature.gauss_newton``), and the decision layer is then solved over the hidden layers'
-new features (its anchor the start's), so the record and the checks describe the published weights:
+``decision-layer-newton`` solves it (its ``target``); the parameters outside it move by their part
+of one truncated Gauss-Newton step on the whole head, taken at the start weights
+(``pipeline.curvature.gauss_newton``), towards the same target (``pipeline.target``): Retrain's
+budget-damped step for an SGD recipe (mu = 1/tau added to the ridge),
 
-    w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss(w, z) - m mean_D grad loss(w, z)) / (n - m)
+    w' = w + (G_{D\\U} + (lambda + mu) I)^{-1} (sum_U grad loss(w, z) - m mean_D grad loss(w, z)) / (n - m),
 
+or the step towards grad L_{D\\U} = 0 for the minimiser; the decision layer is then solved over the
+hidden layers' new features, so the record and the checks describe the published weights,
 with products over the ``hidden_step_rows`` retained samples of largest curvature trace and
 ``hidden_step_iterations`` PCG iterations from the EK-FAC solution; no hidden step (recorded) where
 those rows hold less than ``hidden_step_min_trace_share`` of the retained trace. Prepared once per
@@ -30,6 +32,7 @@ from pipeline.methods.base import RemovalMethod, RemovalOutcome, RemovalProblem,
 from pipeline.errors import RemovalNotServed
 from pipeline.methods.decision_layer_newton import DecisionLayerNewtonSettings, solve_decision_layer
 from pipeline.prepared import Binding, Prepared
+from pipeline.target import budget_damping, resolve_target
 
 __all__ = ["HeadGaussNewton", "HeadGaussNewtonSettings", "HeadPrepared"]
 
@@ -63,10 +66,6 @@ class HeadGaussNewton(RemovalMethod):
 
     def prepare(self, trained: TrainedModel, settings: HeadGaussNewtonSettings,  # type: ignore[override]
                 binding: Binding) -> HeadPrepared:
-        if settings.anchor != "training_residual":
-            raise ValueError("the head Gauss-Newton step takes the anchored step (grad L_{D\\U}(w') = grad L_D(w)); "
-                             "set anchor: training_residual so that the decision layer aims at the same target, or use "
-                             "method decision-layer-newton")
         block = decision_layer_block(trained.model, settings.parameters)
         layer = DecisionLayerState.build(binding, trained.model, trained.task, trained.train, block,
                                          trained.weight_decay, trained.batch_size)
@@ -117,12 +116,20 @@ def _hidden_step(problem: RemovalProblem, prepared: HeadPrepared, settings: Head
     if not outside_names:
         raise ValueError("the head Gauss-Newton step has nothing to move: the decision layer is the whole head; use "
                          "method decision-layer-newton")
+    # the target (pipeline.target): a step towards the minimiser, or Retrain's budget-damped step (the
+    # replay's one-window form: the hidden layers are too large for the replay's P x P matrices)
+    params = dict(problem.model.named_parameters())
+    kind, schedule, why = resolve_target(settings.target, problem.card, problem.weight_decay,
+                                         sum(params[k].numel() for k in outside_names), replay_max_parameters=0)
+    mu = budget_damping(schedule, problem.n - problem.m) if kind == "budget_damped" else 0.0
     step = gauss_newton_step(problem.model, problem.task, problem.train, problem.forget_positions,
                              problem.weight_decay, rows=settings.hidden_step_rows,
-                             iterations=settings.hidden_step_iterations, damping=settings.hidden_step_damping,
+                             iterations=settings.hidden_step_iterations, damping=settings.hidden_step_damping + mu,
                              min_trace_share=settings.hidden_step_min_trace_share, prepared=prepared.head,
-                             batch_size=problem.batch_size)
+                             batch_size=problem.batch_size, minimiser=kind == "minimiser")
     outside = {k: step.delta[k] for k in outside_names if k in step.delta}
     moved = float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in outside.values()]))) if outside else 0.0
-    record: dict[str, Any] = {**step.record, "parameters": outside_names, "step_norm_outside_block": moved}
+    record: dict[str, Any] = {**step.record, "parameters": outside_names, "step_norm_outside_block": moved,
+                              "target": {"setting": settings.target, "how": kind, "why": why,
+                                         "training_budget_damping": mu}}
     return GaussNewtonStep(outside, record)

@@ -10,10 +10,13 @@ then N(0, sigma^2 I) on P, once, at the end. Parameters outside P are untouched.
 uses the retained gradient, not (1/(n-m)) sum_U grad f: the two agree only at an exact optimum
 of L_D, which an SGD-trained model or any model after an earlier noisy removal is not.
 
-Target (``anchor``): a = 0 converges to the retrained optimum of the block (grad_P L_{D\\U} = 0);
-``training_residual`` keeps a = r0 = grad_P L_D(w) at the start (a model trained by SGD for a fixed
-budget is not at a stationary point of L_D, and Retrain with the same recipe leaves that unfinished
-training unfinished too): grad_P L_{D\\U}(w') = r0, the stationary point of L_{D\\U}(w) - <r0, w_P>.
+Target (``target``, ``pipeline.target``): ``minimiser`` converges to the retrained optimum of the block
+(a = 0, grad_P L_{D\\U} = 0); ``retrain`` lands where the card's recipe run on D \\ U puts the block:
+the minimiser for a converging recipe; for SGD with a fixed budget the recipe replay on a block of at
+most ``replay_max_parameters`` entries (the block is set to it: w_replay for the whole model,
+w + replay(D \\ U) - replay(D) for a part of it), else the stationary point of
+L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_start||^2, r0 = grad_P L_D(w_start), mu = 1/tau (the
+replay's one-window form; mu is added to the damping of every Newton system).
 
 Each step is taken whole when it decreases the objective (Armijo's condition), else halved until it
 does (``max_backtracks``); the length used is recorded. Converged block Newton (``newton_max_steps``
@@ -61,6 +64,9 @@ from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient
 from pipeline.prepared import Prepared
 from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
+from pipeline.recipe import start_weights
+from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, prepare_replay, replay_target, resolve_target
+from pipeline.target.oracles import ModuleBlockOracle
 from pipeline.tasks import Task
 
 __all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError"]
@@ -104,10 +110,12 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
     max_backtracks: int = Field(
         20, ge=0, description="halvings of a Newton step that does not decrease L_{D\\U} (Armijo); the full "
                               "step is taken whenever it decreases the objective enough")
-    anchor: Literal["none", "training_residual"] = Field(
-        "none", description="none: converge to the retrained optimum (grad L_{D\\U} = 0); training_residual: "
-                            "to grad L_{D\\U}(w') = r0 = grad_P L_D(w) at the start (equal on a model at its optimum; "
-                            "keeps an SGD-trained model's unfinished training out of the removal)")
+    target: TargetKind = Field(
+        "retrain", description="retrain: where the card's recipe run on D \\ U lands (pipeline.target); minimiser: "
+                               "grad L_{D\\U} = 0 on the block")
+    replay_max_parameters: int = Field(
+        REPLAY_MAX_PARAMETERS, gt=0, description="retrain on an SGD recipe: the largest block the recipe replay holds "
+                                                 "P x P matrices for; larger blocks take the budget-damped step")
     cache_frozen_prefix: bool = Field(
         True, description="a block in the trailing modules of a Sequential: compute the modules before it once "
                           "and run every pass of the removal on the rest (pipeline.frozen_prefix)")
@@ -166,7 +174,22 @@ class LFociNewton(RemovalMethod):
                     {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
         r0 = ((n - m) * g + g_forget) / n  # grad_P L_D(w) at the start
         start_norm = _norm(r0)
-        anchor = r0 if settings.anchor == "training_residual" else torch.zeros_like(r0)
+        kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
+                                             settings.replay_max_parameters)
+        target: dict[str, Any] = {"setting": settings.target, "how": kind, "why": why}
+        anchor, mu = torch.zeros_like(r0), 0.0
+        if kind == "budget_damped":
+            anchor, mu = r0, budget_damping(schedule, n - m)
+            target.update(equation="grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0", mu=mu)
+        elif kind == "replay":
+            with problem.stage("target_replay", timings):
+                w_target, target["replay"] = _replayed_block(problem, work, block, schedule, full_block)
+                block.add_to_model(work.model, (w_target - w_start).to(torch.float64))
+                anchor = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
+                _restore(model, saved)
+            target["equation"] = "w' = w_replay (grad_P L_D\\U(w') = grad_P L_D\\U(w_replay))"
+        else:
+            target["equation"] = "grad_P L_D\\U(w') = 0"
         residual = g - anchor
         g0 = _norm(residual)
         raw0 = _norm(g)
@@ -192,8 +215,17 @@ class LFociNewton(RemovalMethod):
         info = None
         norm_g = g0
         f_now: float | None = None  # the line search's objective at the current weights, once known
+        solve_settings = settings if mu == 0.0 else settings.model_copy(update={"damping": settings.damping + mu})
         try:
-            for k in range(settings.newton_max_steps):
+            if kind == "replay":  # the target is a point: set the block to it and check it there
+                with problem.stage("verify", timings):
+                    block.add_to_model(work.model, (w_target - w_start).to(torch.float64))
+                    g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
+                norm_g = _norm(g - anchor)
+                history.append({"step": 1, "residual_norm_after": norm_g, "retain_gradient_norm_after": _norm(g),
+                                "step_norm": _norm(w_target - w_start), "step_length": 1.0, "damping": 0.0,
+                                "solver": "recipe replay", "iterations": 0, "relative_residual": 0.0})
+            for k in range(0 if kind == "replay" else settings.newton_max_steps):
                 if norm_g <= tol and k > 0:
                     break
                 with problem.stage("curvature_and_solve", timings):
@@ -202,15 +234,15 @@ class LFociNewton(RemovalMethod):
                     h_forget = forget_factory(work.model, task, forget, block, lam, reduction="sum", batch_size=bs)
                     h_new = Combination([(n / (n - m), h_train), (-1.0 / (n - m), h_forget)])
                     direction, info, fell_back = _newton_direction(
-                        h_new, residual, settings, dense=dense,
+                        h_new, residual, solve_settings, dense=dense,
                         cheap_dense=factory is LinearCrossEntropyHessian or cg_failed)
                     cg_failed = cg_failed or fell_back  # once CG missed its share, later systems go dense at once
                     solvers.append(dict(info.__dict__))
                     step_length, f_now = _backtrack(work.model, task, retain_set(), lam, bs, block, direction, residual,
-                                                    settings.max_backtracks, anchor, w_start, f_now)
+                                                    settings.max_backtracks, anchor, w_start, f_now, mu)
                 with problem.stage("verify", timings):
                     g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
-                residual = g - anchor
+                residual = _residual(g, anchor, mu, block, model, w_start)
                 norm_g = _norm(residual)
                 history.append({"step": k + 1, "residual_norm_after": norm_g,
                                 "retain_gradient_norm_after": _norm(g),
@@ -246,15 +278,13 @@ class LFociNewton(RemovalMethod):
         if noised:  # the record describes the published weights: nothing of the solution before the noise
             with problem.stage("verify_published", timings):
                 g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
-            norm_g = _norm(g - anchor)
+            norm_g = _norm(_residual(g, anchor, mu, block, model, w_start))
         record = {
             "block": {"numel": block.numel, "full_model": full_block,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
             "selection": {"strategy": settings.selection, **choice},
             "frozen_prefix": prefix.describe() if prefix is not None else None,
-            "target": {"anchor": settings.anchor, "anchor_norm": _norm(anchor),
-                       "equation": "grad_P L_D\\U(w') = 0" if settings.anchor == "none"
-                       else "grad_P L_D\\U(w') = grad_P L_D(w_start)"},
+            "target": target,
             "curvature": {"data": curv_note, "operator": getattr(factory, "__name__", type(factory).__name__),
                           "solver": dict(info.__dict__) if info else None, "solvers": solvers,
                           "damping": settings.damping, "damping_used": damping_used},
@@ -268,7 +298,7 @@ class LFociNewton(RemovalMethod):
                 "data_mean_block_start": start_norm,
                 "retain_mean_block_before": raw0,
                 "retain_mean_block_after": _norm(g),   # at the published weights
-                "residual_before": g0,   # ||grad_P L_D\\U - anchor|| (= retain gradient when anchor is none)
+                "residual_before": g0,   # ||grad F|| of the target's equation (= retain gradient for the minimiser)
                 "residual_after": norm_g,
             },
             "gradient_share": {
@@ -336,9 +366,9 @@ def _value(model: nn.Module, task: Task, data, lam: float, batch_size: int) -> f
 
 def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int, block, direction: torch.Tensor,
                g: torch.Tensor, max_backtracks: int, anchor: torch.Tensor | None = None,
-               w_ref: torch.Tensor | None = None, f_start: float | None = None) -> tuple[float, float]:
+               w_ref: torch.Tensor | None = None, f_start: float | None = None, mu: float = 0.0) -> tuple[float, float]:
     """Apply w_P -= t d with the largest t in {1, 1/2, ...} satisfying Armijo's condition
-    F(w - t d) <= F(w) - 1e-4 t g'd on F = L_{D\\U} - <anchor, w_P - w_ref> (g = grad F; d from a
+    F(w - t d) <= F(w) - 1e-4 t g'd on F = L_{D\\U} - <anchor, w_P - w_ref> + (mu/2)||w_P - w_ref||^2 (g = grad F; d from a
     positive definite, possibly damped, system, so g'd > 0); a change below the objective's
     rounding counts as satisfied. Returns t (0: no step) and F at the weights left (``f_start``:
     F at the current weights when the caller knows it, saving a pass)."""
@@ -346,9 +376,11 @@ def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int
 
     def value() -> float:
         f = _value(model, task, retain, lam, batch_size)
-        if anchor is not None and w_ref is not None and bool(anchor.any()):
+        if w_ref is not None and ((anchor is not None and bool(anchor.any())) or mu > 0):
             w = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
-            f -= float(anchor @ (w - w_ref))
+            if anchor is not None:
+                f -= float(anchor @ (w - w_ref))
+            f += 0.5 * mu * float((w - w_ref) @ (w - w_ref))
         return f
 
     f0 = value() if f_start is None else f_start
@@ -365,6 +397,34 @@ def _backtrack(model: nn.Module, task: Task, retain, lam: float, batch_size: int
         _restore(model, saved)
         t *= 0.5
     return 0.0, f0
+
+
+def _residual(g: torch.Tensor, anchor: torch.Tensor, mu: float, block: Any, model: nn.Module,
+              w_start: torch.Tensor) -> torch.Tensor:
+    """grad F = grad_P L_D\\U - a + mu (w_P - w_start) at the model's current block weights."""
+    if mu == 0.0:
+        return g - anchor
+    w = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
+    return g - anchor + mu * (w - w_start)
+
+
+def _replayed_block(problem: RemovalProblem, work: RemovalProblem, block: Any, schedule: Any,
+                    full_block: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The block's recipe-replay target (``pipeline.target.replay``) over ``work``'s model and data:
+    the replay itself for the whole model, else w + replay(D \\ U) - replay(D)."""
+    import time
+
+    assert problem.card is not None
+    started = time.perf_counter()
+    oracle = ModuleBlockOracle(work.model, work.task, work.train, block)
+    w_init = block.gather(start_weights(problem.card)).to(torch.float64)
+    prepared = prepare_replay(oracle, schedule, w_init)
+    w, cost = replay_target(oracle, prepared, work.forget_positions)
+    if not full_block:
+        w = oracle.w_ref + w - prepared.w_mean_field
+    return w, {"how": "recipe replay" if full_block else "w + replay(D \\ U) - replay(D)",
+               "preparation": {"cost": prepared.cost.as_record(), "seconds": prepared.seconds},
+               "cost": cost.as_record(), "seconds": time.perf_counter() - started}
 
 
 @torch.no_grad()
