@@ -3,7 +3,7 @@ on a network's trailing layers, a trust region and a bounded refit, for networks
 
   (a) on softmax regression at its optimum with filter_scale 0 the step is the exact Newton step
       -(H_R + lambda I)^{-1} (g_R - g_D) (dense float64 solve);
-  (b) on a tiny CNN trained end to end by SGD, a class removal and a random removal land closer to
+  (b) on a tiny CNN trained end to end by SGD, a class removal and a random 30% removal land closer to
       the mean of 5 same-recipe retrains (same init, other shuffles) than doing nothing, in mean KL
       on the forget and test sets in units of the retrains' own spread;
   (c) the scope is the trailing layers by forward cost on a Sequential CNN, and the vggface /
@@ -139,7 +139,10 @@ def test_removal_lands_nearer_the_retrains_than_doing_nothing(scenario, digits_i
     if scenario == "class":
         forget = torch.nonzero(y == 3).flatten()
     else:
-        forget = torch.randperm(len(train), generator=torch.Generator().manual_seed(5))[: len(train) // 10].sort().values
+        # 30%: at 10% doing nothing is already within the retrains' own spread on this small model (measured: 1.39 /
+        # 2.05 spreads on forget / test, one retrain against the other four 1.70 / 1.56): that cell cannot discriminate
+        forget = torch.randperm(len(train), generator=torch.Generator().manual_seed(5))[: (3 * len(train)) // 10]
+        forget = forget.sort().values
     retain = train.without(forget)
     retrains = [_fit(retain, s) for s in range(1, 6)]
     model = copy.deepcopy(original)
@@ -154,10 +157,9 @@ def test_removal_lands_nearer_the_retrains_than_doing_nothing(scenario, digits_i
           f"{[(round(t['damping'], 5), t['ratio'] and round(t['ratio'], 3)) for t in rec['trust_region']['trials']]}; "
           f"seconds {({k: round(v, 3) for k, v in rec['timings'].items()})}, preparation "
           f"{rec['preparation']['seconds']:.3f}")
-    assert rec["scope"]["parameters"] == ["8.weight", "8.bias", "10.weight", "10.bias"]
+    assert rec["scope"]["parameters"] == ["6.weight", "6.bias", "8.weight", "8.bias"]
     assert rec["refit"]["steps"] > 0 and set(rec["timings"]) == {"gradients", "step", "refit"}
-    assert sum(after) < sum(before)
-    assert after[0] < before[0] and after[1] < before[1] * 1.05
+    assert after[0] < before[0] and after[1] < before[1]
 
 
 # -- (c) the scope ------------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def test_config_runs_through_remove_and_its_state_carries_over(trained_model_dir
     rec = run.record
     assert rec["method"] == "block-gauss-newton" and rec["release"]["guarantee"] == "none"
     assert rec["preparation"]["built_for_this_request"] and rec["preparation"]["prefix_seconds"] > 0
-    assert rec["filter"]["tau"] > 0 and rec["filter"]["mu"] == pytest.approx(0.5 / rec["filter"]["tau"])
+    assert rec["filter"]["tau"] > 0 and rec["filter"]["mu"] == pytest.approx(1.0 / rec["filter"]["tau"])
     assert rec["refit"]["steps"] > 0 and {"gradients", "step", "refit"} <= set(rec["timings"])
     nxt = run.next_prepared()
     assert nxt is not None and nxt.details["updated_from_removal"]

@@ -88,7 +88,7 @@ class BlockGaussNewtonSettings(MethodSettings):
     curvature_samples: int | None = Field(
         2048, gt=0, description="Gauss-Newton products over a seeded subsample of this many retained samples (null: all)")
     filter_scale: float = Field(
-        0.5, ge=0, description="mu = filter_scale / tau, tau = the recipe's sum of learning rates / (1 - momentum): "
+        1.0, ge=0, description="mu = filter_scale / tau, tau = the recipe's sum of learning rates / (1 - momentum): "
                                "directions the training budget could not move are not moved (0: the plain Newton step)")
     budget: float | None = Field(
         None, gt=0, description="tau itself (null: from the model card's recipe, pipeline.recipe.learning_rate_budget)")
@@ -98,8 +98,8 @@ class BlockGaussNewtonSettings(MethodSettings):
         4096, gt=0, description="the trust region's ratio test evaluates the objective on a seeded probe of this many "
                                 "retained samples (null: all)")
     min_ratio: float = Field(0.25, ge=0, lt=1, description="accept a step when actual / predicted decrease >= this")
-    max_retries: int = Field(3, ge=0, description="damping increases tried after the first step is rejected")
-    damping_growth: float = Field(4.0, gt=1, description="the damping is multiplied by this at each retry")
+    max_retries: int = Field(4, ge=0, description="damping increases tried after the first step is rejected")
+    damping_growth: float = Field(2.0, gt=1, description="the damping is multiplied by this at each retry")
     refit_epochs: float = Field(0.5, ge=0, description="epochs of the recipe's SGD on R over the scope after the step "
                                                        "(0: none)")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this")
