@@ -107,23 +107,6 @@ def recipe_of(card: "ModelCard") -> Recipe:
                   weight_decay=t.weight_decay, seed=t.seed)
 
 
-def learning_rate_budget(recipe: Recipe, n: int) -> float:
-    """tau = (sum of the learning rates of every step the recipe takes on n samples) / (1 - momentum):
-    how far SGD with momentum can move a weight along a direction of curvature h << 1/tau (about
-    tau times the gradient); directions with h tau >> 1 are moved to their optimum. For ``sgd``
-    (cosine decay per epoch, ``pipeline.training.fit_sgd``): ceil(n / batch_size) steps per epoch at
-    lr (1 + cos(pi e / epochs)) / 2 in epoch e. ``lbfgs`` runs to an optimum: infinity."""
-    import math
-
-    if recipe.optimizer != "sgd":
-        return math.inf
-    if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1 or n < 1:
-        raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
-    per_epoch = math.ceil(n / recipe.batch_size)
-    rates = sum(recipe.lr * 0.5 * (1.0 + math.cos(math.pi * e / recipe.epochs)) for e in range(recipe.epochs))
-    return per_epoch * rates / (1.0 - recipe.momentum)
-
-
 def init_of(card: "ModelCard") -> InitSpec:
     """Where the card's training started: its init checkpoint, if any."""
     return InitSpec.model_validate(card.training.extra.get("init") or {})

@@ -10,8 +10,8 @@ suffix moves (the block P); the prefix before it runs once over D (cached featur
 a curvature product. With ``scope_cost_share: 1`` the whole model is the scope.
 
 Step. The target is a retrain from the trained weights w0 on R = D \\ U with the model card's
-recipe, whose budget tau = sum of its learning rates / (1 - momentum) (``pipeline.recipe.
-learning_rate_budget``; infinity for a recipe run to an optimum). On the proximal objective
+recipe, whose budget tau = sum of its learning rates / (1 - momentum) as heavy ball applies them
+(``pipeline.target.ReplaySchedule.training_time``; infinity for a recipe run to an optimum). On the proximal objective
     F(w) = L_R(w) - <g_D(w0), w> + (mu / 2) ||w - w0||^2,     mu = filter_scale / tau,
 one Newton step with the generalised Gauss-Newton curvature G_R of the scope (Martens 2010;
 ``pipeline.curvature.ggn.BlockGaussNewton``, on a seeded subsample of ``curvature_samples`` of R):
@@ -70,7 +70,8 @@ from pipeline.methods.finetune import SGD
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
-from pipeline.recipe import Recipe, learning_rate_budget, recipe_of
+from pipeline.recipe import Recipe, recipe_of
+from pipeline.target import replay_schedule
 from pipeline.tasks import Task, output_logits
 
 __all__ = ["BlockGaussNewton", "BlockGaussNewtonPrepared", "BlockGaussNewtonSettings", "Scope", "choose_scope",
@@ -91,7 +92,7 @@ class BlockGaussNewtonSettings(MethodSettings):
         1.0, ge=0, description="mu = filter_scale / tau, tau = the recipe's sum of learning rates / (1 - momentum): "
                                "directions the training budget could not move are not moved (0: the plain Newton step)")
     budget: float | None = Field(
-        None, gt=0, description="tau itself (null: from the model card's recipe, pipeline.recipe.learning_rate_budget)")
+        None, gt=0, description="tau itself (null: from the model card's recipe, pipeline.target.ReplaySchedule.training_time)")
     cg_max_iter: int = Field(60, gt=0, description="PCG iterations per solve")
     cg_rtol: float = Field(1e-6, gt=0, description="PCG stops at this relative residual")
     probe_samples: int | None = Field(
@@ -240,7 +241,8 @@ def _budget(trained: TrainedModel | RemovalProblem, settings: BlockGaussNewtonSe
     if recipe is None:
         return None, None
     n = int(card.training.n) + len(card.training.removed_ids)  # the recipe ran on the first version's data
-    return learning_rate_budget(recipe, n), recipe
+    schedule = replay_schedule(card, card.training.weight_decay)
+    return (math.inf if schedule is None else schedule.training_time(n)), recipe
 
 
 # -- the method -----------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ class ModuleBlockOracle:
     """Oracle of a parameter block of any module under the task's loss (module docstring); w is
     the block's flat weights, in the block's order, float64 (the passes run in the model's dtype)."""
 
-    def __init__(self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, *, chunk: int = 64):
+    def __init__(self, model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, *, chunk: int = 256):
         self.model, self.task, self.data, self.block = model, task, data, block
         self.n = len(data)
         self.outputs_are_logits = task.loss == "cross_entropy"
@@ -117,8 +117,14 @@ class ModuleBlockOracle:
         total = torch.zeros(size, size, dtype=torch.float64)
         for s in range(0, len(idx), self.chunk):
             batch = self.data.take(idx[s:s + self.chunk]).columns
+            keys = list(batch)
+
+            def one(d: Tensor, *values: Tensor) -> Tensor:  # a single sample's outputs, (C,)
+                return self._call(d, {k: v.unsqueeze(0) for k, v in zip(keys, values)}).squeeze(0)
+
+            # per-sample Jacobians J_i (b, C, P): a backward pass per output of one sample, not of the batch
+            jac = vmap(jacrev(one), in_dims=(None, *[0] * len(keys)))(delta, *[batch[k] for k in keys])
             z = self._call(delta, batch).detach()
-            jac = jacrev(lambda d: self._call(d, batch))(delta)            # (b, C, P)
             h_out = vmap(hessian(self._sample_loss))(z, batch["y"])            # (b, C, C)
             jac = jac.to(torch.float64).cpu()
             h_out = h_out.to(torch.float64).cpu()
