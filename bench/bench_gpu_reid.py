@@ -5,6 +5,7 @@ solve on the CPU (falls back to a reduced CPU run when there is no CUDA device).
     python -m bench.bench_gpu_reid --threads 1  # the CPU run on a shared, busy machine (~1-3 min)
     python -m bench.bench_gpu_reid --smoke      # tiny (tests; any machine)
     python -m bench.bench_gpu_reid --device cpu # force the CPU run
+    python -m bench.bench_gpu_reid --method block-gauss-newton   # another removal method, by name
     python -m bench.bench_gpu_reid --device cuda --train-steps 4000 --train-seconds 150
                                                 # train towards a plateau within a time budget
 
@@ -34,8 +35,19 @@ Damping: the restricted Hessian of a near-random network is indefinite. With the
 with damping 1 / 3 / 10: CG met negative curvature at iteration 3 / 4 / 4). Now damping 0: the
 method adds Levenberg-Marquardt damping where needed, solves every system to ``cg_rtol`` and
 refuses (``RemovalNotServed``) a step that removes less than half of the retained gradient.
-Removal: the registered ``lfoci-newton`` method (epsilon = inf), run through
-``bench.common.measure_removal``: its stages are timed through ``RemovalProblem.stage_hook``
+Method: ``--method`` names it as ``unlearn forget --method`` does (a variant in configs/methods/
+or a registered method; default ``lfoci-newton`` with this profile's settings and target
+minimiser, as before; any other method runs its variant's settings, ``--method-settings`` JSON on
+top, and where it has a ``budget`` setting tau = the training's steps x lr / (1 - momentum)). The
+removal goes through ``pipeline.removal.remove`` (``bench.common.measure_forget``) with a model
+card carrying the recipe (SGD, lr, momentum, batch, weight decay); the method's state is prepared
+first and timed apart (``preparation_seconds``; ``removal_seconds`` the removal's own;
+``serve_seconds`` both), the published weights are loaded back for the metrics, and
+``method_summary`` keeps the record's scope, filter, trust-region trials, refit and stage timings.
+Embedding (``embedding``): the forgotten identity's leave-one-out retrieval, verification (TAR at
+FAR 1%) and membership gap against 8 unseen images of it, before and after, identity 1 as control.
+Removal (default): the registered ``lfoci-newton`` method (epsilon = inf), run through
+``bench.common.measure_forget``: its stages are timed through ``RemovalProblem.stage_hook``
 under the method's own names (or from its record's ``timings`` where it reports none there),
 with ``torch.cuda.synchronize`` before each stage ends on a GPU. Probe on the model's device;
 L-FOCI, the CG vectors and the solve on the CPU as the method does; CG to ``cg_rtol``
@@ -50,6 +62,7 @@ Writes bench/results/gpu_reid.json (``"device": "cuda"`` or ``"cpu"``; smoke: gp
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -61,7 +74,7 @@ if str(ROOT) not in sys.path:  # run as a file on a bare machine
 
 import torch  # noqa: E402
 
-from bench.common import (RESULTS_DIR, RssSampler, gib, jsonable, machine_info, measure_removal,  # noqa: E402
+from bench.common import (RESULTS_DIR, RssSampler, gib, jsonable, machine_info, measure_forget,  # noqa: E402
                           peak_rss_bytes, print_table, record_summary, set_threads, write_json)
 
 # lfoci-newton refuses (RemovalNotServed) a Newton system not solved to cg_rtol and a step that
@@ -90,6 +103,9 @@ PROFILES: dict[str, dict[str, Any]] = {
               "cg_max_iter": 300, "cg_rtol": 1e-8, "damping": 0.0, "newton_max_steps": 2, "batch_size": 16},
 }
 WEIGHT_DECAY = 5e-4
+LR, MOMENTUM = 0.01, 0.9  # the training's SGD (constant learning rate)
+DEFAULT_METHOD = "lfoci-newton"
+HELDOUT_IMAGES = 8  # unseen images of the forgotten identity (membership gap)
 
 
 def synthetic_reid(ids: int, per_id: int, height: int, width: int, seed: int = 0):
@@ -109,6 +125,66 @@ def synthetic_reid(ids: int, per_id: int, height: int, width: int, seed: int = 0
     x = x + 0.3 * torch.randn(x.shape, generator=g)
     y = torch.arange(ids).repeat_interleave(per_id)
     return SampleSet({"x": x.contiguous(), "y": y}, torch.arange(n, dtype=torch.long))
+
+
+def heldout_images(ids: int, identity: int, count: int, height: int, width: int, seed: int = 0):
+    """``count`` images of ``identity`` drawn as ``synthetic_reid`` draws them (its prototype) with noise
+    from another seed: unseen images of the person, for the membership gap."""
+    g = torch.Generator().manual_seed(seed)
+    proto = (torch.rand(ids, 3, 16, 8, generator=g) * 2 - 1)[identity:identity + 1]
+    x = torch.nn.functional.interpolate(proto, size=(height, width), mode="bilinear", align_corners=False)
+    x = x.repeat(count, 1, 1, 1)
+    h = torch.Generator().manual_seed(seed + 7919)
+    x = x * (1 + 0.2 * torch.randn(count, 1, 1, 1, generator=h)) + 0.2 * torch.randn(count, 3, 1, 1, generator=h)
+    return (x + 0.3 * torch.randn(x.shape, generator=h)).contiguous()
+
+
+def model_card(profile: dict[str, Any], n: int, steps: int, seed: int = 0):
+    """The card ``unlearn forget`` would load with this model: preset, options, data, and the recipe
+    (SGD, lr, momentum, batch, weight decay). The bench's training keeps its learning rate constant
+    for ``steps`` steps; the card's recipe (cosine per epoch) records the same optimiser over the
+    epochs run, and the bench's own schedule is kept under ``extra.bench_training``."""
+    import math
+
+    from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+    from pipeline.recipe import Recipe
+
+    epochs = max(1, math.ceil(steps * profile["train_batch"] / n))
+    recipe = Recipe(optimizer="sgd", epochs=epochs, lr=LR, batch_size=profile["train_batch"],
+                    weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, seed=seed)
+    return ModelCard(
+        preset="reid-resnet50", options={**profile["model"], "image_size": profile["height"]},
+        data=DataRef(source="bench.bench_gpu_reid.synthetic_reid",
+                     options={"ids": profile["ids"], "per_id": profile["per_id"], "height": profile["height"],
+                              "width": profile["width_px"], "seed": seed}),
+        training=TrainingRecord(weight_decay=WEIGHT_DECAY, n=n, epochs=epochs, lr=LR, batch_size=profile["train_batch"],
+                                optimizer="sgd", seed=seed,
+                                extra={"recipe": recipe.model_dump(mode="json"),
+                                       "bench_training": {"steps": steps, "lr": LR, "momentum": MOMENTUM,
+                                                          "schedule": "constant"}}))
+
+
+def training_budget(steps: int) -> float | None:
+    """tau of the bench's training: the sum of its learning rates / (1 - momentum) (constant lr)."""
+    return steps * LR / (1.0 - MOMENTUM) if steps else None
+
+
+@torch.no_grad()
+def embedding_metrics(model: Any, data: Any, heldout: Any, identity: int, control: int, batch_size: int) -> dict[str, Any]:
+    """The forgotten identity in the embedding (``model.features``, the retrieval features): its
+    leave-one-out retrieval among the training images, its verification (TAR at FAR 1%, genuine
+    cosine), the membership gap of its training images against unseen images of it; and the
+    retrieval of a retained identity (``control``) for comparison."""
+    from pipeline.evaluate.predict import features_of
+    from pipeline.evaluate.retrieval import identity_retrieval, membership_gap, verification_scores
+
+    feats = features_of(model, data, batch_size)
+    labels = data.columns["y"].cpu()
+    unseen = model.features(heldout.to(next(model.parameters()).device)).float().cpu()
+    return {"identity": identity, "retrieval": identity_retrieval(feats, labels, identity),
+            "verification": verification_scores(feats, labels, identity),
+            "membership_gap": membership_gap(feats[labels == identity], unseen),
+            "control_identity": control, "control_retrieval": identity_retrieval(feats, labels, control)}
 
 
 def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 0,
@@ -131,7 +207,7 @@ def prepare_model(profile: dict[str, Any], train: Any, device: str, seed: int = 
     started = time.perf_counter()
     if profile["train_steps"]:
         model.train()
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9,
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM,
                               weight_decay=WEIGHT_DECAY)
         g = torch.Generator().manual_seed(seed + 1)
         from pipeline.progress import track
@@ -194,11 +270,15 @@ def mean_loss(model: Any, task: Any, data: Any, batch_size: int) -> float:
     return total / len(data)
 
 
-def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | None = None) -> dict[str, Any]:
-    """One removal; ``partial``: where to write the training's figures before the removal starts
-    (so a run stopped during the removal still leaves them)."""
+def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | None = None,
+        method: str = DEFAULT_METHOD, method_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One removal of identity 0 by ``method`` (named as ``unlearn forget --method`` names it:
+    a variant in configs/methods/ or a registered method; ``method_settings`` on top), through
+    ``pipeline.removal.remove``; ``partial``: where to write the training's figures before the
+    removal starts (so a run stopped during the removal still leaves them)."""
     from pipeline.errors import RemovalNotServed
-    from pipeline.methods import RemovalProblem
+    from pipeline.methods.base import TrainedModel
+    from pipeline.removal import method_ref
 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else None
@@ -217,44 +297,73 @@ def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | Non
         bs = profile["batch_size"]
         before = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs),
                   "train_accuracy": accuracy(model, train, bs)}
+        heldout = heldout_images(profile["ids"], 0, HELDOUT_IMAGES, profile["height"], profile["width_px"], seed)
+        with rss.stage("embedding_before"):
+            embedding_before = embedding_metrics(model, train, heldout, 0, 1, bs)
         if partial is not None:
             write_json(partial, {"benchmark": "gpu_reid", "partial": "written after training, before the removal",
                                  "device": device, "profile": profile, "training": training,
                                  "setup_stages": {k: rss.stages[k] for k in ("make_data", "prepare_model")},
-                                 "losses_before": before})
-        problem = RemovalProblem(model, task, train, forget_pos, WEIGHT_DECAY, seed=seed, batch_size=bs)
-        settings = {"perturbations": profile["perturbations"], "pass_size": profile["pass_size"],
-                    "max_slices": profile["max_slices"], "curvature_samples": profile["curvature_samples"],
-                    "damping": profile["damping"], "dense_max": 1, "cg_rtol": profile["cg_rtol"],
-                    "cg_max_iter": profile["cg_max_iter"], "newton_max_steps": profile["newton_max_steps"]}
+                                 "losses_before": before, "embedding_before": embedding_before})
+        trained = TrainedModel(model, task, train, WEIGHT_DECAY, bs, model_card(profile, len(train), len(train_losses), seed))
+        ref = method_ref(method)
+        if ref.method == "lfoci-newton":  # the profile's settings (as before)
+            settings = {"perturbations": profile["perturbations"], "pass_size": profile["pass_size"],
+                        "max_slices": profile["max_slices"], "curvature_samples": profile["curvature_samples"],
+                        "damping": profile["damping"], "dense_max": 1, "cg_rtol": profile["cg_rtol"],
+                        "cg_max_iter": profile["cg_max_iter"], "newton_max_steps": profile["newton_max_steps"],
+                        # the minimiser, as before the bench carried a card (without one target: retrain is the
+                        # minimiser); with the card's recipe, retrain would replay the cosine recipe, not this training
+                        "target": "minimiser"}
+        else:  # the variant's settings (configs/methods/<name>.yaml) as unlearn forget --method runs them
+            settings = {}
+            tau = training_budget(len(train_losses))
+            if "budget" in type(ref.settings).model_fields and tau is not None and ref.settings.budget is None:
+                settings["budget"] = tau  # the bench's constant-lr training, not the card recipe's cosine schedule
+        settings.update(method_settings or {})
+        ids = train.sample_ids[forget_pos.to(train.sample_ids.device)].tolist()
         started = time.perf_counter()
         try:
-            res = measure_removal(problem, "lfoci-newton", settings, sampler=rss, sync=sync)
+            res = measure_forget(trained, ids, method, settings, sampler=rss, sync=sync, seed=seed, device=device)
         except RemovalNotServed as refused:  # the method's verdict: nothing published, the request goes to retraining
             if sync:
                 sync()
             # the stages the method reported through the hook before it refused (seconds summed
             # over repeats; memory from the sampler's last entry of each)
             seconds = dict(getattr(refused, "stage_seconds", {}))
-            res = {"outcome": "needs_retrain", "removal_seconds": time.perf_counter() - started,
+            prep = getattr(refused, "preparation_seconds", None)
+            res = {"outcome": "needs_retrain",
+                   "removal_seconds": getattr(refused, "removal_wall_seconds", time.perf_counter() - started - (prep or 0.0)),
+                   "preparation_seconds": prep, "preparation": jsonable(getattr(refused, "preparation", None)),
+                   "preparation_stage": rss.stages.get("preparation"),
                    "needs_retrain": {"reason": refused.reason, "diagnostics": jsonable(refused.diagnostics)},
                    "stages": {k: {**rss.stages.get(k, {}), "seconds": round(v, 4)} for k, v in seconds.items()},
-                   "stage_seconds": seconds, "stage_source": "stage_hook (up to the refusal)"}
+                   "stage_seconds": seconds, "stage_source": "stage_hook (up to the refusal)",
+                   "method": ref.method, "variant": ref.name,
+                   "entry_point": "pipeline.removal.remove (unlearn forget --method)"}
             record = {}
         else:
             res["outcome"] = "served"
-            res.pop("new_parameters")
+            model.load_state_dict(res.pop("new_state"))  # the published weights (remove() returns them)
             record = res.pop("record")
+        res["serve_seconds"] = (res.get("preparation_seconds") or 0.0) + res["removal_seconds"]
         with rss.stage("metrics"):
             after = {"forget_loss": mean_loss(model, task, forget, bs), "retain_loss_subset": mean_loss(model, task, retain_probe, bs),
                      "train_accuracy": accuracy(model, train, bs)}
+            embedding_after = embedding_metrics(model, train, heldout, 0, 1, bs)
     summary = record_summary(record)
     res.update({"n": len(train), "m": int(forget_pos.numel()), "settings": settings, "method_record": record,
-                "block": {"numel": summary["block_numel"] or (res.get("needs_retrain") or {}).get("diagnostics", {}).get("block_numel")},
+                "block": {"numel": _block_numel(record, summary, res)},
                 "solver": {**((record.get("curvature") or {}).get("solver") or {}),
                            "cg_max_iter": profile["cg_max_iter"], "damping": profile["damping"]}})
     res["verify_losses"] = {"before": before, "after": after,
                             "note": "mean per-sample loss on the forgotten identity's images and on 256 retained images"}
+    res["embedding"] = {"before": embedding_before, "after": embedding_after, "heldout_images": HELDOUT_IMAGES,
+                        "note": "model.features (retrieval features) of every training image: identity 0 (forgotten) "
+                                "leave-one-out retrieval (mAP, rank-1 %) and verification (TAR at FAR 1%, genuine / "
+                                "impostor cosine), membership gap of its training images against unseen images of it "
+                                "(about 0 where training never saw them); identity 1 (retained) retrieval as control"}
+    res["method_summary"] = method_summary(record, res)
     res["model"] = {"preset": "reid-resnet50", "options": profile["model"],
                     "parameters": sum(p.numel() for p in model.parameters()),
                     "input": [3, profile["height"], profile["width_px"]]}
@@ -263,7 +372,7 @@ def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | Non
     res["light_training"] = {"steps": len(train_losses), "first_loss": train_losses[0] if train_losses else None,
                              "last_loss": train_losses[-1] if train_losses else None}
     res["training"] = training
-    res["setup_stages"] = {k: rss.stages[k] for k in ("make_data", "prepare_model")}
+    res["setup_stages"] = {k: rss.stages[k] for k in ("make_data", "prepare_model", "embedding_before")}
     res["metrics_stage"] = rss.stages["metrics"]
     # the method's stages as it reports them, plus the benchmark's own loss measurement
     res["stage_summary"] = {**res["stage_seconds"], "metrics": rss.stages["metrics"]["seconds"]}
@@ -273,6 +382,24 @@ def run(profile: dict[str, Any], device: str, seed: int = 0, partial: Path | Non
                       "peak_reserved_gib": gib(torch.cuda.max_memory_reserved()),
                       "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}
     return res
+
+
+def _block_numel(record: dict[str, Any], summary: dict[str, Any], res: dict[str, Any]) -> int | None:
+    """The entries the removal moved: an L-FOCI block's, or a scope's (block-gauss-newton), served or refused."""
+    diag = (res.get("needs_retrain") or {}).get("diagnostics") or {}
+    return (summary["block_numel"] or (record.get("scope") or {}).get("numel") or diag.get("block_numel")
+            or (diag.get("scope") or {}).get("numel"))
+
+
+def method_summary(record: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """The method's record fields the report quotes (scope, trust-region trials, refit, filter, stage
+    timings, preparation), from the served record or a refusal's diagnostics."""
+    src = record or ((res.get("needs_retrain") or {}).get("diagnostics") or {})
+    keys = ("scope", "filter", "gradients", "trust_region", "refit", "step_norm", "timings", "preparation",
+            "removal_seconds", "release")
+    return {"method": res.get("method"), "variant": res.get("variant"), "outcome": res.get("outcome"),
+            "preparation_seconds": res.get("preparation_seconds"), "removal_seconds": res.get("removal_seconds"),
+            "serve_seconds": res.get("serve_seconds"), **{k: jsonable(src[k]) for k in keys if k in src}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -287,6 +414,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--train-seconds", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument("--plateau-window", type=int, default=0,
                         help="stop training once a window's mean loss is within 1%% of the window before (0: off)")
+    parser.add_argument("--method", default=DEFAULT_METHOD,
+                        help="the removal method, as unlearn forget --method names it: a variant in configs/methods/ or "
+                             "a registered method (default lfoci-newton, with this profile's settings)")
+    parser.add_argument("--method-settings", type=json.loads, default=None,
+                        help="JSON object of the method's settings on top (e.g. '{\"refit_epochs\": 1}')")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -311,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path = args.out or RESULTS_DIR / ("gpu_reid_smoke.json" if args.smoke else "gpu_reid.json")
     machine_before = machine_info()
     started = time.perf_counter()
-    res = run(profile, device, partial=out_path)
+    res = run(profile, device, partial=out_path, method=args.method, method_settings=args.method_settings)
     result = {
         "benchmark": "gpu_reid", "device": device, "scale": "smoke" if args.smoke else ("full" if device == "cuda" else "reduced"),
         "cuda_available": has_cuda, "profile": profile, **res,
@@ -320,11 +452,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_seconds": time.perf_counter() - started,
     }
     write_json(out_path, result)
-    print_table([{"stage": k, **v} for k, v in {**res["setup_stages"], **res["stages"], "metrics": res["metrics_stage"]}.items()],
+    prep = {"preparation": res["preparation_stage"]} if res.get("preparation_stage") else {}
+    print_table([{"stage": k, **v} for k, v in {**res["setup_stages"], **prep, **res["stages"], "metrics": res["metrics_stage"]}.items()],
                 ["stage", "seconds", "rss_peak_gib"],
                 title=f"\n== re-ID ResNet-50 removal on {device} ({result['scale']} scale): "
                       f"{res['model']['parameters'] / 1e6:.1f}M parameters, n = {res['n']}, m = {res['m']}, "
-                      f"block {res['block']['numel']:,} entries")
+                      f"method {res.get('variant')}, block {res['block']['numel'] or 0:,} entries")
     s = res["solver"]
     print(f"summary (s): {', '.join(f'{k} {v:.2f}' for k, v in res['stage_summary'].items())}; removal {res['removal_seconds']:.1f} s",
           flush=True)
@@ -334,6 +467,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = res["training"]
     print(f"training: {t['steps']} steps ({t['epochs']:.1f} epochs, {t['train_seconds']:.1f} s, stopped by "
           f"{t['stopped_by']}), loss {res['light_training']['first_loss']} -> {res['light_training']['last_loss']}", flush=True)
+    ms = res["method_summary"]
+    for trial in (ms.get("trust_region") or {}).get("trials", []):
+        print(f"trust region: damping {trial['damping']:.3g}, CG {trial['cg_iterations']}, ratio {trial['ratio']}, "
+              f"accepted {trial['accepted']}", flush=True)
+    for when in ("before", "after"):
+        e = res["embedding"][when]
+        print(f"embedding {when}: identity 0 retrieval {e['retrieval']}, TAR@FAR1% {e['verification']['TAR']:.1f}, "
+              f"genuine cos {e['verification']['genuine_cos']:.3f}, membership gap {e['membership_gap']:.3f}; "
+              f"identity 1 retrieval {e['control_retrieval']}", flush=True)
+    print(f"preparation {res.get('preparation_seconds') or 0.0:.1f} s, removal {res['removal_seconds']:.1f} s", flush=True)
     print(f"outcome: {res['outcome']}" + (f" ({res['needs_retrain']['reason']})" if res["outcome"] == "needs_retrain" else "")
           + f" after {res['removal_seconds']:.1f} s", flush=True)
     print(f"wrote {out_path} in {result['wall_seconds']:.0f} s", flush=True)

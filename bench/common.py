@@ -271,6 +271,66 @@ def measure_removal(problem: Any, method: str, settings: Any, *, sampler: "RssSa
             "new_parameters": outcome.new_parameters}
 
 
+def measure_forget(trained: Any, sample_ids: Any, method: str, settings: Any = None, *,
+                   sampler: "RssSampler | None" = None, sync: Any = None, seed: int = 0, device: str = "cpu",
+                   memory_budget: Any = "auto") -> dict[str, Any]:
+    """One removal through ``pipeline.removal.remove``, the entry point ``unlearn forget --method``
+    goes through: ``method`` is resolved as that option resolves it (a variant in configs/methods/
+    or a registered method; ``settings`` on top of the variant's), ``trained`` is a loaded
+    ``TrainedModel`` with its card. The method's per-version state is built first by
+    ``pipeline.methods.base.prepare`` (what ``remove`` would build itself; timed apart as the
+    ``preparation``) and handed to ``remove``, so preparation and removal seconds are separate,
+    a refusal's too. Stages are timed through the stage hook (``StageRecorder``) as
+    ``measure_removal`` does. A refusal (``RemovalNotServed``) is raised with ``stage_seconds``,
+    ``preparation_seconds`` and ``preparation`` attached."""
+    from pipeline import memory
+    from pipeline.methods.base import get_method, prepare
+    from pipeline.progress import StageProgress
+    from pipeline.removal import method_ref, remove
+
+    ref = method_ref(method, settings)
+    impl = get_method(ref.method)
+    sync = sync or (lambda: None)
+    own = sampler is None
+    sampler = sampler or RssSampler(interval=0.02)
+    if own:
+        sampler.__enter__()
+    recorder = StageRecorder(sampler, sync, display=StageProgress(ref.name))
+    try:
+        with memory.use_budget(memory_budget, device), sampler.stage("preparation"):
+            t = time.perf_counter()
+            state, _ = prepare(impl, trained, ref.settings)
+            sync()
+            preparation_seconds = time.perf_counter() - t
+        preparation = {**state.describe(), "wall_seconds": preparation_seconds}
+        t = time.perf_counter()
+        try:
+            run = remove(trained, sample_ids, method=ref, prepared=state, seed=seed, device=device,
+                         stage_hook=recorder, memory_budget=memory_budget)
+            sync()
+        except Exception as err:  # e.g. RemovalNotServed: what ran before the refusal goes with it
+            err.stage_seconds = dict(recorder.seconds)  # type: ignore[attr-defined]
+            err.preparation_seconds = preparation_seconds  # type: ignore[attr-defined]
+            err.preparation = preparation  # type: ignore[attr-defined]
+            err.removal_wall_seconds = time.perf_counter() - t  # type: ignore[attr-defined]
+            raise
+        seconds = time.perf_counter() - t
+    finally:
+        if own:
+            sampler.__exit__(None, None, None)
+    record = run.record
+    if recorder.seconds:
+        source, stage_seconds = "stage_hook", dict(recorder.seconds)
+    else:
+        source, stage_seconds = "record timings", {k: float(v) for k, v in (record.get("timings") or {}).items()}
+    stages = {k: sampler.stages.get(k, {"seconds": round(v, 4)}) for k, v in stage_seconds.items()}
+    return {"record": record, "release": record.get("release"), "stages": stages, "stage_seconds": stage_seconds,
+            "stage_source": source, "removal_seconds": seconds, "preparation_seconds": preparation_seconds,
+            "preparation": preparation, "preparation_stage": sampler.stages.get("preparation"),
+            "method": ref.method, "variant": ref.name, "resolved_settings": ref.settings.model_dump(mode="json"),
+            "entry_point": "pipeline.removal.remove (unlearn forget --method)", "new_state": run.new_state}
+
+
 def record_summary(record: dict[str, Any]) -> dict[str, Any]:
     """The figures the benchmarks report, read from an L-FOCI Newton record (missing keys: None)."""
     solver = (record.get("curvature") or {}).get("solver") or {}

@@ -2,6 +2,8 @@
 
     python bench/gpu_checks.py --out DIR [--budget 420] [--train-seconds 150]
     python bench/gpu_checks.py --out /tmp/gc --device cpu --tiny     (the same steps, tiny, any machine)
+    python bench/gpu_checks.py --out DIR --steps reid --method block-gauss-newton   (the re-ID step alone,
+                                                                     removal by another method)
 
 Steps, in order, each in its own subprocess under a timeout, so that one that fails or hangs
 still leaves the others' results (``DIR/gpu_checks.json`` is rewritten after every step):
@@ -16,9 +18,13 @@ still leaves the others' results (``DIR/gpu_checks.json`` is rewritten after eve
    command the issue ran: its 120 x 40 verify check, vectorised against the loop on the device).
 3. ``reid`` (issue 26 item 6): ``bench.bench_gpu_reid --device DEV`` at full scale (ResNet-50,
    751 identities, 256 x 128, forget identity 0), trained until the loss plateaus, the step cap
-   or ``--train-seconds``, then one ``lfoci-newton`` removal: served, or refused and recorded as
+   or ``--train-seconds``, then one removal by ``--method`` (default ``lfoci-newton``; named as
+   ``unlearn forget --method`` names it, run through the same ``pipeline.removal.remove``;
+   ``--method-settings`` a JSON object on top): served, or refused and recorded as
    ``needs_retrain`` with its reason. Its JSON is ``DIR/gpu_reid.json`` (written once after
    training, then again at the end); the step gets what is left of ``--budget``.
+
+``--steps`` names the steps to run (comma-separated; default all three, in the order above).
 
 Every step's output goes to ``DIR/gpu_checks.log``.
 """
@@ -34,6 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+STEPS = ("probe", "selection_parity", "reid")
 
 PROBE = r"""
 import json, sys, time, torch
@@ -144,7 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plateau-window", type=int, default=100)
     p.add_argument("--tiny", action="store_true", help="the re-ID step at smoke scale (a CPU rehearsal)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the subprocesses (0: default)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated steps to run, of {', '.join(STEPS)}")
+    p.add_argument("--method", default="lfoci-newton", help="the re-ID step's removal method (unlearn forget --method)")
+    p.add_argument("--method-settings", default=None, help="JSON object: the method's settings on top of its variant's")
     args = p.parse_args(argv)
+    steps = [x.strip() for x in args.steps.split(",") if x.strip()]
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        p.error(f"--steps: unknown {unknown}; choose from {', '.join(STEPS)}")
+    if args.method_settings is not None:
+        json.loads(args.method_settings)  # fail here, not in the subprocess
     args.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     r = Runner(args.out, args.budget)
@@ -197,25 +214,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny:
             cmd += ["--smoke"]
         cmd += ["--train-steps", str(args.train_steps), "--train-seconds", str(args.train_seconds),
-                "--plateau-window", str(args.plateau_window)]
+                "--plateau-window", str(args.plateau_window), "--method", args.method]
+        if args.method_settings is not None:
+            cmd += ["--method-settings", args.method_settings]
         res = r.call("reid", cmd, r.left() - 5)
         res.pop("text")
         d = json.loads(json_path.read_text()) if json_path.exists() else {}
         t = d.get("training") or {}
         return {"command": "python -m " + " ".join(cmd[2:]).replace(str(args.out), "$OUT"), **res,
-                "summary": {"finished": "partial" not in d and bool(d), "outcome": d.get("outcome"),
-                            "removal_seconds": d.get("removal_seconds"), "wall_seconds": d.get("wall_seconds"),
+                "summary": {"finished": "partial" not in d and bool(d), "method": d.get("variant") or args.method,
+                            "outcome": d.get("outcome"), "removal_seconds": d.get("removal_seconds"),
+                            "preparation_seconds": d.get("preparation_seconds"), "serve_seconds": d.get("serve_seconds"),
+                            "wall_seconds": d.get("wall_seconds"),
                             "needs_retrain": d.get("needs_retrain"), "stage_summary": d.get("stage_summary"),
                             "training_steps": t.get("steps"), "training_epochs": t.get("epochs"),
                             "training_seconds": t.get("train_seconds"), "stopped_by": t.get("stopped_by"),
                             "loss_curve": t.get("loss_curve"),
                             "losses_before": (d.get("verify_losses") or {}).get("before") or d.get("losses_before"),
                             "losses_after": (d.get("verify_losses") or {}).get("after"),
-                            "block_numel": (d.get("block") or {}).get("numel"), "gpu": d.get("gpu")}}
+                            "block_numel": (d.get("block") or {}).get("numel"), "gpu": d.get("gpu"),
+                            "method_summary": d.get("method_summary"), "embedding": d.get("embedding")}}
 
-    r.step("probe", probe)
-    r.step("selection_parity", parity)
-    r.step("reid", reid)
+    r.results["steps_requested"] = steps
+    for name, fn in (("probe", probe), ("selection_parity", parity), ("reid", reid)):
+        if name in steps:
+            r.step(name, fn)
     r.results["finished_unix"] = time.time()
     r.save()
     print(json.dumps({k: v.get("summary", v.get("result")) for k, v in r.results["steps"].items()}, default=str)[:6000])

@@ -192,7 +192,8 @@ def summarise_huge(d: dict[str, Any]) -> list[str]:
             ["Newton steps", newton.get("steps")],
             ["CG iterations (cap) / damping", f"{s.get('iterations')} ({s.get('cg_max_iter')}) / {s.get('damping')}"],
             ["CG relative residual (tolerance)", f"{s.get('relative_residual')} ({s.get('tolerance')})"],
-            ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
+            ["removal seconds", d.get("removal_seconds")], ["preparation seconds", d.get("preparation_seconds")],
+            ["peak RSS (GiB)", d.get("peak_rss_gib")]]
     rows += [[f"stage: {k} (s)", v] for k, v in d.get("stage_seconds", {}).items()]
     return ["VGG-16 (D) removal on the CPU: the L-FOCI block solved matrix-free by CG to its tolerance."] + [""] + \
         _table(["figure", "value"], rows)
@@ -200,12 +201,14 @@ def summarise_huge(d: dict[str, Any]) -> list[str]:
 
 def summarise_gpu(d: dict[str, Any]) -> list[str]:
     s, m = d.get("solver", {}), d.get("model", {})
-    rows = [["device", d.get("device")], ["scale", d.get("scale")], ["parameters", m.get("parameters")],
+    rows = [["method", d.get("variant") or "lfoci-newton"], ["device", d.get("device")], ["scale", d.get("scale")],
+            ["parameters", m.get("parameters")],
             ["input", "x".join(str(v) for v in m.get("input", []))], ["n / m", f"{d.get('n')} / {d.get('m')}"],
             ["perturbations", (d.get("method_record") or {}).get("selection", {}).get("perturbations")],
             ["block entries", d.get("block", {}).get("numel")],
             ["CG iterations (cap)", f"{s.get('iterations')} ({s.get('cg_max_iter')})"],
-            ["removal seconds", d.get("removal_seconds")], ["peak RSS (GiB)", d.get("peak_rss_gib")]]
+            ["removal seconds", d.get("removal_seconds")], ["preparation seconds", d.get("preparation_seconds")],
+            ["peak RSS (GiB)", d.get("peak_rss_gib")]]
     if d.get("outcome"):
         why = (d.get("needs_retrain") or {}).get("reason")
         rows.append(["outcome", d["outcome"] + (f" ({why})" if why else "")])

@@ -195,3 +195,30 @@ def test_gpu_reid_refusal_is_recorded_as_needs_retrain(out_dir: Path) -> None:
     assert d["removal_seconds"] > 0 and {"probe", "selection", "curvature_and_solve"} <= set(d["stage_summary"])
     assert d["training"]["steps"] == 1 and d["training"]["stopped_by"] == "train_steps"
     assert d["verify_losses"]["before"] == d["verify_losses"]["after"]  # nothing published
+
+
+def test_gpu_reid_other_method_through_unlearn_forget_entry(gpu: dict, out_dir: Path) -> None:
+    """``--method block-gauss-newton``: the removal runs through pipeline.removal.remove (the entry
+    point of unlearn forget --method), the variant's settings with tau from the bench's training;
+    the record's scope, trust-region trials, refit and stage timings are kept, preparation seconds
+    apart from removal seconds, and the forgotten identity's embedding metrics before and after."""
+    from bench import bench_gpu_reid
+
+    path = out_dir / "gpu_reid_smoke_bgn.json"
+    bench_gpu_reid.main(["--smoke", "--threads", "1", "--method", "block-gauss-newton", "--out", str(path)])
+    d = _load(path)
+    assert d["method"] == d["variant"] == "block-gauss-newton" and d["entry_point"].startswith("pipeline.removal.remove")
+    assert gpu["method"] == "lfoci-newton" and gpu["entry_point"] == d["entry_point"]
+    assert d["outcome"] == "served"
+    ms = d["method_summary"]
+    assert ms["scope"]["numel"] == d["block"]["numel"] > 0 and ms["trust_region"]["accepted"]
+    assert ms["trust_region"]["trials"][-1]["accepted"] and ms["refit"]["steps"] >= 1
+    assert ms["filter"]["tau"] == pytest.approx(d["training"]["steps"] * 0.01 / 0.1)
+    assert set(d["stage_summary"]) == {"gradients", "step", "refit", "metrics"} == set(ms["timings"]) | {"metrics"}
+    assert d["preparation_seconds"] > 0 and d["removal_seconds"] > 0
+    assert d["serve_seconds"] == pytest.approx(d["preparation_seconds"] + d["removal_seconds"])
+    assert ms["preparation"]["built_for_this_request"] is False and "prefix_seconds" in ms["preparation"]
+    for when in ("before", "after"):
+        e = d["embedding"][when]
+        assert e["retrieval"]["queries"] == d["m"] and "TAR" in e["verification"] and math.isfinite(e["membership_gap"])
+    assert d["verify_losses"]["before"] != d["verify_losses"]["after"]  # the published weights were loaded
