@@ -251,9 +251,10 @@ def test_the_head_method_checks_and_records_the_weights_it_publishes():
     g = block_gradient(work, softmax_task(), data.without(forget), block, LAMBDA, reduction="mean")
     assert outcome.record["gradient_norms"]["retain_mean_block_after"] == pytest.approx(float(g.norm()), rel=1e-9)
     assert outcome.record["newton"]["solved_over"].startswith("the hidden layers' features after")
-    start = block_gradient(model, softmax_task(), data, block, LAMBDA, reduction="mean")  # the anchor r0
-    assert float((g - start).norm()) <= 1e-5 * outcome.record["gradient_norms"]["residual_before"]
-    assert outcome.record["gradient_norms"]["residual_after"] == pytest.approx(float((g - start).norm()), rel=1e-6)
+    # no card: Retrain's recipe is unknown, the target is the layer's minimiser (grad_P L_{D\\U} = 0)
+    assert outcome.record["target"]["how"] == "minimiser"
+    assert float(g.norm()) <= 1e-5 * outcome.record["gradient_norms"]["residual_before"]
+    assert outcome.record["gradient_norms"]["residual_after"] == pytest.approx(float(g.norm()), rel=1e-6)
     strict = copy.deepcopy(model)
     problem = RemovalProblem(strict, softmax_task(), data, forget, LAMBDA, seed=0, batch_size=512)
     with pytest.raises(RemovalNotServed, match="did not reach|removed"):
