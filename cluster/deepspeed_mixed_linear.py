@@ -62,9 +62,27 @@ def init_process_group(backend: str = "auto") -> tuple[int, int, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if use_nccl:
         torch.cuda.set_device(local)
+    else:
+        _skip_shared_memory_kernel()
     deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo")
     device = torch.device("cuda", local) if use_nccl else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _skip_shared_memory_kernel() -> None:
+    """On gloo, DeepSpeed's CPU comm backend would first JIT-compile its shared-memory all-reduce
+    kernel (deepspeed_shm_comm, after probing a compiler for every op): minutes on a machine that
+    has not built it yet, for a kernel these jobs never call (every reduction here is a
+    torch.distributed one over gloo). Without it DeepSpeed falls back to gloo, as it does on
+    platforms without the kernel."""
+    import importlib
+
+    try:  # (the module itself: ``import deepspeed.comm.torch`` names torch, which deepspeed.comm imports)
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # a DeepSpeed without that module builds no such kernel
+        return
+    if callable(getattr(ds_torch, "build_shm_op", None)):
+        ds_torch.build_shm_op = lambda: None
 
 
 def sum_allreduce(t: Tensor) -> Tensor:

@@ -128,9 +128,11 @@ class Batching(Strict):
 
 
 class FastPath(Strict):
-    """The streaming fast path (pipeline/streaming.py): a warm decision-layer state kept between
-    micro-batches; needs method lfoci-newton with selection: parameters naming the last Linear
-    layer's weight and bias, epsilon: .inf, no curvature_samples, damping 0."""
+    """The streaming fast path (pipeline/stream_removal.py's WarmStreamRemover over
+    pipeline/streaming.py's DecisionLayerStream): the decision layer's prepared state kept warm
+    between micro-batches. Needs method decision-layer-newton (e.g. the variant ``newton-head``)
+    with ``epsilon: .inf`` (no noise, so ``limits.budget.allow_non_private: true``); the service
+    refuses any other method before it writes anything."""
 
     enabled: bool = Field(default=False, description="opt in: apply batches on the warm state instead of from scratch")
     refresh_every: int = Field(default=100, ge=1, description="exact refresh (full pass) after this many batches")

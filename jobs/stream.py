@@ -26,7 +26,8 @@ CONFIG_HELP = """The configuration is YAML:
   # allow_insecure_remote: true                   # (plain HTTP, e.g. behind a TLS proxy)
   http: {header_timeout_s: 10, body_timeout_s: 10, keep_alive_s: 5,
          max_connections: 1000, max_header_bytes: 16384, shutdown_timeout_s: 5}
-  # warm decision-layer state between batches (lfoci-newton on the last Linear, epsilon .inf):
+  # warm decision-layer state between batches: needs method decision-layer-newton (e.g.
+  # method: newton-head) with epsilon .inf and limits.budget.allow_non_private: true
   fast_path: {enabled: false, refresh_every: 100, drift_threshold: 1.0e-5, drift_measure: gradient}
 """
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Install (scripts/setup.sh, idempotent) and run the whole test suite. Extra arguments go to pytest.
+# The order is shuffled by pytest-randomly (a dev dependency); the seed is printed first:
+# replay an order with --randomly-seed=N, or keep the file order with -p no:randomly.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

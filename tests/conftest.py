@@ -16,12 +16,51 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# torch's process-wide settings as the session starts: every test, and every fixture it sets up,
+# leaves them so (checked after each test), so no test's outcome depends on which ran before it
+SESSION_THREADS = torch.get_num_threads()
+SESSION_DTYPE = torch.get_default_dtype()
 
 OBJECT_STORE_BYTES = 256 * 2**20
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session) -> None:
+    """Print pytest-randomly's seed even under -q (its own header line is shown only without -q), so a
+    failure that depends on the shuffled order can be replayed."""
+    config = session.config
+    seed = getattr(config.option, "randomly_seed", None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and config.pluginmanager.hasplugin("randomly") and reporter is not None:
+        reporter.write_line(f"test order shuffled by pytest-randomly, seed {seed}: replay it with "
+                            f"-p randomly --randomly-seed={seed} (or fix the order with -p no:randomly)")
+
+
+@pytest.fixture(autouse=True)
+def torch_globals(request):
+    """Before each test: torch's global generator seeded from the test's own id (as pytest-randomly
+    seeds random and numpy), so an unseeded draw is the same whatever ran before. After it: the thread
+    count and the default dtype are the session's, else the test fails naming the change (a fixture
+    that sets them must restore them)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
+    changed = []
+    if torch.get_num_threads() != SESSION_THREADS:
+        changed.append(f"torch threads {SESSION_THREADS} -> {torch.get_num_threads()}")
+        torch.set_num_threads(SESSION_THREADS)
+    if torch.get_default_dtype() != SESSION_DTYPE:
+        changed.append(f"default dtype {SESSION_DTYPE} -> {torch.get_default_dtype()}")
+        torch.set_default_dtype(SESSION_DTYPE)
+    if changed:
+        pytest.fail(f"{request.node.nodeid} (or a fixture it set up) left {', '.join(changed)}: restore them "
+                    "(the tests after it, in any order, would run under them)")
 
 
 @pytest.fixture(scope="session")

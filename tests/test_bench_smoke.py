@@ -15,6 +15,15 @@ import pytest
 import torch
 
 
+def _run(main, argv: list[str]) -> None:
+    """A benchmark's main in this process; its --threads 1 holds for the run only."""
+    threads = torch.get_num_threads()
+    try:
+        main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _load(path: Path) -> dict:
     text = path.read_text()
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"{path.name} contains {c}"))
@@ -31,7 +40,7 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fmnist(out_dir: Path) -> dict:
     from bench import bench_fmnist
 
-    bench_fmnist.main(["--smoke", "--threads", "1", "--out", str(out_dir / "fmnist_smoke.json"), "--workdir", str(out_dir / "fmnist")])
+    _run(bench_fmnist.main, ["--smoke", "--threads", "1", "--out", str(out_dir / "fmnist_smoke.json"), "--workdir", str(out_dir / "fmnist")])
     return _load(out_dir / "fmnist_smoke.json")
 
 
@@ -39,7 +48,7 @@ def fmnist(out_dir: Path) -> dict:
 def growth(out_dir: Path) -> dict:
     from bench import bench_growth
 
-    bench_growth.main(["--smoke", "--threads", "1", "--out", str(out_dir / "growth_smoke.json"), "--workdir", str(out_dir / "growth")])
+    _run(bench_growth.main, ["--smoke", "--threads", "1", "--out", str(out_dir / "growth_smoke.json"), "--workdir", str(out_dir / "growth")])
     return _load(out_dir / "growth_smoke.json")
 
 
@@ -47,7 +56,7 @@ def growth(out_dir: Path) -> dict:
 def huge(out_dir: Path) -> dict:
     from bench import bench_huge_layers
 
-    bench_huge_layers.main(["--smoke", "--threads", "1", "--out", str(out_dir / "huge_layers_smoke.json")])
+    _run(bench_huge_layers.main, ["--smoke", "--threads", "1", "--out", str(out_dir / "huge_layers_smoke.json")])
     return _load(out_dir / "huge_layers_smoke.json")
 
 
@@ -55,7 +64,7 @@ def huge(out_dir: Path) -> dict:
 def gpu(out_dir: Path) -> dict:
     from bench import bench_gpu_reid
 
-    bench_gpu_reid.main(["--smoke", "--threads", "1", "--out", str(out_dir / "gpu_reid_smoke.json")])
+    _run(bench_gpu_reid.main, ["--smoke", "--threads", "1", "--out", str(out_dir / "gpu_reid_smoke.json")])
     return _load(out_dir / "gpu_reid_smoke.json")
 
 

@@ -40,9 +40,13 @@ def trained(request, tmp_path_factory) -> tuple[str, Path]:
     name = request.param
     config = load_config(TrainConfig, CONFIGS / "models" / f"{name}.yaml", "train config")
     data = config.data.model_copy(update={"options": {**config.data.options, **PROFILES[name]["data"]}})
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp(name) / "model"
-    summary = run_training(config.model_copy(update={"data": data}), out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = run_training(config.model_copy(update={"data": data}), out)
+    finally:
+        torch.set_num_threads(threads)  # the tests that follow, in any order, keep the session's threads
     assert summary["n"] == PROFILES[name]["data"]["limit"]
     return name, out
 

@@ -22,9 +22,13 @@ SMOKE = {"train_limit": 200, "test_limit": 100, "hidden": 8, "recipe": {"epochs"
 def smoke_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from bench import forgetting
 
-    torch.set_num_threads(1)
     work = tmp_path_factory.mktemp("forgetting")
-    return forgetting.run("fmnist", quick=True, seeds=1, workdir=work, smoke=SMOKE, shadows=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return forgetting.run("fmnist", quick=True, seeds=1, workdir=work, smoke=SMOKE, shadows=3)
+    finally:
+        torch.set_num_threads(threads)  # one thread for this run only, not for the tests after it
 
 
 def test_every_row_of_every_scenario_ran(smoke_result: dict) -> None:

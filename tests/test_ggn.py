@@ -18,7 +18,8 @@ from tests.kit import digits64
 
 @pytest.fixture(scope="module")
 def data():
-    return digits64()["train"].take(torch.arange(40))
+    """24 digits: batches of 7, 7, 7 and 3 in the operator (its products cost a pass per column)."""
+    return digits64()["train"].take(torch.arange(24))
 
 
 def _dense_ggn(model, task, data, block, lam):
@@ -40,12 +41,12 @@ def _dense_ggn(model, task, data, block, lam):
 
 @pytest.mark.parametrize("loss,options,rows", [
     ("cross_entropy", {}, None),
-    ("cross_entropy", {"label_smoothing": 0.1}, {"1.weight": [0, 3, 5], "1.bias": [0, 3, 5], "3.weight": None}),
+    ("cross_entropy", {"label_smoothing": 0.1}, {"1.weight": [0, 2], "1.bias": [0, 2], "3.weight": None}),
     ("mse", {}, None),
 ])
 def test_gauss_newton_products_equal_the_dense_jacobian_form(data, loss, options, rows):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 10)).double()
+    torch.manual_seed(0)  # 4 hidden ReLUs (310 parameters): on these 24 digits units 1 and 2 are active, 0 and 3 not
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 10)).double()
     task = DenseInputTask(loss=loss, loss_options=options)
     if loss == "mse":
         data = data.take(torch.arange(len(data)))

@@ -128,10 +128,13 @@ def test_ekfac_diagonal_and_preconditioner_match_per_sample_projections(head):
 
 
 def test_step_converged_on_every_row_is_the_dense_gauss_newton_solve(head):
+    """On 480 of the head's training rows (the dense oracle's explicit Jacobians cost the square of
+    the rows), the step converged on every row is the dense damped Gauss-Newton solve."""
     model, task, data = head
+    data = data.take(torch.arange(480))
     layout = head_layout(model, task)
     n = len(data)
-    forget = torch.arange(0, n, 37)[:30]
+    forget = torch.arange(0, n, 37)[:12]
     m = len(forget)
     step = gauss_newton_step(model, task, data, forget, LAMBDA, rows=n, iterations=400, damping=0.02)
     keep = torch.ones(n, dtype=torch.bool)
@@ -171,13 +174,14 @@ def test_truncated_step_is_most_of_the_exact_one_at_a_fraction_of_the_products(h
 def test_single_linear_layer_step_lands_on_the_retrained_optimum():
     """One Linear layer under cross-entropy: the GGN is the Hessian, so from the exact optimum of
     L_D the step is the Newton step of the retained objective (REFERENCE section 1) and lands
-    within second order of the retrained optimum: a wrong sign or a missing 1/(n-m) moves away."""
-    data = digits64()["train"]
+    within second order of the retrained optimum: a wrong sign or a missing 1/(n-m) moves away.
+    600 of the digits (the two fits to a 1e-11 gradient are the cost; 20 removed, 3.3%)."""
+    data = digits64()["train"].take(torch.arange(600))
     task = DenseInputTask()
     torch.manual_seed(0)
     model = newton_fit(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double(), task, data, 0.05)
     n = len(data)
-    forget = torch.arange(0, n, 61)[:20]
+    forget = torch.arange(0, n, 31)[:20]
     keep = torch.ones(n, dtype=torch.bool)
     keep[forget] = False
     target = newton_retrained(model, task, data.take(keep.nonzero().flatten()), 0.05)
@@ -188,7 +192,7 @@ def test_single_linear_layer_step_lands_on_the_retrained_optimum():
             p.add_(step.delta[k])
     flat = lambda net: torch.cat([p.detach().reshape(-1) for p in net.parameters()])  # noqa: E731
     before, after = float((flat(model) - flat(target)).norm()), float((flat(moved) - flat(target)).norm())
-    assert after <= 0.02 * before, (before, after)   # measured 1.7e-3 of it; the step reversed: 2.0x
+    assert after <= 0.02 * before, (before, after)   # measured 3.1e-3 of it; the step reversed: 2.0x
 
 
 def test_prepared_state_is_used_only_at_its_weights(head):

@@ -31,7 +31,9 @@ LAMBDA = 0.01
 
 @pytest.fixture(scope="module")
 def softmax_digits():
-    data = digits64()["train"]
+    """Softmax regression at its exact optimum on 600 of the digits (the fit to a 1e-11 gradient is
+    the cost; what the records hold does not depend on n)."""
+    data = digits64()["train"].take(torch.arange(600))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
     newton_fit(model, softmax_task(), data, LAMBDA)

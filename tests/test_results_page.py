@@ -1,7 +1,7 @@
 """The measured-results page (docs/RESULTS.md) is generated from bench/results/*.json by one command,
 `python -m bench.results_page`: it names every JSON file, carries the forgetting benchmark's tables
 as bench.forgetting renders them, gives the same bytes twice, and names a file it cannot render
-instead of failing."""
+instead of failing. README.md's short results table is the one the same command generates."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bench.forgetting import render_markdown, render_summary
-from bench.results_page import main
+from bench.results_page import README_END, README_START, main, readme_cell, readme_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -59,3 +59,25 @@ def test_a_file_it_cannot_render_is_named_not_fatal(tmp_path: Path) -> None:
     assert "`broken.json` could not be read" in page
     assert "`forgetting_odd.json` could not be rendered" in page
     assert "`stream_load_odd.json` holds no JSON object" in page
+
+
+def test_readme_table_is_the_generated_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(README_START) == 1 and readme.count(README_END) == 1
+    between = readme.split(README_START)[1].split(README_END)[0]
+    assert between == "\n" + readme_table(), "README's results table is stale: run python -m bench.results_page"
+    rows = [line for line in between.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert 3 <= len(rows) <= 10
+    fmnist = json.loads((RESULTS / "forgetting_fmnist.json").read_text())
+    cell = readme_cell(fmnist["scenarios"]["random_1pct"]["summary"]["newton-head"])
+    assert f"| newton-head | {cell} |" in between
+
+
+def test_readme_option_rewrites_only_the_table(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{README_START}\nold table\n{README_END}\n\ntail\n")
+    args = ["--out", str(tmp_path / "R.md"), "--readme", str(readme)]
+    assert main(args) == 0
+    first = readme.read_text()
+    assert first == f"# title\n\n{README_START}\n{readme_table()}{README_END}\n\ntail\n"
+    assert main(args) == 0 and readme.read_text() == first

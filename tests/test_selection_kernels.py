@@ -130,8 +130,12 @@ def test_bench_reports_identical_picks_with_torch_kernel(device: str, tmp_path, 
 
     monkeypatch.setenv("UNLEARN_SELECTION_KERNEL", "numba")  # restored after the bench sets it
     out = tmp_path / "selection.json"
-    main(["--device", device, "--kernel", "torch", "--threads", "1", "--n", "80", "--s", "12",
-          "--max-picks", "3", "--loop-sample", "6", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        main(["--device", device, "--kernel", "torch", "--threads", "1", "--n", "80", "--s", "12",
+              "--max-picks", "3", "--loop-sample", "6", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the bench's --threads 1 holds for its run only
     res = json.loads(out.read_text())
     small = res["identical_picks_small_problem"]
     assert small["identical"], small

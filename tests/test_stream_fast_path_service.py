@@ -143,9 +143,14 @@ def test_fast_path_service_records_paths_and_rebuilds_after_restart_and_rollback
     audit(store, store / "ledger.sqlite3", final=True)
     assert f"fast path: state built from {vs.version_dir(MODEL, 8).name} " in err
     # rollback to version 4, then a new request: rebuilt from version 4, never from the state of 9
-    rolled = subprocess.run(unlearn_argv("versions", "rollback", "--store", str(store), "--model", MODEL, "4",
-                                         "--reason", "test"), capture_output=True, text=True, cwd=REPO, env=_env())
-    assert rolled.returncode == 0, rolled.stderr + rolled.stdout
+    # (`unlearn versions rollback` in this process: the same command, one interpreter start less)
+    from click.testing import CliRunner
+
+    from jobs.versions import command as versions_command
+
+    rolled = CliRunner().invoke(versions_command, ["rollback", "--store", str(store), "--model", MODEL, "4",
+                                                   "--reason", "test"])
+    assert rolled.exit_code == 0, rolled.output
     err = _serve_one(config, port_file, store, "h0", ids[9])  # (no audit: it assumes a chain without rollbacks)
     assert f"fast path: state built from {vs.version_dir(MODEL, 4).name} " in err
     current = vs.open_verified(MODEL)
@@ -202,12 +207,17 @@ def test_random_kills_of_the_fast_path_service(tmp_path, tmp_path_factory):
 
 
 @pytest.mark.parametrize("field", ["refresh_every"])
-def test_fast_path_config_fields_are_validated(tmp_path, tmp_path_factory, field):
+def test_fast_path_config_fields_are_validated(tmp_path, tmp_path_factory, monkeypatch, field):
+    """`unlearn stream check` (in this process) refuses the field, naming it."""
+    from click.testing import CliRunner
+
+    from jobs.stream import command as stream_command
+
     store = make_store(tmp_path / "store", cached_model_dir(tmp_path_factory), MODEL)
     config, _ = _config(tmp_path, store, **{field: 0})
-    run = subprocess.run(unlearn_argv("stream", "check", "--config", str(config)), capture_output=True, text=True,
-                         timeout=120, cwd=REPO, env=_env())
-    assert run.returncode != 0 and "fast_path.refresh_every" in run.stderr + run.stdout
+    monkeypatch.setenv("UNLEARN_KILL_TOKEN", TOKEN)
+    run = CliRunner().invoke(stream_command, ["check", "--config", str(config)])
+    assert run.exit_code != 0 and f"fast_path.{field}" in run.output, run.output
 
 
 def test_remover_rebuilds_instead_of_reusing_a_state_for_other_weights_or_data(tmp_path_factory):
