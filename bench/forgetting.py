@@ -311,10 +311,9 @@ def score_row(model: nn.Module, task: Any, sets: Any, seed: int) -> dict[str, fl
 
 
 def forget_phi(model: nn.Module, task: Any, forget: Any) -> np.ndarray:
-    from pipeline.evaluate.lira import logit_confidence
-    from pipeline.evaluate.predict import logits_of
+    from pipeline.evaluate.lira import forget_statistics
 
-    return logit_confidence(logits_of(model, task, forget, EVAL_BATCH), forget.columns["y"])
+    return forget_statistics(model, task, forget, EVAL_BATCH)
 
 
 @dataclass
@@ -495,7 +494,7 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
                retrained0: nn.Module, unlearned0: dict[str, nn.Module], tick: Callable[[str], None]) -> dict[str, Any]:
     """phi on D_f of ``shadows`` retrained models and of ``shadows`` unlearned models per method
     (shadow 0 = the table's own models), then the leave-one-pair-out attack."""
-    from pipeline.evaluate.lira import ulira_attack_accuracy
+    from pipeline.evaluate.lira import ulira_game as play
 
     task, forget = ctx.task, sets.forget
     retrained = [forget_phi(retrained0, task, forget)]
@@ -503,9 +502,9 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
         tick(f"shadow retrain {s}")
         model, _, _ = train_head(ctx.head, recipe_for(ctx.name, s, ctx.smoke), sets.retain)
         retrained.append(forget_phi(model, task, forget))
-    stats: dict[str, list[np.ndarray]] = {"original": [forget_phi(m, task, forget) for m in ctx.originals[:shadows]]}
+    stats: dict[str, Any] = {"original": [forget_phi(m, task, forget) for m in ctx.originals[:shadows]]}
     for method, model0 in unlearned0.items():
-        phis = [forget_phi(model0, task, forget)]
+        phis: Any = [forget_phi(model0, task, forget)]
         settings = resolved_settings(method, len(sets.retain), ctx.quick)
         for s in range(1, shadows):
             tick(f"shadow {method} {s}")
@@ -513,27 +512,14 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
                 model, _, _ = run_removal(method, settings, ctx.originals[s], task, ctx.data.train, positions, wd,
                                           seed * 100 + s, ctx.cards[s], ctx.prepared_for(method, s))
             except RemovalNotServed as refused:  # a shadow request refused: no game for this method
-                phis = []
-                stats[method] = [needs_retrain_row(refused)]  # type: ignore[list-item]
+                phis = needs_retrain_row(refused)
                 break
             except Exception as err:  # noqa: BLE001
-                phis = []
-                stats[method] = [f"{type(err).__name__}: {err}"]  # type: ignore[list-item]
+                phis = {"error": f"{type(err).__name__}: {err}"}
                 break
             phis.append(forget_phi(model, task, forget))
-        if phis:
-            stats[method] = phis
-    r = np.stack(retrained)
-    out: dict[str, Any] = {}
-    for name, phis in stats.items():
-        if phis and isinstance(phis[0], str):
-            out[name] = {"error": phis[0]}
-            continue
-        if phis and isinstance(phis[0], dict):  # needs_retrain on a shadow
-            out[name] = phis[0]
-            continue
-        out[name] = ulira_attack_accuracy(np.stack(phis), r)
-    return out
+        stats[method] = phis
+    return play(retrained, stats)
 
 
 # ---- aggregation, tables, plot ----------------------------------------------------------------

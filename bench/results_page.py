@@ -11,8 +11,8 @@ between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) fro
 One section per benchmark script, one subsection per JSON file: the command that produced it
 (recorded in the JSON, else the usage lines of the script's docstring), the machine it ran on (the
 JSON's ``environment`` or ``machine`` entry) and its tables. The tables come from the code that
-already renders them: the forgetting benchmark's from ``bench.forgetting`` (``render_summary``,
-``render_markdown``), the other benchmarks' from ``bench.run_all``'s summarisers, and the two
+already renders them: the forgetting benchmarks' from ``bench.forgetting`` and ``bench.deep_forgetting``
+(``render_summary``, ``render_markdown``), the other benchmarks' from ``bench.run_all``'s summarisers, and the two
 stream benchmarks' key figures from the short lists below. A file that cannot be read or rendered
 gets one line naming it and the error, never a crash. The page is deterministic: files in sorted
 order, no timestamps, so running it twice gives the same bytes.
@@ -83,6 +83,15 @@ def render_forgetting(d: dict[str, Any]) -> list[str]:
             "ratios)</summary>", "", full, "", "</details>"]
 
 
+def render_deep_forgetting(d: dict[str, Any]) -> list[str]:
+    from bench.deep_forgetting import render_markdown, render_summary
+
+    full = render_markdown(d).rstrip("\n")
+    full = re.sub(r"^### ", "#### ", full, flags=re.M)
+    return [render_summary(d).rstrip("\n"), "", "<details><summary>Full tables (UA, RA, TA, MIA, KL gaps, embedding "
+            "metrics, U-LiRA, cost, served)</summary>", "", full, "", "</details>"]
+
+
 STREAM_LOAD = [
     ("data set", "dataset"), ("training samples", "n_train"), ("requests", "requests"),
     ("clients", "clients"), ("SIGKILLs of the service", "kills_asked"),
@@ -136,6 +145,7 @@ def summariser(kind: str) -> Callable[[dict[str, Any]], list[str]]:
 # prefix of the JSON file name -> (section title, the script that writes it, renderer)
 BENCHMARKS: list[tuple[str, str, str | None, Callable[[dict[str, Any]], list[str]]]] = [
     ("forgetting", "Forgetting against Retrain, full data sets", "bench/forgetting.py", render_forgetting),
+    ("deep_", "Forgetting inside networks trained end to end", "bench/deep_forgetting.py", render_deep_forgetting),
     ("stream_load", "Streaming removals under load", "bench/stream_load.py",
      lambda d: figure_table(d, STREAM_LOAD)),
     ("stream_drift", "Drift of the streaming fast path", "bench/stream_drift.py",

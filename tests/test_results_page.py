@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import deep_forgetting
 from bench.forgetting import render_markdown, render_summary
 from bench.results_page import README_END, README_START, main, readme_cell, readme_table
 
@@ -37,6 +38,12 @@ def test_page_names_every_file_and_carries_the_forgetting_tables(tmp_path: Path)
         result = json.loads(path.read_text())
         assert render_summary(result).rstrip("\n") in page, f"summary table of {path.name} missing"
         for line in render_markdown(result).splitlines():
+            if line.startswith("|"):
+                assert line in page, f"full table of {path.name} missing: {line[:80]}"
+    for path in (p for p in files if p.name.startswith("deep_")):  # the end-to-end benchmark's tables too
+        result = json.loads(path.read_text())
+        assert deep_forgetting.render_summary(result).rstrip("\n") in page, f"summary table of {path.name} missing"
+        for line in deep_forgetting.render_markdown(result).splitlines():
             if line.startswith("|"):
                 assert line in page, f"full table of {path.name} missing: {line[:80]}"
 

@@ -1,0 +1,224 @@
+"""bench.deep_forgetting (issue 26: forgetting inside networks trained end to end) at its --smoke size, on
+each of its three benchmarks (Fashion-MNIST CNN, R8 text classifier with its last two layers fine-tuned (a
+tiny random BERT with MiniLM's tokenizer stands for MiniLM in the smoke profile), synthetic identities on the
+re-ID ResNet): every table has its shape; every registered method that applies has a row, a refusal or an
+error; the tuning sets are declared and disjoint from the reported ones; the "cannot discriminate" mark
+follows its rule; the KL unit and the forgotten identity's retrieval metrics against hand-made cases; and
+every new model config trains with `unlearn train` at a tiny size."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+DATASETS = ("fmnist-cnn", "r8-minilm", "identities")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    from bench import deep_forgetting
+
+    torch.set_num_threads(1)
+    return {name: deep_forgetting.run(name, profile="smoke") for name in DATASETS}
+
+
+def test_tables_have_their_shape(results: dict[str, dict], tmp_path: Path) -> None:
+    from bench.deep_forgetting import COLUMNS, DATASETS as SPECS, HEADERS, RETRIEVAL_COLUMNS, render_markdown, write_outputs
+
+    for name, result in results.items():
+        assert list(result["scenarios"]) == list(SPECS[name].scenarios)
+        json.loads(json.dumps(result, allow_nan=False))  # strict JSON
+        paths = write_outputs(result, f"deep_{name}_smoke", tmp_path)
+        table = paths["md"].read_text()
+        assert table == render_markdown(json.loads(paths["json"].read_text()))
+        expected_rows = ["original", "retrain", "retrain-reseed", *result["rows"]]
+        for scenario, block in result["scenarios"].items():
+            assert list(block["summary"]) == expected_rows, (name, scenario)
+            embedding = name == "identities" and scenario in ("identity", "subject")
+            cols = [*COLUMNS[:7], *(RETRIEVAL_COLUMNS if embedding else ()), *COLUMNS[7:]]
+            header = "| row | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |"
+            section = table.split(f"**{scenario}**", 1)[1].split("\n**", 1)[0]
+            assert header in section, (name, scenario)
+            lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| row")]
+            assert [line.split(" | ")[0][2:].rstrip(" *") for line in lines] == expected_rows
+            assert all(line.count("|") == len(cols) + 2 for line in lines), (name, scenario)
+            for col in ("UA", "RA", "TA", "MIA", "AvgGap", "KL_forget", "KL_test"):
+                assert col in block["summary"]["retrain"], (name, scenario, col)
+            assert block["summary"]["retrain"]["AvgGap"]["mean"] == 0.0
+            assert block["summary"]["retrain"]["KL_forget"]["mean"] == 0.0
+            assert block["summary"]["retrain-reseed"]["KL_forget"]["mean"] == pytest.approx(1.0)
+            if embedding:
+                for col in RETRIEVAL_COLUMNS:
+                    assert col in block["summary"]["retrain"], (scenario, col)
+        cells = [block.get("ulira") for sc, block in result["scenarios"].items() if sc in result["ulira_cells"]]
+        assert len(cells) == 2 and all(c and c["shadows"] == result["shadows"] for c in cells)
+        for cell in cells:
+            original = cell["rows"]["original"]
+            assert 0 <= original["accuracy"] <= 100 and original["ci95"][0] <= original["accuracy"] <= original["ci95"][1]
+
+
+def test_every_applicable_method_has_a_row_a_refusal_or_an_error(results: dict[str, dict]) -> None:
+    from bench.deep_forgetting import SMOKE_ROWS, registered_rows
+
+    rows = registered_rows()
+    assert {"block-gauss-newton", "lfoci-newton", "finetune", "gradient-ascent", "random-labels", "salun"} <= set(rows)
+    for name, result in results.items():
+        assert set(result["rows"]) | set(result["skipped_rows"]) == set(rows), name
+        assert set(result["rows"]) == set(SMOKE_ROWS) - set(result["skipped_rows"]), name  # the profile's rows
+        assert "block-gauss-newton" in result["rows"], name  # our method for deep networks has a row everywhere
+        assert not set(result["rows"]) & set(result["skipped_rows"])
+        assert all(why.strip() for why in result["skipped_rows"].values())
+        assert "mixed-linear" in result["skipped_rows"]
+        for scenario, block in result["scenarios"].items():
+            for run in block["runs"]:
+                for row in result["rows"]:
+                    cell = run["rows"][row]
+                    assert ("UA" in cell) + ("needs_retrain" in cell) + ("error" in cell) == 1, (name, scenario, row)
+                    assert cell["cold_seconds"] >= 0 and cell["served"] == ("UA" in cell)
+            for row in result["rows"]:
+                assert row in block["campaign"]["rows"], (name, scenario, row)
+                assert "served" in block["summary"][row]
+            for row in result["rows"]:
+                for key in (f"{row}/{scenario}",):
+                    assert key in result["chosen_settings"], key
+
+
+def test_tuning_sets_are_declared_and_disjoint_from_the_reported_ones(results: dict[str, dict]) -> None:
+    for name, result in results.items():
+        for scenario, declared in result["declared_sets"].items():
+            assert declared["tuning"], (name, scenario)
+            reported = {i for fs in declared["reported"] for i in fs["sample_ids"]}
+            for fs in declared["tuning"]:
+                assert not reported & set(fs["sample_ids"]), (name, scenario)
+                if fs["label"] is not None:
+                    assert fs["label"] not in {r["label"] for r in declared["reported"]}, (name, scenario)
+            tuned = result["tuning"]["scenarios"][scenario]
+
+            def same(a: dict, b: dict) -> bool:
+                return (a["m"], a["label"], a["index"], a["role"]) == (b["m"], b["label"], b["index"], b["role"]) and \
+                    b["sample_ids"][:20] == (a.get("sample_ids") or a.get("first_sample_ids"))[:20]
+
+            assert all(same(a, b) for a, b in zip(tuned["sets"], declared["tuning"], strict=True))
+            used = [r["set"] for r in result["scenarios"][scenario]["runs"]]
+            assert all(same(a, b) for a, b in zip(used, declared["reported"], strict=True))
+            for row, entry in tuned["rows"].items():
+                assert entry["chosen"] == result["chosen_settings"][f"{row}/{scenario}"]
+                assert len(entry["points"]) == result["tuning"]["grid_used"]
+
+
+def test_forget_sets_at_full_size_are_disjoint_too() -> None:
+    from bench.deep_forgetting import draw_forget_sets
+    from pipeline.data import SampleSet
+
+    y = torch.arange(10).repeat_interleave(300)
+    train = SampleSet({"x": torch.zeros(len(y), 1), "y": y}, torch.arange(len(y)) * 3 + 7)
+    for scenario in ("random_1pct", "random_10pct", "class", "subject"):
+        reported, tuning = draw_forget_sets(scenario, train, 10, 3, 1)
+        assert len(reported) == 3 and len(tuning) == 1
+        ids = [set(fs.ids) for fs in reported + tuning]
+        assert all(not (a & b) for i, a in enumerate(ids) for b in ids[i + 1:]), scenario
+        if scenario != "subject":
+            assert len({len(s) for s in ids}) == 1
+        else:
+            assert all(5 <= len(s) <= 20 for s in ids)
+        if scenario in ("class", "subject"):
+            assert len({fs.label for fs in reported + tuning}) == 4
+
+
+def test_cannot_discriminate_follows_its_rule(results: dict[str, dict]) -> None:
+    from bench.deep_forgetting import cannot_discriminate
+
+    assert cannot_discriminate(1.0, 0.1) and cannot_discriminate(0.3, 0.0)
+    assert not cannot_discriminate(1.5, 0.5)          # max(1, 2 x 0.5) = 1 < 1.5
+    assert cannot_discriminate(3.9, 2.0) and not cannot_discriminate(4.1, 2.0)  # max(1, 4) = 4
+    for result in results.values():
+        for scenario, block in result["scenarios"].items():
+            original = block["summary"]["original"]["AvgGap"]["mean"]
+            reseed = block["summary"]["retrain-reseed"]["AvgGap"]["mean"]
+            assert block["cannot_discriminate"] == (original <= max(1.0, 2 * reseed)), scenario
+
+
+def test_kl_in_retrain_reseed_units_on_a_hand_made_case() -> None:
+    from bench.deep_forgetting import add_gaps, kl_units
+    from pipeline.evaluate.divergence import function_space_gap
+
+    retrain = torch.log(torch.tensor([[0.75, 0.25], [0.5, 0.5]]))
+    model = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    reseed = torch.log(torch.tensor([[0.25, 0.75], [0.5, 0.5]]))
+    kl_model = 0.5 * (0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25))  # second row: 0
+    kl_reseed = 0.5 * (0.25 * math.log(0.25 / 0.75) + 0.75 * math.log(0.75 / 0.25))
+    got = function_space_gap(model, retrain, reseed)
+    assert got["kl"] == pytest.approx(kl_model) and got["unit"] == pytest.approx(kl_reseed)
+    assert got["units"] == pytest.approx(kl_model / kl_reseed)
+    assert kl_units(0.3, 0.0) is None and function_space_gap(model, retrain, retrain)["units"] is None
+    # the harness's own gaps: the same numbers, Retrain 0 and retrain-reseed 1 unit
+    base = {"UA": 0.0, "RA": 100.0, "TA": 90.0, "MIA": 10.0}
+    rows = {name: {**base, "_logits": {"forget": z, "test": z}} for name, z in
+            (("retrain", retrain), ("retrain-reseed", reseed), ("m", model))}
+    add_gaps(rows)
+    assert rows["m"]["KL_forget"] == pytest.approx(kl_model / kl_reseed) and rows["m"]["KL_test_nats"] == pytest.approx(kl_model)
+    assert rows["retrain"]["KL_forget"] == 0.0 and rows["retrain-reseed"]["KL_test"] == pytest.approx(1.0)
+
+
+def test_retrieval_of_a_forgotten_identity_on_a_hand_made_embedding() -> None:
+    from pipeline.evaluate.retrieval import identity_retrieval, membership_gap, verification_scores
+
+    e = torch.eye(3, dtype=torch.float64)
+    # identity 0: images a, b near e0 and c near e1 (where identity 1 lives); identity 1: two images at e1
+    a, b = e[0], torch.nn.functional.normalize(e[0] + 0.1 * e[2], dim=0)
+    c = torch.nn.functional.normalize(e[1] + 0.05 * e[0], dim=0)
+    feats = torch.stack([a, b, c, e[1], torch.nn.functional.normalize(e[1] + 0.01 * e[2], dim=0)])
+    labels = torch.tensor([0, 0, 0, 1, 1])
+    got = identity_retrieval(feats, labels, 0)
+    # queries a, b: the other of the pair first, then c (slightly towards e0) before identity 1: AP 1;
+    # query c: identity 1's two images first, then a and b at ranks 3 and 4: AP (1/3 + 2/4) / 2, rank-1 missed
+    ap_ab = 1.0
+    ap_c = (1.0 / 3.0 + 2.0 / 4.0) / 2.0
+    assert got["queries"] == 3
+    assert got["rank1"] == pytest.approx(100.0 * 2 / 3)
+    assert got["mAP"] == pytest.approx(100.0 * (2 * ap_ab + ap_c) / 3)
+    ver = verification_scores(feats, labels, 0, far=0.0)
+    cos = feats @ feats.T
+    genuine = [cos[0, 1], cos[0, 2], cos[1, 2]]
+    assert ver["genuine_cos"] == pytest.approx(float(np.mean(genuine)))
+    impostor_max = max(float(cos[i, j]) for i in range(3) for j in (3, 4))
+    assert ver["threshold"] == pytest.approx(impostor_max)  # FAR 0: above every impostor pair
+    assert ver["TAR"] == pytest.approx(100.0 * sum(float(g) >= impostor_max for g in genuine) / 3)
+    # membership gap: training images on the held-out centre vs the held-out images themselves
+    to_centre = float(torch.nn.functional.cosine_similarity(feats[:2], feats[:2].mean(0, keepdim=True)).mean())
+    assert membership_gap(feats[:2], feats[:2]) == pytest.approx(to_centre - float(cos[0, 1]))
+    assert membership_gap(feats[:1], feats[1:2]) != membership_gap(feats[:1], feats[1:2])  # one held-out image: NaN
+
+
+@pytest.mark.parametrize("config, tiny", [
+    ("cnn-fmnist", {"data": {"per_class": 4, "test_per_class": 2}, "model": {}}),
+    ("reid-identities", {"data": {"ids": 4, "per_id_train": 3, "per_id_test": 2, "height": 16, "width": 8},
+                         "model": {"num_classes": 4, "image_size": 16}}),
+    ("minilm2-r8", {"data": {"per_class": 2, "test_per_class": 1, "max_length": 8}, "model": {}}),
+])
+def test_each_new_model_config_trains_with_unlearn_train(config: str, tiny: dict, tmp_path: Path) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from jobs.train import command
+    from pipeline.models.card import read_card
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "configs" / "models" / f"{config}.yaml").read_text())
+    raw["data"]["options"].update(tiny["data"])
+    raw["model"]["options"].update(tiny["model"])
+    raw["recipe"].update({"epochs": 1, "report_samples": 4})
+    path = tmp_path / f"{config}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "model"
+    result = CliRunner().invoke(command, [str(path), "--output", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    assert summary["trainable_parameters"] > 0 and math.isfinite(summary["final_objective"])
+    card = read_card(out)
+    assert card.preset == raw["model"]["preset"] and card.training.extra["fit"]["report_samples"] == 4
+    assert "unlearn train configs/models/" + config + ".yaml" in (root / "configs" / "models" / f"{config}.yaml").read_text()
