@@ -105,7 +105,7 @@ class LayerReplay:
         if int(keep.sum()) != len(retained_ids):
             raise ValueError("the retained samples are not all among those the layer's replay was prepared on")
         forget = torch.nonzero(~keep).squeeze(1)
-        theta, cost = replay_target(self.oracle, self.prepared, forget)
+        theta, cost = replay_target(self.oracle, self.prepared, forget, labels=self.oracle.t.argmax(1))
         if not self.whole_model:
             theta = self.theta_origin + theta - self.prepared.w_mean_field
         return theta, {"how": "recipe replay" if self.whole_model else "theta_0 + replay(D \\ U) - replay(D)",

@@ -115,8 +115,21 @@ class DecisionLayerNewton(RemovalMethod):
     def prepare(self, trained: TrainedModel, settings: DecisionLayerNewtonSettings,  # type: ignore[override]
                 binding: Binding) -> DecisionLayerState:
         block = decision_layer_block(trained.model, settings.parameters)
-        return DecisionLayerState.build(binding, trained.model, trained.task, trained.train, block,
-                                        trained.weight_decay, trained.batch_size)
+        state = DecisionLayerState.build(binding, trained.model, trained.task, trained.train, block,
+                                         trained.weight_decay, trained.batch_size)
+        kind, schedule, _ = resolve_target(settings.target, trained.card, trained.weight_decay, block.numel,
+                                           settings.replay_max_parameters)
+        if kind == "replay":  # the replay's checkpoints do not depend on U: prepared here, counted as preparation
+            assert trained.card is not None and schedule is not None
+            suffix, task, _ = state.suffix_and_data(trained.model, trained.task, trained.train)
+            layer = closed_form_layer(suffix, task, block)
+            assert layer is not None
+            state.layer_replay(trained.model, trained.task, trained.train, schedule,
+                               block.gather(start_weights(trained.card)), _layer_order(suffix, block, layer),
+                               block.numel == trainable_numel(trained.model))
+            state.details["replay"] = {"checkpoints": len(state.replay.prepared.checkpoints) if state.replay else 0,
+                                       "seconds": state.replay.prepared.seconds if state.replay else 0.0}
+        return state
 
     def remove(self, problem: RemovalProblem, settings: DecisionLayerNewtonSettings,  # type: ignore[override]
                prepared: DecisionLayerState) -> RemovalOutcome:

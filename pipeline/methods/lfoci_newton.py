@@ -419,7 +419,8 @@ def _replayed_block(problem: RemovalProblem, work: RemovalProblem, block: Any, s
     oracle = ModuleBlockOracle(work.model, work.task, work.train, block)
     w_init = block.gather(start_weights(problem.card)).to(torch.float64)
     prepared = prepare_replay(oracle, schedule, w_init)
-    w, cost = replay_target(oracle, prepared, work.forget_positions)
+    labels = work.train.columns.get("y") if work.task.loss == "cross_entropy" else None
+    w, cost = replay_target(oracle, prepared, work.forget_positions, labels=labels)
     if not full_block:
         w = oracle.w_ref + w - prepared.w_mean_field
     return w, {"how": "recipe replay" if full_block else "w + replay(D \\ U) - replay(D)",
