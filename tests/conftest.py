@@ -23,10 +23,6 @@ from typing import Any, Callable  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# torch's process-wide settings as the session starts: every test, and every fixture it sets up,
-# leaves them so (checked after each test), so no test's outcome depends on which ran before it
-SESSION_THREADS = torch.get_num_threads()
-SESSION_DTYPE = torch.get_default_dtype()
 
 OBJECT_STORE_BYTES = 256 * 2**20
 
@@ -50,14 +46,16 @@ def torch_globals(request):
     count and the default dtype are the session's, else the test fails naming the change (a fixture
     that sets them must restore them)."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    # as the test starts: a module's own (restored) setting, made by a fixture of wider scope, holds
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
     yield
     changed = []
-    if torch.get_num_threads() != SESSION_THREADS:
-        changed.append(f"torch threads {SESSION_THREADS} -> {torch.get_num_threads()}")
-        torch.set_num_threads(SESSION_THREADS)
-    if torch.get_default_dtype() != SESSION_DTYPE:
-        changed.append(f"default dtype {SESSION_DTYPE} -> {torch.get_default_dtype()}")
-        torch.set_default_dtype(SESSION_DTYPE)
+    if torch.get_num_threads() != threads:
+        changed.append(f"torch threads {threads} -> {torch.get_num_threads()}")
+        torch.set_num_threads(threads)
+    if torch.get_default_dtype() != dtype:
+        changed.append(f"default dtype {dtype} -> {torch.get_default_dtype()}")
+        torch.set_default_dtype(dtype)
     if changed:
         pytest.fail(f"{request.node.nodeid} (or a fixture it set up) left {', '.join(changed)}: restore them "
                     "(the tests after it, in any order, would run under them)")

@@ -126,7 +126,9 @@ def load_in_dtype(directory: Path, preset: str, options: dict, dtype: torch.dtyp
 # Small settings for an end-to-end L-FOCI Newton removal on a tiny model: at most 4 L-FOCI
 # slices plus the output layer (no forget-gradient additions), CG solved to its tolerance (an
 # unsolved system is refused, never published), one Newton step, curvature on 16 samples.
-LFOCI_SMALL: dict[str, Any] = {"perturbations": 24, "pass_size": 24, "max_slices": 4, "curvature_samples": 16,
+# The Newton step is what these check: target minimiser (on an SGD card the retrain target of a small block
+# is set by the recipe replay, with no Newton system: tests/test_target_retrain.py).
+LFOCI_SMALL: dict[str, Any] = {"target": "minimiser", "perturbations": 24, "pass_size": 24, "max_slices": 4, "curvature_samples": 16,
                                "damping": 0.01, "dense_max": 32, "cg_rtol": 1e-6, "forget_gradient_share": 0.0,
                                "newton_max_steps": 1, "min_gradient_reduction": 0.0}
 

@@ -93,7 +93,9 @@ def _forget_config(tmp_path: Path, model: Path, settings: dict, out: str) -> Pat
 def test_forget_shows_each_stage_and_its_inner_loops(trained, tmp_path):
     root, _ = trained
     # L-FOCI selection (a probe) and a block above dense_max (CG): every stage and inner loop runs.
-    settings = {"selection": "lfoci", "perturbations": 64, "pass_size": 8, "max_slices": 4, "dense_max": 8,
+    # target minimiser: the Newton solve's inner loops are what this shows (on this SGD card the retrain
+    # target's small block is set by the recipe replay, with no CG)
+    settings = {"target": "minimiser", "selection": "lfoci", "perturbations": 64, "pass_size": 8, "max_slices": 4, "dense_max": 8,
                 "cg_max_iter": 200}
     run = unlearn(["forget", "--config", str(_forget_config(tmp_path, root / "model", settings, "on"))], flag="1")
     assert run.returncode == 0, run.stderr
@@ -124,7 +126,7 @@ def test_forget_shows_each_stage_and_its_inner_loops(trained, tmp_path):
 def test_eval_shows_the_protocol_steps_and_removal_stages(trained, tmp_path):
     root, _ = trained
     config = tmp_path / "eval.yaml"
-    config.write_text(yaml.safe_dump({"methods": {"lfoci-newton": {"selection": "all"}}, "baselines": ["retrain"],
+    config.write_text(yaml.safe_dump({"methods": {"lfoci-newton": {"selection": "all", "target": "minimiser"}}, "baselines": ["retrain"],
                                       "residual_gradient": False}))
     args = ["eval", str(root / "model"), "--config", str(config), "--count", "5", "--cache-dir", str(tmp_path / "cache")]
     run = unlearn(args, flag="1")

@@ -309,23 +309,24 @@ def test_example_configs_validate():
     assert load_spec(configs / "stream" / "linear-digits.yaml", ServiceConfig).host == "127.0.0.1"
 
 
-def test_a_removal_that_fails_is_recorded_as_failed_not_skipped(tmp_path, store):
+def test_a_removal_that_fails_is_recorded_as_failed_not_skipped(tmp_path, store, monkeypatch):
     """A method whose result is not finite: the batch and its requests end as failed with the
-    error; the next batch still runs; nothing is published for the failed one."""
-    from pipeline.methods.base import METHODS, MethodSettings, RemovalMethod, RemovalOutcome, register_method
+    error; the next batch still runs; nothing is published for the failed one. The method is
+    registered for this test only (a benchmark that runs every registered method must not see it)."""
+    from pipeline.methods.base import METHODS, MethodSettings, RemovalMethod, RemovalOutcome
 
-    if "test-nan" not in METHODS:
-        @register_method
-        class NanMethod(RemovalMethod):
-            name = "test-nan"
-            Settings = MethodSettings
+    class NanMethod(RemovalMethod):
+        name = "test-nan"
+        Settings = MethodSettings
 
-            def remove(self, problem, settings, prepared):
-                first = next(iter(problem.forget.sample_ids.tolist()))
-                bias = dict(problem.model.named_parameters())["1.bias"].detach().clone()
-                if first == IDS[50]:
-                    bias[0] = float("nan")
-                return RemovalOutcome({"1.bias": bias}, {"note": "test"})
+        def remove(self, problem, settings, prepared):
+            first = next(iter(problem.forget.sample_ids.tolist()))
+            bias = dict(problem.model.named_parameters())["1.bias"].detach().clone()
+            if first == IDS[50]:
+                bias[0] = float("nan")
+            return RemovalOutcome({"1.bias": bias}, {"note": "test"})
+
+    monkeypatch.setitem(METHODS, "test-nan", NanMethod)
 
     spec = _campaign(tmp_path, store.root, "nan", [IDS[50:52], IDS[52:54]], method={"name": "test-nan"})
     result = run_campaign(spec, progress=False, echo=lambda _: None)
