@@ -250,10 +250,13 @@ def method_of(row: str) -> str:
     return method_ref_of(row).method
 
 
-def resolved_settings(method: str, n_retain: int, quick: bool) -> dict[str, Any]:
+def resolved_settings(method: str, n_retain: int, quick: bool, smoke: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A row's settings: its config (or METHOD_SETTINGS), the quick overrides, then a smoke profile's
+    ``settings`` for that row (the tests' tiny profile only)."""
     base = method_ref_of(method).settings.model_dump(mode="json") if method in VARIANT_ROWS else \
         METHOD_SETTINGS.get(method, {})
-    raw = {**base, **(QUICK_OVERRIDES.get(method, {}) if quick else {})}
+    raw = {**base, **(QUICK_OVERRIDES.get(method, {}) if quick else {}),
+           **((smoke or {}).get("settings", {}).get(method, {}))}
     fraction = raw.pop("retain_fraction", None)
     if fraction is not None:
         raw["retain_samples"] = max(1, int(round(fraction * n_retain)))
@@ -340,7 +343,8 @@ class Context:
             from pipeline.methods.base import prepare
 
             method = get_method(method_of(row))
-            settings = method.Settings.model_validate(resolved_settings(row, len(self.data.train), self.quick))
+            settings = method.Settings.model_validate(resolved_settings(row, len(self.data.train), self.quick,
+                                                                              self.smoke))
             trained = TrainedModel(self.originals[s], self.task, self.data.train, self.cards[s].training.weight_decay,
                                    EVAL_BATCH, self.cards[s])
             self.prepared[(row, s)], _ = prepare(method, trained, settings)
@@ -374,7 +378,7 @@ def run_forget_set(ctx: Context, scenario: str, seed: int, shadows: int, tick: C
     unlearned_models: dict[str, nn.Module] = {}
     for method in ctx.methods:
         tick(method)
-        settings = resolved_settings(method, len(sets.retain), ctx.quick)
+        settings = resolved_settings(method, len(sets.retain), ctx.quick, ctx.smoke)
         try:
             model, seconds, record = run_removal(method, settings, ctx.originals[0], task, train, positions, wd, seed,
                                                  ctx.cards[0], ctx.prepared_for(method, 0))
@@ -505,7 +509,7 @@ def ulira_game(ctx: Context, sets: Any, positions: torch.Tensor, wd: float, seed
     stats: dict[str, Any] = {"original": [forget_phi(m, task, forget) for m in ctx.originals[:shadows]]}
     for method, model0 in unlearned0.items():
         phis: Any = [forget_phi(model0, task, forget)]
-        settings = resolved_settings(method, len(sets.retain), ctx.quick)
+        settings = resolved_settings(method, len(sets.retain), ctx.quick, ctx.smoke)
         for s in range(1, shadows):
             tick(f"shadow {method} {s}")
             try:
@@ -690,7 +694,7 @@ def run(dataset: str, *, quick: bool, seeds: int | None, workdir: Path, methods:
         "benchmark": "forgetting", "dataset": dataset, "dataset_title": TITLES[dataset], "quick": quick,
         "n_train": len(data.train), "n_test": len(data.test), "num_classes": data.num_classes, "seeds": seeds,
         "shadows": shadows, "cache": data.cache, "head": head, "recipe": recipe_for(dataset, 0, smoke).model_dump(),
-        "method_settings": {m: resolved_settings(m, len(data.train), quick) for m in ctx.methods},
+        "method_settings": {m: resolved_settings(m, len(data.train), quick, smoke) for m in ctx.methods},
         "mixed_linear": {**MIXED_LINEAR, "enabled": ctx.mixed_linear_on,
                          "model": "core = frozen features + the head's hidden layer at its seeded initialisation "
                                   "(trained on no sample); user weights = the linearised output layer, MSE on "

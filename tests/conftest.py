@@ -27,6 +27,14 @@ import torch  # noqa: E402
 OBJECT_STORE_BYTES = 256 * 2**20
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (scripts/test.sh runs a worker per core): torch's intra-op threads split the
+    cores between the workers instead of each taking them all."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session) -> None:
     """Print pytest-randomly's seed even under -q (its own header line is shown only without -q), so a

@@ -62,8 +62,9 @@ def mlp_digits():
 # Tighter would test the oracle rather than the method: the warm-started retrain stops at
 # ||grad|| <= 1e-10 and the removal at 1e-6 of its start gradient; bounding at ~1e-6 would need
 # both tolerances tightened to ~1e-12 and float64 sums that agree across BLAS builds.
-BOUNDS = {1: 1e-3, 10: 1e-3, 50: 0.12}
-GRADIENT_LEFT = {1: 1e-3, 10: 1e-3, 50: 0.1}
+# (m = 10 was measured at the same bound as m = 1 and is no longer run: the two ends keep the claim.)
+BOUNDS = {1: 1e-3, 50: 0.12}
+GRADIENT_LEFT = {1: 1e-3, 50: 0.1}
 
 
 @pytest.mark.parametrize("m", sorted(BOUNDS))

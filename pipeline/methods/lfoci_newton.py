@@ -66,7 +66,7 @@ from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
 from pipeline.recipe import start_weights
 from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, prepare_replay, replay_target, resolve_target
-from pipeline.target.oracles import ModuleBlockOracle
+from pipeline.target.oracles import ModuleBlockOracle, SubsampledCurvature
 from pipeline.tasks import Task
 
 __all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError"]
@@ -94,7 +94,8 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
     pass_size: int = Field(32, gt=0, description="perturbations per forward pass")
     max_slices: int | None = Field(None, gt=0, description="cap on L-FOCI picks")
     curvature_samples: int | None = Field(
-        None, gt=0, description="estimate H_P(D) on a seeded subsample of this many training samples")
+        None, gt=0, description="estimate H_P(D), and the recipe replay's Gauss-Newton matrices, on a seeded "
+                                "subsample of this many training samples (gradients stay exact)")
     dense_max: int = Field(4096, gt=0, description="largest block solved densely (Cholesky); CG above")
     small_block_solver: Literal["auto", "dense"] = Field(
         "auto", description="a block of at most dense_max entries: dense = Cholesky of the materialised block; auto = "
@@ -183,7 +184,8 @@ class LFociNewton(RemovalMethod):
             target.update(equation="grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0", mu=mu)
         elif kind == "replay":
             with problem.stage("target_replay", timings):
-                w_target, target["replay"] = _replayed_block(problem, work, block, schedule, full_block)
+                w_target, target["replay"] = _replayed_block(problem, work, block, schedule, full_block,
+                                                             settings.curvature_samples)
                 block.add_to_model(work.model, (w_target - w_start).to(torch.float64))
                 anchor = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
                 _restore(model, saved)
@@ -409,20 +411,26 @@ def _residual(g: torch.Tensor, anchor: torch.Tensor, mu: float, block: Any, mode
 
 
 def _replayed_block(problem: RemovalProblem, work: RemovalProblem, block: Any, schedule: Any,
-                    full_block: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+                    full_block: bool, curvature_samples: int | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The block's recipe-replay target (``pipeline.target.replay``) over ``work``'s model and data:
-    the replay itself for the whole model, else w + replay(D \\ U) - replay(D)."""
+    the replay itself for the whole model, else w + replay(D \\ U) - replay(D). ``curvature_samples``:
+    the replay's Gauss-Newton matrices on the same seeded subsample as the Newton step's H_P(D)
+    (``SubsampledCurvature``; gradients stay exact)."""
     import time
 
     assert problem.card is not None
     started = time.perf_counter()
-    oracle = ModuleBlockOracle(work.model, work.task, work.train, block)
+    oracle: Any = ModuleBlockOracle(work.model, work.task, work.train, block)
+    n = oracle.n
+    if curvature_samples is not None and curvature_samples < n:
+        gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
+        oracle = SubsampledCurvature(oracle, torch.randperm(n, generator=gen)[:curvature_samples].sort().values)
     w_init = block.gather(start_weights(problem.card)).to(torch.float64)
     prepared = prepare_replay(oracle, schedule, w_init)
     labels = work.train.columns.get("y") if work.task.loss == "cross_entropy" else None
     w, cost = replay_target(oracle, prepared, work.forget_positions, labels=labels)
     if not full_block:
-        w = oracle.w_ref + w - prepared.w_mean_field
+        w = (oracle.oracle if isinstance(oracle, SubsampledCurvature) else oracle).w_ref + w - prepared.w_mean_field
     return w, {"how": "recipe replay" if full_block else "w + replay(D \\ U) - replay(D)",
                "preparation": {"cost": prepared.cost.as_record(), "seconds": prepared.seconds},
                "cost": cost.as_record(), "seconds": time.perf_counter() - started}

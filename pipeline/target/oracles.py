@@ -8,6 +8,11 @@ block at any block weights, its gradient, its dense Gauss-Newton matrix, outputs
 * ``ModuleBlockOracle``: any module and ``ParamBlock``, by ``torch.func``: G = (1/|S|) sum_i
   J_i^T H_out,i J_i with per-sample Jacobians J_i = dz_i / dw_P (``jacrev``) and the loss's Hessian in
   the outputs (``hessian`` of the task's per-sample loss); for blocks small enough to hold P x P.
+* ``SubsampledCurvature``: another oracle whose G is estimated on the samples of a fixed seeded
+  subsample S that are among those asked (G_S = mean over idx & S); gradients, outputs and JVPs stay
+  exact. The replay uses G only as the model of the gradient's change near a base (its model (2)),
+  and the trust-region probe catches where that model fails, so a subsample trades a little
+  accuracy of the model for a pass of |S| instead of |D| samples per base (n C P^2 work on a block).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
-__all__ = ["ModuleBlockOracle", "SoftmaxLayerOracle"]
+__all__ = ["ModuleBlockOracle", "SoftmaxLayerOracle", "SubsampledCurvature"]
 
 
 class SoftmaxLayerOracle:
@@ -133,3 +138,30 @@ class ModuleBlockOracle:
 
     def _sample_loss(self, z: Tensor, y: Tensor) -> Tensor:
         return self.task.per_sample_loss(z.unsqueeze(0), {"y": y.unsqueeze(0)}).sum()
+
+
+class SubsampledCurvature:
+    """``oracle`` with its Gauss-Newton matrix estimated on ``positions`` (module docstring)."""
+
+    def __init__(self, oracle: "ModuleBlockOracle | SoftmaxLayerOracle", positions: Tensor):
+        self.oracle = oracle
+        self.n = oracle.n
+        self.outputs_are_logits = oracle.outputs_are_logits
+        self.positions = torch.as_tensor(positions, dtype=torch.long)
+        if len(self.positions) == 0:
+            raise ValueError("the curvature subsample is empty")
+
+    def grad(self, w: Tensor, idx: Tensor) -> Tensor:
+        return self.oracle.grad(w, idx)
+
+    def outputs(self, w: Tensor, idx: Tensor) -> Tensor:
+        return self.oracle.outputs(w, idx)
+
+    def jvp(self, w: Tensor, idx: Tensor, v: Tensor) -> Tensor:
+        return self.oracle.jvp(w, idx, v)
+
+    def curvature(self, w: Tensor, idx: Tensor) -> Tensor:
+        """G on idx & S (on idx itself where they share no sample)."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        shared = idx[torch.isin(idx, self.positions)]
+        return self.oracle.curvature(w, shared if len(shared) else idx)
