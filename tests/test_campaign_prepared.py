@@ -225,3 +225,31 @@ def test_stream_service_keeps_the_state_and_rebuilds_it_after_a_restart_and_a_ro
     led = Ledger(root / "ledger.sqlite3", create=False)
     assert led.get_request("b").state == "needs_retrain" and led.get_request("c").version == 3
     led.close()
+
+
+def test_a_carried_preconditioner_gives_the_weights_of_a_rebuilt_one(tmp_path, mlp_dir, monkeypatch):
+    """Between versions the decision layer's state keeps the previous H_P(D)^-1 as the matrix-free
+    Newton's preconditioner (pipeline.decision_layer.PRECONDITIONER_MAX_AGE) instead of rebuilding the
+    dense matrix: the Newton iteration stops on its own tolerance, so every version's weights are those
+    of a campaign that rebuilt it each time; the record says how old the preconditioner was, and it is
+    rebuilt when it reaches the limit."""
+    from jobs.campaign_runner import run_campaign
+    from jobs.specs import CampaignSpec, load_spec
+    from pipeline import decision_layer
+
+    ids = _ids(mlp_dir, 5)
+    groups = [[i] for i in ids]
+    monkeypatch.setattr(decision_layer, "PRECONDITIONER_MAX_AGE", 3)
+    carried = make_store(tmp_path / "carried", mlp_dir, MODEL)
+    result = run_campaign(load_spec(_spec(tmp_path, carried, "carried", groups), CampaignSpec), progress=False,
+                          echo=lambda _: None)
+    assert [b.state for b in result.batches] == ["applied"] * 5
+    ages = [_record(carried, v)["preparation"].get("preconditioner_age") for v in range(1, 6)]
+    assert ages == [0, 1, 2, 0, 1], ages  # built, carried twice, rebuilt at the limit, carried
+    monkeypatch.setattr(decision_layer, "PRECONDITIONER_MAX_AGE", 1)  # rebuilt at every version
+    rebuilt = make_store(tmp_path / "rebuilt", mlp_dir, MODEL)
+    run_campaign(load_spec(_spec(tmp_path, rebuilt, "rebuilt", groups), CampaignSpec), progress=False,
+                 echo=lambda _: None)
+    assert [_record(rebuilt, v)["preparation"].get("preconditioner_age") for v in range(1, 6)] == [0] * 5
+    for version in range(1, 6):
+        _close(_weights(carried, version), _weights(rebuilt, version))

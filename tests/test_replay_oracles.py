@@ -106,3 +106,33 @@ def test_replay_with_a_subsampled_curvature_converges_to_the_full_replay():
     assert departure(N) == 0.0
     quarter, half, most = departure(N // 4), departure(N // 2), departure(3 * N // 4)
     assert most < quarter and half <= 0.25, (quarter, half, most)
+
+
+def test_the_decision_layers_difference_form_drops_an_emptied_class_own_offset():
+    """theta_0 + replay(D \\ U) - replay(D) row by row; a class with no retained sample keeps the mean
+    offset of the retained classes, not its own (pipeline.decision_layer.LayerReplay)."""
+    from pipeline.decision_layer import LayerReplay
+
+    x, y, _ = _problem(4)
+    schedule = ReplaySchedule(epochs=3, lr=0.1, momentum=0.9, batch_size=16, weight_decay=1e-3)
+    gen = torch.Generator().manual_seed(5)
+    theta_init = 0.1 * torch.randn(K * (D + 1), generator=gen, dtype=torch.float64)
+    theta_origin = torch.randn(K * (D + 1), generator=gen, dtype=torch.float64)
+    inputs = torch.cat([x, torch.ones(N, 1, dtype=torch.float64)], 1)
+    replay = LayerReplay.build(inputs, y, torch.arange(N), 0.0, K, schedule, theta_init, theta_origin, False)
+    offset = (theta_origin - replay.prepared.w_mean_field).reshape(K, D + 1)
+    # a random removal: every row keeps its own offset
+    keep = torch.ones(N, dtype=torch.bool)
+    keep[:10] = False
+    target, _ = replay.target(torch.nonzero(keep).squeeze(1))
+    plain, _ = replay_target(replay.oracle, replay.prepared, torch.arange(10), labels=y)
+    assert torch.allclose(target, plain + offset.reshape(-1), atol=1e-12)
+    # class 2 emptied: its row takes the mean offset of classes 0, 1, 3; the others their own
+    keep = y != 2
+    target, _ = replay.target(torch.nonzero(keep).squeeze(1))
+    plain, _ = replay_target(replay.oracle, replay.prepared, torch.nonzero(~keep).squeeze(1), labels=y)
+    rows, base = target.reshape(K, D + 1), plain.reshape(K, D + 1)
+    for c in (0, 1, 3):
+        assert torch.allclose(rows[c], base[c] + offset[c], atol=1e-12)
+    assert torch.allclose(rows[2], base[2] + offset[[0, 1, 3]].mean(0), atol=1e-12)
+    assert not torch.allclose(rows[2], base[2] + offset[2], atol=1e-3)
