@@ -105,16 +105,17 @@ class LayerReplay:
         if int(keep.sum()) != len(retained_ids):
             raise ValueError("the retained samples are not all among those the layer's replay was prepared on")
         forget = torch.nonzero(~keep).squeeze(1)
-        theta, cost = replay_target(self.oracle, self.prepared, forget, labels=self.oracle.t.argmax(1))
+        labels = self.oracle.t.argmax(1)
+        theta, cost = replay_target(self.oracle, self.prepared, forget, labels=labels)
         if not self.whole_model:
-            theta = self._difference_form(theta, keep)
+            theta = self._difference_form(theta, labels, keep)
         return theta, {"how": "recipe replay" if self.whole_model else
                        "theta_0 + replay(D \\ U) - replay(D), an emptied class without its own offset",
                        "removed_since_preparation": int(forget.numel()), "seconds": time.perf_counter() - started,
                        "cost": cost.as_record(), "preparation_cost": self.prepared.cost.as_record(),
                        "preparation_seconds": self.prepared.seconds}
 
-    def _difference_form(self, replayed: Tensor, keep: Tensor) -> Tensor:
+    def _difference_form(self, replayed: Tensor, labels: Tensor, keep: Tensor) -> Tensor:
         """theta_0 + replay(D \\ U) - replay(D), row by row of the layer: each class row keeps its offset
         o_c = theta_0,c - replay(D)_c (what co-training with the layers below gave that row beyond the
         replay over the final features). A class with no retained sample keeps only the offset its
@@ -124,7 +125,6 @@ class LayerReplay:
         Gap 12.7 / 5.0 with the class's own offset, 1.1 / 0.0 without (Retrain's own noise 0.02-0.05)."""
         width = self.oracle.width
         offset = (self.theta_origin - self.prepared.w_mean_field).reshape(self.oracle.k, width)
-        labels = self.oracle.t.argmax(1)
         present = torch.zeros(self.oracle.k, dtype=torch.bool)
         present[torch.unique(labels[keep])] = True
         emptied = torch.zeros(self.oracle.k, dtype=torch.bool)

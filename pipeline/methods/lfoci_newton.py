@@ -200,9 +200,7 @@ class LFociNewton(RemovalMethod):
         curv_data, curv_note = work.train, "all training samples"
         subsampled = settings.curvature_samples is not None and settings.curvature_samples < n
         if subsampled:
-            gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
-            pick = torch.randperm(n, generator=gen)[: settings.curvature_samples].sort().values
-            curv_data = work.train.take(pick)
+            curv_data = work.train.take(_curvature_subsample(problem, n, settings.curvature_samples))
             curv_note = f"seeded subsample of {settings.curvature_samples} training samples (stream 2)"
         factory = problem.curvature_factory or BlockHessian
         if settings.closed_form_curvature and problem.curvature_factory is None \
@@ -410,6 +408,13 @@ def _residual(g: torch.Tensor, anchor: torch.Tensor, mu: float, block: Any, mode
     return g - anchor + mu * (w - w_start)
 
 
+def _curvature_subsample(problem: RemovalProblem, n: int, count: int) -> torch.Tensor:
+    """The removal's seeded curvature subsample: ``count`` of the ``n`` training positions, sorted
+    (stream CURVATURE_SUBSAMPLE: the Newton step's H_P(D) and the replay's G take the same samples)."""
+    gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
+    return torch.randperm(n, generator=gen)[:count].sort().values
+
+
 def _replayed_block(problem: RemovalProblem, work: RemovalProblem, block: Any, schedule: Any,
                     full_block: bool, curvature_samples: int | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The block's recipe-replay target (``pipeline.target.replay``) over ``work``'s model and data:
@@ -420,17 +425,16 @@ def _replayed_block(problem: RemovalProblem, work: RemovalProblem, block: Any, s
 
     assert problem.card is not None
     started = time.perf_counter()
-    oracle: Any = ModuleBlockOracle(work.model, work.task, work.train, block)
-    n = oracle.n
-    if curvature_samples is not None and curvature_samples < n:
-        gen = problem.generator(RandomStream.CURVATURE_SUBSAMPLE)
-        oracle = SubsampledCurvature(oracle, torch.randperm(n, generator=gen)[:curvature_samples].sort().values)
+    module = ModuleBlockOracle(work.model, work.task, work.train, block)
+    oracle: Any = module
+    if curvature_samples is not None and curvature_samples < module.n:
+        oracle = SubsampledCurvature(module, _curvature_subsample(problem, module.n, curvature_samples))
     w_init = block.gather(start_weights(problem.card)).to(torch.float64)
     prepared = prepare_replay(oracle, schedule, w_init)
     labels = work.train.columns.get("y") if work.task.loss == "cross_entropy" else None
     w, cost = replay_target(oracle, prepared, work.forget_positions, labels=labels)
     if not full_block:
-        w = (oracle.oracle if isinstance(oracle, SubsampledCurvature) else oracle).w_ref + w - prepared.w_mean_field
+        w = module.w_ref + w - prepared.w_mean_field
     return w, {"how": "recipe replay" if full_block else "w + replay(D \\ U) - replay(D)",
                "preparation": {"cost": prepared.cost.as_record(), "seconds": prepared.seconds},
                "cost": cost.as_record(), "seconds": time.perf_counter() - started}
