@@ -321,7 +321,9 @@ def kill_audit(spec: Path, folder: Path, model: str, expected: dict[str, int], k
             "final_version": ours.current(model), "final_version_uninterrupted": theirs.current(model),
             "max_abs_weight_difference_to_uninterrupted": gap,
             "weights_note": "a resumed process prepares its state anew from the version it starts from, where the "
-                            "uninterrupted run carried it; the same removals up to float rounding"}
+                            "uninterrupted run carried it (its Newton preconditioner among it): the same removals, "
+                            "each solved to the method's own tolerance (newton_rtol) from another preconditioner, so "
+                            "the weights agree to that tolerance, not bit for bit"}
 
 
 # ---- main ----------------------------------------------------------------------------------------
