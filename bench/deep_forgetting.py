@@ -665,7 +665,8 @@ def strip_logits(rows: dict[str, dict[str, Any]]) -> None:
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------
-def setup(dataset: str, profile_name: str, tuning_path: Path | None = None) -> Context:
+def setup(dataset: str, profile_name: str, tuning_path: Path | None = None,
+          overrides: dict[str, Any] | None = None) -> Context:
     from pipeline.config import load_config
     from pipeline.data import load_source
     from pipeline.frozen_prefix import PrefixMemo
@@ -673,7 +674,7 @@ def setup(dataset: str, profile_name: str, tuning_path: Path | None = None) -> C
     from pipeline.trainer import TrainConfig
 
     spec = DATASETS[dataset]
-    profile = PROFILES[profile_name][dataset]
+    profile = {**PROFILES[profile_name][dataset], **(overrides or {})}
     cfg = load_config(TrainConfig, CONFIGS / "models" / f"{spec.config}.yaml", "train config")
     updates: dict[str, Any] = {}
     if profile.get("model"):
@@ -1054,13 +1055,15 @@ def aggregate(runs: list[dict[str, Any]], camp: dict[str, Any] | None) -> dict[s
 
 def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None, scenarios: tuple[str, ...] | None = None,
         tuning_path: Path | None = None, progress_label: str | None = None,
-        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        checkpoint: Callable[[dict[str, Any]], None] | None = None, overrides: dict[str, Any] | None = None,
+        command: list[str] | None = None) -> dict[str, Any]:
     """The whole benchmark for one dataset; returns the JSON-ready result (``checkpoint`` is handed the
-    partial result after every scenario)."""
+    partial result after every scenario). ``overrides``: profile entries replaced (sets, shadows, campaign),
+    recorded with the result."""
     from pipeline.progress import bar, note
 
     started = time.perf_counter()
-    ctx = setup(dataset, profile, tuning_path)
+    ctx = setup(dataset, profile, tuning_path, overrides)
     spec, prof = ctx.spec, ctx.profile
     scenarios = tuple(scenarios or spec.scenarios)
     shadows = int(prof["shadows"])
@@ -1082,8 +1085,10 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
     result: dict[str, Any] = {
         "benchmark": "deep_forgetting", "dataset": dataset, "dataset_title": spec.title, "profile": profile,
         "quick": profile != "full",
-        "command": ["python", "-m", "bench.deep_forgetting", "--dataset", dataset,
-                    *([f"--{profile}"] if profile != "full" else []), "--threads", str(torch.get_num_threads())],
+        "command": ["python", "-m", "bench.deep_forgetting", *(command if command is not None else [
+            "--dataset", dataset, *([f"--{profile}"] if profile != "full" else []),
+            "--threads", str(torch.get_num_threads())])],
+        "overrides": dict(overrides or {}), "scenarios_run": list(scenarios),
         "config": f"configs/models/{spec.config}.yaml", "train_command": f"unlearn train configs/models/{spec.config}.yaml",
         "profile_settings": prof, "model": {
             "preset": ctx.train_config.model.preset, "options": ctx.train_config.model.options,
@@ -1278,6 +1283,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="smaller n, fewer sets and shadows; same table shape")
     mode.add_argument("--smoke", action="store_true", help="tiny (tests)")
     parser.add_argument("--methods", default=None, help="comma-separated subset of the rows")
+    parser.add_argument("--scenarios", default=None, help="comma-separated subset of the scenarios")
+    parser.add_argument("--sets", type=int, default=None, help="reported forget sets per scenario (the profile's "
+                                                                "otherwise); any override writes *_partial.json")
+    parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
+    parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a shared machine)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", type=Path, nargs="*", default=None, help="print the tables of these JSON files")
@@ -1288,9 +1298,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    overrides = {k: getattr(args, k) for k in ("sets", "shadows", "campaign") if getattr(args, k) is not None}
+    scenarios = tuple(args.scenarios.split(",")) if args.scenarios else None
     stem = f"deep_{args.dataset}" + ("" if profile == "full" else f"_{profile}")
+    if overrides or scenarios or args.methods:
+        stem += "_partial" + ("_" + "-".join(scenarios) if scenarios else "")
     methods = args.methods.split(",") if args.methods else None
-    result = run(args.dataset, profile=profile, methods=methods,
+    result = run(args.dataset, profile=profile, methods=methods, scenarios=scenarios, overrides=overrides,
+                 command=sys.argv[1:] if argv is None else list(argv),
                  checkpoint=lambda partial: write_outputs(partial, stem, args.out_dir))
     paths = write_outputs(result, stem, args.out_dir)
     print(render_markdown(result))

@@ -228,3 +228,26 @@ def test_each_new_model_config_trains_with_unlearn_train(config: str, tiny: dict
     card = read_card(out)
     assert card.preset == raw["model"]["preset"] and card.training.extra["fit"]["report_samples"] == 4
     assert "unlearn train configs/models/" + config + ".yaml" in (root / "configs" / "models" / f"{config}.yaml").read_text()
+
+
+def test_a_partial_run_records_its_overrides_and_writes_apart(tmp_path: Path) -> None:
+    """--scenarios / --sets / --shadows / --campaign / --methods: the profile's entries replaced, recorded with
+    the command, and written to *_partial*.json (never over the profile's own file)."""
+    from bench import deep_forgetting
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        argv = ["--dataset", "fmnist-cnn", "--smoke", "--scenarios", "subject", "--sets", "1", "--shadows", "0",
+                "--campaign", "1", "--methods", "lfoci-newton", "--out-dir", str(tmp_path)]
+        assert deep_forgetting.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["deep_fmnist-cnn_smoke_partial_subject.json", "deep_fmnist-cnn_smoke_partial_subject.md"]
+    result = json.loads((tmp_path / written[0]).read_text())
+    assert result["overrides"] == {"sets": 1, "shadows": 0, "campaign": 1}
+    assert result["profile_settings"]["shadows"] == 0 and result["scenarios_run"] == ["subject"]
+    assert list(result["scenarios"]) == ["subject"] and result["command"][3:] == argv
+    assert set(result["rows"]) == {"lfoci-newton"}
+    assert result["scenarios"]["subject"]["ulira"] is None

@@ -87,6 +87,8 @@ class RandomStream(IntEnum):
     CURVATURE_SUBSAMPLE = 2  # training samples the curvature is estimated on
     FISHER_LABELS = 6        # labels sampled from the model for the predictive Fisher
     SELECTION_TIES = 7       # L-CODEC tie-breaking jitter
+    PROBE_FORGET_SUBSAMPLE = 8  # the forget samples the L-FOCI probe perturbs when they are more than its cap
+    GRADIENT_SUBSAMPLE = 9   # training samples a mean gradient is estimated on (lfoci-newton's Gauss-Newton path)
 
 
 MAX_SEED = 2**63 - 1

@@ -92,7 +92,12 @@ def choose_lfoci(problem: RemovalProblem, settings: Any) -> tuple[ParamBlock, di
     timings: dict[str, float] = {}
     slice_map = SliceMap(problem.model)
     with problem.stage("probe", timings):
-        forget = problem.forget.columns
+        probed = problem.forget
+        cap = getattr(settings, "probe_forget_max", None)
+        if cap is not None and len(probed) > cap:  # the probe's cost is m x perturbations forward passes
+            gen = problem.generator(RandomStream.PROBE_FORGET_SUBSAMPLE)
+            probed = probed.take(torch.randperm(len(probed), generator=gen)[:cap].sort().values)
+        forget = probed.columns
         runner = problem.probe_runner or local_probe
         options = PerturbOptions(perturb_sigma=settings.perturb_sigma, token_replacements=settings.token_replacements)
         probe = runner(problem.model, problem.task, forget, seed=problem.seed,
@@ -104,6 +109,7 @@ def choose_lfoci(problem: RemovalProblem, settings: Any) -> tuple[ParamBlock, di
         rows: dict[str, list[int] | None] = {k: list(v) for k, v in slice_map.rows_for(picks).items()}
         record: dict[str, Any] = {
             "slices_probed": slice_map.size,
+            "forget_samples_probed": len(probed),
             "perturbations": int(probe.losses.shape[0]),
             "selected": [{**slice_map.describe(i), "T": float(t)} for i, t in zip(picks, result.scores)],
         }

@@ -23,19 +23,13 @@ training budget could not move (curvature h << 1/tau) as retraining leaves them
 (docs/METHODS.md). Solved by the project's PCG (``pipeline.curvature.pcg``) to ``cg_rtol`` or
 ``cg_max_iter`` iterations (a truncated solve is still a descent direction of the model).
 
-Trust region. The step is accepted when rho = (F(w0) - F(w0 + s)) / (q(0) - q(s)) >= ``min_ratio``,
-q the quadratic model (the same G_R + mu I), F evaluated on a seeded probe of ``probe_samples`` of R
-with its linear part made exact (control variate: F_probe(w) = L_probe(w) + <g_R - g_probe(w0),
-w - w0> - <g_D, w - w0> + mu/2 ||w - w0||^2, whose gradient at w0 is g_R - g_D exactly). Otherwise
-the damping is multiplied by ``damping_growth`` (from max(lambda + mu, a thousandth of the
-curvature along the gradient)) and the step solved again, at most ``max_retries`` times; when no step
-is accepted the request is refused (``RemovalNotServed`` -> ``needs_retrain``) and the model is
-left as it was.
-
-Refit. ``refit_epochs`` epochs of the recipe's SGD (its momentum and batch size, its learning rate
-times ``refit_lr_scale``, cosine decay to zero) on R over the scope's parameters only, through the
-suffix on the cached features, in eval mode (no dropout draws, batch-norm statistics fixed).
-Skipped (recorded) where the recipe has no SGD learning rate.
+Trust region and refit (``pipeline.methods.trust_region``, shared with ``lfoci-newton``'s deep path): the
+step is accepted when the ratio of the actual to the predicted decrease of F on a seeded probe of
+``probe_samples`` of R is at least ``min_ratio``, else solved again with ``damping_growth`` times the
+damping, at most ``max_retries`` times; when no step is accepted the request is refused
+(``RemovalNotServed`` -> ``needs_retrain``) and the model is left as it was. Then ``refit_epochs`` of
+the recipe's SGD (learning rate times ``refit_lr_scale``, cosine decay) on R over the scope's parameters,
+through the suffix on the cached features, in eval mode; skipped (recorded) without an SGD recipe.
 
 A heuristic: no noise, no certificate (the release says so). Prepared once per model version
 (what does not depend on U): the scope, the prefix's outputs on D and g_D; a removal keeps the
@@ -54,19 +48,15 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from pipeline import memory
-from pipeline.curvature.ggn import BlockGaussNewton as GaussNewtonOperator
-from pipeline.curvature.hessian import BlockObjective, block_gradient
-from pipeline.curvature.pcg import pcg
+from pipeline.curvature.hessian import block_gradient
 from pipeline.data.sampleset import SampleSet
-from pipeline.errors import NonFiniteGradientError, RemovalNotServed
+from pipeline.errors import RemovalNotServed
 from pipeline.eval_mode import eval_mode_restored
 from pipeline.frozen_prefix import Split, cache_frozen_prefix, prefix_digest
 from pipeline.methods.base import (
-    MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
-    stream_seed,
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
-from pipeline.methods.finetune import SGD
+from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
@@ -76,11 +66,6 @@ from pipeline.tasks import Task, output_logits
 
 __all__ = ["BlockGaussNewton", "BlockGaussNewtonPrepared", "BlockGaussNewtonSettings", "Scope", "choose_scope",
            "forward_costs"]
-
-# seeded streams of this method (hashed with the removal seed; apart from RandomStream's numbers)
-PROBE_STREAM = 31
-REFIT_STREAM = 32
-
 
 class BlockGaussNewtonSettings(MethodSettings):
     scope_cost_share: float = Field(
@@ -232,6 +217,12 @@ class BlockGaussNewtonPrepared(Prepared):
                                         prefix=self.prefix)
 
 
+def _trust_region(settings: BlockGaussNewtonSettings) -> TrustRegion:
+    return TrustRegion(curvature_samples=settings.curvature_samples, probe_samples=settings.probe_samples,
+                       cg_max_iter=settings.cg_max_iter, cg_rtol=settings.cg_rtol, min_ratio=settings.min_ratio,
+                       max_retries=settings.max_retries, damping_growth=settings.damping_growth)
+
+
 def _budget(trained: TrainedModel | RemovalProblem, settings: BlockGaussNewtonSettings) -> tuple[float | None, Recipe | None]:
     """(tau, the recipe): tau from settings.budget or the card's recipe (None when neither is known)."""
     card = trained.card
@@ -295,7 +286,8 @@ class BlockGaussNewton(RemovalMethod):
             rhs = (m / (n - m)) * (g_d - g_u)  # g_R - g_D, g_R = (n g_D - m g_U) / (n - m)
 
         with problem.stage("step", timings):
-            step, trust = _trust_region_step(problem, settings, suffix, task, block, retain, rhs, mu, lam)
+            step, trust = gauss_newton_trust_step(suffix, task, block, retain, rhs, mu, lam, _trust_region(settings),
+                                                  seed=problem.seed, batch_size=problem.batch_size)
         record: dict[str, Any] = {
             "scope": scope.details,
             "filter": {"tau": tau, "mu": mu, "filter_scale": settings.filter_scale, "weight_decay": lam},
@@ -315,7 +307,8 @@ class BlockGaussNewton(RemovalMethod):
         try:
             block.add_to_model(suffix, step)
             with problem.stage("refit", timings):
-                record["refit"] = _refit(problem, settings, suffix, task, block, retain, recipe, lam)
+                record["refit"] = refit_block(suffix, task, block, retain, recipe, lam, epochs=settings.refit_epochs,
+                                              lr_scale=settings.refit_lr_scale, seed=problem.seed)
         except BaseException:
             with torch.no_grad():
                 for name, value in saved.items():
@@ -327,106 +320,3 @@ class BlockGaussNewton(RemovalMethod):
         return RemovalOutcome(new, record, PrivacyRelease.non_private(
             "no noise: a Gauss-Newton step and a refit of a non-convex network's trailing layers (a heuristic "
             "removal, no certificate)"))
-
-
-def _draw(data: SampleSet, count: int | None, seed: int) -> SampleSet:
-    if count is None or count >= len(data):
-        return data
-    g = torch.Generator().manual_seed(seed)
-    return data.take(torch.randperm(len(data), generator=g)[:count].sort().values)
-
-
-def _mean_loss(obj: BlockObjective, data: SampleSet, delta: Tensor, batch_size: int) -> float:
-    with torch.no_grad():
-        total = sum(float(obj.loss_sum(b)(delta)) for b in data.batches(batch_size))
-    return total / len(data)
-
-
-def _trust_region_step(problem: RemovalProblem, settings: BlockGaussNewtonSettings, suffix: nn.Module, task: Task,
-                       block: ParamBlock, retain: SampleSet, rhs: Tensor, mu: float,
-                       lam: float) -> tuple[Tensor | None, dict[str, Any]]:
-    """The accepted step (None: none accepted) and the trust region's record."""
-    if float(rhs.norm()) == 0.0:
-        return torch.zeros_like(rhs), {"trials": [], "accepted": True, "note": "g_R = g_D: nothing to move"}
-    curvature_set = _draw(retain, settings.curvature_samples,
-                          stream_seed(problem.seed, RandomStream.CURVATURE_SUBSAMPLE))
-    probe = _draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM))
-    ggn = GaussNewtonOperator(suffix, task, curvature_set, block, lam, reduction="mean", batch_size=problem.batch_size)
-    obj = BlockObjective(suffix, task, block)
-    w0 = obj.w_block.to("cpu", torch.float64)
-    eval_batch = memory.forward_batch_size(suffix, task, probe, problem.batch_size)
-    # the probe's gradient at w0 (mean loss only): the control variate that makes F_probe's linear part exact
-    g_probe = block_gradient(suffix, task, probe, block, 0.0, reduction="mean", batch_size=problem.batch_size)
-    f0 = _mean_loss(obj, probe, obj.zeros(), eval_batch) + 0.5 * lam * float(w0 @ w0)
-
-    def objective(s: Tensor) -> float:
-        """F_probe(w0 + s) - F_probe(w0): the probe's curvature part, the exact linear part."""
-        w = w0 + s
-        loss = _mean_loss(obj, probe, s.to(obj.device, obj.dtype), eval_batch) + 0.5 * lam * float(w @ w)
-        # L_probe(w) - L_probe(w0) - <g_probe + lam w0, s> + <rhs, s> + mu/2 ||s||^2
-        return (loss - f0) - float((g_probe + lam * w0) @ s) + float(rhs @ s) + 0.5 * mu * float(s @ s)
-
-    trials: list[dict[str, Any]] = []
-    total = lam + mu  # the damping of the solve, lambda included (G_R holds lambda)
-    floor: float | None = None
-    products_before = ggn.products
-    for attempt in range(settings.max_retries + 1):
-        if attempt > 0:
-            if floor is None:  # a thousandth of the curvature along the gradient
-                floor = 1e-3 * float(rhs @ ggn.matvec(rhs)) / float(rhs @ rhs)
-            total = max(total, floor) * settings.damping_growth
-        extra = total - lam
-        result = pcg(lambda v: ggn.matvec(v) + extra * v, -rhs, rtol=settings.cg_rtol, max_iter=settings.cg_max_iter,
-                     progress="Gauss-Newton PCG")
-        s = result.x
-        trial: dict[str, Any] = {"damping": total, "cg_iterations": result.iterations,
-                                 "cg_converged": result.converged, "cg_relative_residual": result.relative_residual,
-                                 "step_norm": float(s.norm()), "predicted": None, "actual": None, "ratio": None,
-                                 "accepted": False}
-        trials.append(trial)
-        try:
-            gs = ggn.matvec(s)
-            predicted = -(float(rhs @ s) + 0.5 * (float(s @ gs) + mu * float(s @ s)))
-            actual = -objective(s)
-        except NonFiniteGradientError as err:
-            trial["error"] = str(err)
-            continue
-        ratio = actual / predicted if predicted > 0 else float("nan")
-        trial.update(predicted=predicted, actual=actual, ratio=ratio if math.isfinite(ratio) else None)
-        if predicted > 0 and math.isfinite(ratio) and ratio >= settings.min_ratio:
-            trial["accepted"] = True
-            return s, {"trials": trials, "accepted": True, "curvature_samples": len(curvature_set),
-                       "probe_samples": len(probe), "products": ggn.products - products_before}
-    return None, {"trials": trials, "accepted": False, "curvature_samples": len(curvature_set),
-                  "probe_samples": len(probe), "products": ggn.products - products_before}
-
-
-def _refit(problem: RemovalProblem, settings: BlockGaussNewtonSettings, suffix: nn.Module, task: Task,
-           block: ParamBlock, retain: SampleSet, recipe: Recipe | None, lam: float) -> dict[str, Any]:
-    """``refit_epochs`` of the recipe's SGD on R over the block (in place), cosine decay to zero."""
-    if settings.refit_epochs == 0 or settings.refit_lr_scale == 0:
-        return {"skipped": "refit_epochs or refit_lr_scale is 0"}
-    if recipe is None or recipe.optimizer != "sgd" or recipe.lr <= 0 or recipe.batch_size < 1:
-        return {"skipped": "the model card's recipe has no SGD learning rate to refit with"}
-    params = dict(suffix.named_parameters())
-    chosen = {part.name: params[part.name] for part in block.parts}
-    lr0 = recipe.lr * settings.refit_lr_scale
-    opt = SGD(chosen, lr=lr0, momentum=recipe.momentum)
-    per_epoch = math.ceil(len(retain) / recipe.batch_size)
-    steps = max(1, math.ceil(settings.refit_epochs * per_epoch))
-    gen = torch.Generator().manual_seed(stream_seed(problem.seed, REFIT_STREAM))
-    done = 0
-    with torch.enable_grad():
-        while done < steps:
-            order = torch.randperm(len(retain), generator=gen)
-            for start in range(0, len(order), recipe.batch_size):
-                if done >= steps:
-                    break
-                batch = retain.take(order[start:start + recipe.batch_size]).columns
-                opt.lr = lr0 * 0.5 * (1.0 + math.cos(math.pi * done / steps))
-                loss = task.per_sample_loss(task.forward(suffix, batch), batch).mean()
-                loss = loss + 0.5 * lam * sum(p.pow(2).sum() for p in chosen.values())
-                opt.step(loss)
-                done += 1
-    return {"steps": done, "epochs": settings.refit_epochs, "lr": lr0, "momentum": recipe.momentum,
-            "batch_size": recipe.batch_size, "samples": len(retain)}

@@ -46,7 +46,7 @@ from dataclasses import replace
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pipeline import memory
@@ -61,15 +61,46 @@ from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
+from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Prepared
 from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
-from pipeline.recipe import start_weights
+from pipeline.recipe import recipe_of, start_weights
 from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, prepare_replay, replay_target, resolve_target
 from pipeline.target.oracles import ModuleBlockOracle, SubsampledCurvature
 from pipeline.tasks import Task
 
 __all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError"]
+
+
+class GaussNewtonStepSettings(BaseModel):
+    """The Gauss-Newton path's step (``pipeline.methods.trust_region``): its curvature and probe, its solve, the
+    trust region and the bounded refit of the block."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    curvature_samples: int | None = Field(
+        2048, gt=0, description="Gauss-Newton products over a seeded subsample of this many retained samples (null: all)")
+    probe_samples: int | None = Field(
+        4096, gt=0, description="the ratio test's objective on a seeded probe of this many retained samples (null: all)")
+    cg_max_iter: int = Field(30, gt=0, description="PCG iterations per solve (a truncated solve is still a descent "
+                                                   "direction of the quadratic model)")
+    cg_rtol: float = Field(1e-6, gt=0, description="PCG stops at this relative residual")
+    min_ratio: float = Field(0.25, ge=0, lt=1, description="accept a step when actual / predicted decrease >= this")
+    max_retries: int = Field(4, ge=0, description="damping increases after a rejected step; then the request is "
+                                                  "refused (needs_retrain)")
+    damping_growth: float = Field(2.0, gt=1, description="the damping is multiplied by this at each retry")
+    gradient_samples: int | None = Field(
+        8192, gt=0, description="g_D (the mean training gradient on the block) on a seeded subsample of this many "
+                                "samples (null: all of D, one pass); g_U is always exact")
+    refit_epochs: float = Field(0.0, ge=0, description="epochs of the recipe's SGD on D \\ U over the block after the "
+                                                       "step (0: none)")
+    refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this (cosine decay)")
+
+    def trust_region(self) -> TrustRegion:
+        return TrustRegion(curvature_samples=self.curvature_samples, probe_samples=self.probe_samples,
+                           cg_max_iter=self.cg_max_iter, cg_rtol=self.cg_rtol, min_ratio=self.min_ratio,
+                           max_retries=self.max_retries, damping_growth=self.damping_growth)
 
 
 class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
@@ -89,6 +120,9 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
                           "always has it, all is 1)")
     block_numel_max: int = Field(200_000, gt=0, description="lfoci: the gradient-share additions stop at this size")
     perturbations: int = Field(1000, gt=1, description="m_p perturbed passes of the forget batch")
+    probe_forget_max: int | None = Field(
+        32, gt=0, description="lfoci: the probe perturbs a seeded subsample of at most this many forget samples (its "
+                               "cost is m x perturbations forward passes); the Newton step uses all of them (null: all)")
     perturb_sigma: float = Field(0.1, ge=0, description="std of input noise (dense inputs)")
     token_replacements: int = Field(2, ge=1, description="tokens replaced per sequence (text)")
     pass_size: int = Field(32, gt=0, description="perturbations per forward pass")
@@ -103,7 +137,8 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
                             "quarter of the block's entries in products over all its damping restarts, and Cholesky "
                             "only when CG did not reach cg_rtol within them (and for the removal's later steps)")
     damping: float = Field(0.0, ge=0, description="least damping mu of every Newton system (more is added "
-                                                  "when H' + mu I is indefinite)")
+                                                  "when H' + mu I is indefinite; the Gauss-Newton path: its first "
+                                                  "solve's Levenberg-Marquardt damping)")
     dense_rtol: float = Field(1e-8, gt=0, description="relative residual a dense solve must reach")
     cg_rtol: float = Field(1e-10, gt=0, description="relative residual a CG solve must reach")
     cg_max_iter: int | None = Field(None, gt=0)
@@ -123,6 +158,14 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
     closed_form_curvature: bool = Field(
         True, description="a block that is the whole last Linear layer under cross-entropy: build its Hessian in "
                           "closed form (pipeline.curvature.linear_layer), the same matrix as the Hessian-vector products")
+    curvature: Literal["auto", "hessian", "gauss-newton"] = Field(
+        "auto", description="hessian: the exact block Hessian, converged Newton (the steps above); gauss-newton: one "
+                            "Gauss-Newton step with a trust region and a bounded refit (the gauss_newton section), for "
+                            "a block inside a non-convex network; auto: gauss-newton where the target takes the one-window "
+                            "form (an SGD recipe and a block too large to replay: a network trained end to end), else "
+                            "hessian (where the two differ only off an affine model's last layer)")
+    gauss_newton: GaussNewtonStepSettings = Field(
+        default_factory=GaussNewtonStepSettings, description="the Gauss-Newton path's step, trust region and refit")
     newton_max_steps: int = Field(3, ge=1, description="converged block Newton: most Newton steps (1 = one step)")
     newton_rtol: float = Field(1e-6, ge=0, description="stop once ||grad_P L_{D\\U}|| <= newton_rtol x its start")
     newton_atol: float = Field(1e-10, ge=0, description="... or once it is <= newton_atol")
@@ -152,6 +195,21 @@ class LFociNewton(RemovalMethod):
         params = dict(model.named_parameters())
         saved = {part.name: params[part.name].detach().clone() for part in block.parts}
         w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+        kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
+                                             settings.replay_max_parameters)
+        curvature = settings.curvature
+        if curvature == "auto":
+            curvature = "gauss-newton" if kind == "budget_damped" else "hessian"
+        if curvature == "gauss-newton":
+            if kind == "replay":  # the Gauss-Newton path takes the one-window form of the target
+                kind, why = "budget_damped", "curvature: gauss-newton takes the one-window form of the recipe replay"
+            return _gauss_newton_removal(
+                problem, settings, block, saved, timings, noise_cal, full_block=full_block,
+                mu=budget_damping(schedule, n - m) if kind == "budget_damped" else 0.0,
+                record={"block": {"numel": block.numel, "full_model": full_block,
+                                  "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
+                        "selection": {"strategy": settings.selection, **choice}, "frozen_prefix": None,
+                        "target": {"setting": settings.target, "how": kind, "why": why}})
 
         # every pass below runs on `work`: the model itself, or its suffix over cached prefix outputs
         prefix = None
@@ -175,8 +233,6 @@ class LFociNewton(RemovalMethod):
                     {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
         r0 = ((n - m) * g + g_forget) / n  # grad_P L_D(w) at the start
         start_norm = _norm(r0)
-        kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
-                                             settings.replay_max_parameters)
         target: dict[str, Any] = {"setting": settings.target, "how": kind, "why": why}
         anchor, mu = torch.zeros_like(r0), 0.0
         if kind == "budget_damped":
@@ -310,6 +366,85 @@ class LFociNewton(RemovalMethod):
             "release": release.model_dump(mode="json"),
         }
         return RemovalOutcome(new_parameters, record, release)
+
+
+def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings, block: Any,
+                          saved: dict[str, torch.Tensor], timings: dict[str, float], noise_cal: Any, *,
+                          full_block: bool, mu: float, record: dict[str, Any]) -> RemovalOutcome:
+    """The block's Gauss-Newton path (``curvature: gauss-newton``; ``pipeline.methods.trust_region``):
+        rhs = grad F(w0) = g_R - g_D = (m / (n - m)) (g_D - g_U)     (one-window target, mu = 1 / tau)
+                         = g_R = (n g_D - m g_U) / (n - m)            (minimiser, mu = 0)
+    with g_U exact over U and g_D over D, or over a seeded subsample of ``gauss_newton.gradient_samples``
+    of D (the record says which); one Gauss-Newton step s = -(G_R + (lambda + mu + damping) I)^{-1} rhs
+    (``damping``: the settings' least damping, Levenberg-Marquardt's) accepted by the trust region; ``gauss_newton.refit_epochs`` of the recipe's SGD on D \\ U over the block; then the
+    noise. No accepted step: ``RemovalNotServed`` and the model as it was. Never certified (a non-convex
+    network's step)."""
+    gn, lam, n, m = settings.gauss_newton, problem.weight_decay, problem.n, problem.m
+    model, task, bs = problem.model, problem.task, problem.batch_size
+    with problem.stage("gradients", timings):
+        g_forget = block_gradient(model, task, problem.forget, block, lam, reduction="sum", batch_size=bs)
+        sample = problem.train
+        if gn.gradient_samples is not None and gn.gradient_samples < n:
+            gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
+            sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
+        g_data = block_gradient(model, task, sample, block, lam, reduction="mean", batch_size=bs)
+        share = record["selection"].get("forget_gradient_share")
+        if share is None and (full_block or settings.record_gradient_share):
+            share = 1.0 if full_block else block_share(
+                forget_gradient_rows(problem), {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
+    g_retain = (n * g_data - g_forget) / (n - m)
+    rhs = g_retain - g_data if mu > 0 else g_retain
+    record["target"]["equation"] = ("grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0" if mu > 0
+                                    else "grad_P L_D\\U(w') = 0")
+    record["target"]["mu"] = mu
+    record["gradient_norms"] = {
+        "forget_sum_block": _norm(g_forget), "data_mean_block_start": _norm(g_data), "residual_before": _norm(rhs),
+        "data_gradient": "exact" if len(sample) == n else f"seeded subsample of {len(sample)} of the {n} samples"}
+    record["gradient_share"] = {"forget_in_block": share}
+    retain = problem.retain
+    try:
+        with problem.stage("curvature_and_solve", timings):
+            step, trust = gauss_newton_trust_step(model, task, block, retain, rhs, mu, lam, gn.trust_region(),
+                                                  seed=problem.seed, batch_size=bs, extra_damping=settings.damping)
+        if step is None:
+            best = max((t["ratio"] for t in trust["trials"] if t["ratio"] is not None), default=float("nan"))
+            raise RemovalNotServed(
+                f"no Gauss-Newton step on the block passed the trust region's ratio test in {len(trust['trials'])} "
+                f"tries (best ratio {best:.3g}, needs {gn.min_ratio}): the quadratic model does not describe this "
+                "removal; retrain", {**record, "trust_region": trust, "timings": timings})
+        block.add_to_model(model, step.to(torch.float64))
+        recipe = recipe_of(problem.card) if problem.card is not None else None
+        with problem.stage("refit", timings):
+            refit = refit_block(model, task, block, retain, recipe, lam, epochs=gn.refit_epochs,
+                                lr_scale=gn.refit_lr_scale, seed=problem.seed)
+    except BaseException:
+        _restore(model, saved)
+        raise
+    noised = noise_cal.sigma > 0
+    release = certify.release(
+        model, task, lam, settings, noise_cal, full_block=full_block, steps=1, damping_used=mu,
+        subsampled=True, shortened=False, start_gradient_norm=_norm(g_data), final_gradient_norm=math.inf,
+        other_reasons=["one Gauss-Newton step with a trust region and a refit (curvature: gauss-newton): the bound "
+                       "covers an exact Newton step on a convex model"],
+        bounds=certify.data_bounds(model, task, problem.train) if noised else None)
+    block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
+    params = dict(model.named_parameters())
+    new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
+    if noised:  # nothing of the solution before the noise: the trials' step norms and decreases go
+        trust = {**trust, "trials": [{k: t[k] for k in ("damping", "cg_iterations", "cg_converged", "accepted")}
+                                     for t in trust["trials"]]}
+    record.update({
+        "curvature": {"how": "gauss-newton", "setting": settings.curvature, "operator": "BlockGaussNewton",
+                      "data": f"seeded subsample of {trust.get('curvature_samples')} retained samples"},
+        "trust_region": trust, "refit": refit,
+        "noise": noise_cal.as_record(),
+        "epsilon_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.epsilon,
+        "delta_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.delta,
+        "timings": timings, "release": release.model_dump(mode="json"),
+    })
+    if not noised:
+        record["step_norm"] = float(step.norm())
+    return RemovalOutcome(new_parameters, record, release)
 
 
 def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings, *, dense: bool,
