@@ -18,6 +18,11 @@ w + replay(D \\ U) - replay(D) for a part of it), else the stationary point of
 L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_start||^2, r0 = grad_P L_D(w_start), mu = 1/tau (the
 replay's one-window form; mu is added to the damping of every Newton system).
 
+Curvature (``curvature``): ``hessian`` takes the converged exact-Newton steps described here; ``gauss-newton``
+one Gauss-Newton step accepted by a trust region, then an optional refit (``_gauss_newton_removal``);
+``auto`` the latter where the target takes the one-window form and the logits are not affine in the block
+(a block inside a network trained end to end), else the former.
+
 Each step is taken whole when it decreases the objective (Armijo's condition), else halved until it
 does (``max_backtracks``); the length used is recorded. Converged block Newton (``newton_max_steps``
 > 1): the step is repeated with a fresh gradient and fresh curvature until the residual is at most
@@ -197,9 +202,10 @@ class LFociNewton(RemovalMethod):
         w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
                                              settings.replay_max_parameters)
-        curvature = settings.curvature
+        curvature, affine = settings.curvature, None
         if curvature == "auto":
-            curvature = "gauss-newton" if kind == "budget_damped" else "hessian"
+            affine = _affine_in_block(model, problem.task, block) if kind == "budget_damped" else None
+            curvature = "gauss-newton" if kind == "budget_damped" and affine is None else "hessian"
         if curvature == "gauss-newton":
             if kind == "replay":  # the Gauss-Newton path takes the one-window form of the target
                 kind, why = "budget_damped", "curvature: gauss-newton takes the one-window form of the recipe replay"
@@ -341,7 +347,8 @@ class LFociNewton(RemovalMethod):
             "selection": {"strategy": settings.selection, **choice},
             "frozen_prefix": prefix.describe() if prefix is not None else None,
             "target": target,
-            "curvature": {"data": curv_note, "operator": getattr(factory, "__name__", type(factory).__name__),
+            "curvature": {"how": "hessian", "setting": settings.curvature, **({"why": affine} if affine else {}),
+                          "data": curv_note, "operator": getattr(factory, "__name__", type(factory).__name__),
                           "solver": dict(info.__dict__) if info else None, "solvers": solvers,
                           "damping": settings.damping, "damping_used": damping_used},
             "newton": {"steps": len(history), "max_steps": settings.newton_max_steps, "tolerance": tol,
@@ -368,46 +375,69 @@ class LFociNewton(RemovalMethod):
         return RemovalOutcome(new_parameters, record, release)
 
 
+def _affine_in_block(model: nn.Module, task: Task, block: Any) -> str | None:
+    """Why the logits are affine in the block (a convex model, or a block inside the last Linear layer), else
+    None: there the Gauss-Newton matrix is the Hessian and the converged exact Newton path serves."""
+    if certify.convex_model_reason(model, task) is None:
+        return "the model is one affine map under a convex loss"
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    if linears:
+        name, last = linears[-1]
+        own = {f"{name}.{p}" if name else p for p, _ in last.named_parameters(recurse=False)}
+        if all(part.name in own for part in block.parts):
+            return "the block lies in the last Linear layer"
+    return None
+
+
+def _retained_gradient(problem: RemovalProblem, block: Any, sample: SampleSet, lam: float) -> tuple[torch.Tensor, ...]:
+    """(g_U summed over U, g_D's mean over ``sample``, g_R = (n g_D - g_U) / (n - m)) on the block."""
+    n, m, bs = problem.n, problem.m, problem.batch_size
+    g_forget = block_gradient(problem.model, problem.task, problem.forget, block, lam, reduction="sum", batch_size=bs)
+    g_data = block_gradient(problem.model, problem.task, sample, block, lam, reduction="mean", batch_size=bs)
+    return g_forget, g_data, (n * g_data - g_forget) / (n - m)
+
+
 def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings, block: Any,
                           saved: dict[str, torch.Tensor], timings: dict[str, float], noise_cal: Any, *,
                           full_block: bool, mu: float, record: dict[str, Any]) -> RemovalOutcome:
     """The block's Gauss-Newton path (``curvature: gauss-newton``; ``pipeline.methods.trust_region``):
         rhs = grad F(w0) = g_R - g_D = (m / (n - m)) (g_D - g_U)     (one-window target, mu = 1 / tau)
                          = g_R = (n g_D - m g_U) / (n - m)            (minimiser, mu = 0)
-    with g_U exact over U and g_D over D, or over a seeded subsample of ``gauss_newton.gradient_samples``
-    of D (the record says which); one Gauss-Newton step s = -(G_R + (lambda + mu + damping) I)^{-1} rhs
-    (``damping``: the settings' least damping, Levenberg-Marquardt's) accepted by the trust region; ``gauss_newton.refit_epochs`` of the recipe's SGD on D \\ U over the block; then the
-    noise. No accepted step: ``RemovalNotServed`` and the model as it was. Never certified (a non-convex
-    network's step)."""
-    gn, lam, n, m = settings.gauss_newton, problem.weight_decay, problem.n, problem.m
-    model, task, bs = problem.model, problem.task, problem.batch_size
+    with g_U exact over U and g_D over D; for the one-window target, where its error enters scaled by
+    m / (n - m), over a seeded subsample of ``gauss_newton.gradient_samples`` of D (the record says which).
+    One Gauss-Newton step s = -(G_R + (lambda + mu + damping) I)^{-1} rhs (``damping``: the settings' least
+    damping, Levenberg-Marquardt's) accepted by the trust region; ``gauss_newton.refit_epochs`` of the
+    recipe's SGD on D \\ U over the block; the noise; then the residual at the published weights on the same
+    samples (``verify``). No accepted step, or any failure: the model as it was. Never certified."""
+    gn, lam, n = settings.gauss_newton, problem.weight_decay, problem.n
+    model, task = problem.model, problem.task
+    sample = problem.train
+    if mu > 0 and gn.gradient_samples is not None and gn.gradient_samples < n:
+        gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
+        sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
     with problem.stage("gradients", timings):
-        g_forget = block_gradient(model, task, problem.forget, block, lam, reduction="sum", batch_size=bs)
-        sample = problem.train
-        if gn.gradient_samples is not None and gn.gradient_samples < n:
-            gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
-            sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
-        g_data = block_gradient(model, task, sample, block, lam, reduction="mean", batch_size=bs)
+        g_forget, g_data, g_retain = _retained_gradient(problem, block, sample, lam)
         share = record["selection"].get("forget_gradient_share")
         if share is None and (full_block or settings.record_gradient_share):
             share = 1.0 if full_block else block_share(
                 forget_gradient_rows(problem), {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
-    g_retain = (n * g_data - g_forget) / (n - m)
-    rhs = g_retain - g_data if mu > 0 else g_retain
+    anchor = g_data if mu > 0 else torch.zeros_like(g_data)
+    rhs = g_retain - anchor
+    w_start = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
     record["target"]["equation"] = ("grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0" if mu > 0
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
-    record["gradient_norms"] = {
-        "forget_sum_block": _norm(g_forget), "data_mean_block_start": _norm(g_data), "residual_before": _norm(rhs),
-        "data_gradient": "exact" if len(sample) == n else f"seeded subsample of {len(sample)} of the {n} samples"}
-    record["gradient_share"] = {"forget_in_block": share}
-    retain = problem.retain
+    noised = noise_cal.sigma > 0
     try:
         with problem.stage("curvature_and_solve", timings):
-            step, trust = gauss_newton_trust_step(model, task, block, retain, rhs, mu, lam, gn.trust_region(),
-                                                  seed=problem.seed, batch_size=bs, extra_damping=settings.damping)
+            step, trust = gauss_newton_trust_step(model, task, block, problem.retain, rhs, mu, lam, gn.trust_region(),
+                                                  seed=problem.seed, batch_size=problem.batch_size,
+                                                  extra_damping=settings.damping)
+        if noised:  # nothing of the solution before the noise: the trials' step norms and decreases go
+            trust = {**trust, "trials": [{k: t[k] for k in ("damping", "cg_iterations", "cg_converged", "accepted")}
+                                         for t in trust["trials"]]}
         if step is None:
-            best = max((t["ratio"] for t in trust["trials"] if t["ratio"] is not None), default=float("nan"))
+            best = max((t.get("ratio") for t in trust["trials"] if t.get("ratio") is not None), default=float("nan"))
             raise RemovalNotServed(
                 f"no Gauss-Newton step on the block passed the trust region's ratio test in {len(trust['trials'])} "
                 f"tries (best ratio {best:.3g}, needs {gn.min_ratio}): the quadratic model does not describe this "
@@ -415,35 +445,45 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
         block.add_to_model(model, step.to(torch.float64))
         recipe = recipe_of(problem.card) if problem.card is not None else None
         with problem.stage("refit", timings):
-            refit = refit_block(model, task, block, retain, recipe, lam, epochs=gn.refit_epochs,
+            refit = refit_block(model, task, block, problem.retain, recipe, lam, epochs=gn.refit_epochs,
                                 lr_scale=gn.refit_lr_scale, seed=problem.seed)
+        accepted = next(t for t in trust["trials"] if t["accepted"]) if trust["trials"] else {"damping": lam + mu}
+        release = certify.release(
+            model, task, lam, settings, noise_cal, full_block=full_block, steps=1, damping_used=accepted["damping"],
+            subsampled=True, shortened=False, start_gradient_norm=_norm(g_data), final_gradient_norm=math.inf,
+            other_reasons=["one Gauss-Newton step with a trust region and a refit (curvature: gauss-newton): the "
+                           "bound covers an exact Newton step on a convex model"],
+            bounds=certify.data_bounds(model, task, problem.train) if noised else None)
+        block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
+        with problem.stage("verify", timings):  # at the published weights, on the step's samples
+            _, g_data_after, g_retain_after = _retained_gradient(problem, block, sample, lam)
+            w = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
+            after = _norm(g_retain_after - anchor + mu * (w - w_start))
     except BaseException:
         _restore(model, saved)
         raise
-    noised = noise_cal.sigma > 0
-    release = certify.release(
-        model, task, lam, settings, noise_cal, full_block=full_block, steps=1, damping_used=mu,
-        subsampled=True, shortened=False, start_gradient_norm=_norm(g_data), final_gradient_norm=math.inf,
-        other_reasons=["one Gauss-Newton step with a trust region and a refit (curvature: gauss-newton): the bound "
-                       "covers an exact Newton step on a convex model"],
-        bounds=certify.data_bounds(model, task, problem.train) if noised else None)
-    block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
     params = dict(model.named_parameters())
     new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
-    if noised:  # nothing of the solution before the noise: the trials' step norms and decreases go
-        trust = {**trust, "trials": [{k: t[k] for k in ("damping", "cg_iterations", "cg_converged", "accepted")}
-                                     for t in trust["trials"]]}
+    before = _norm(rhs)
     record.update({
         "curvature": {"how": "gauss-newton", "setting": settings.curvature, "operator": "BlockGaussNewton",
-                      "data": f"seeded subsample of {trust.get('curvature_samples')} retained samples"},
+                      "data": (f"seeded subsample of {trust['curvature_samples']} retained samples"
+                               if "curvature_samples" in trust else "none: g_R = g_D, nothing to move")},
         "trust_region": trust, "refit": refit,
+        "gradient_norms": {
+            "forget_sum_block": _norm(g_forget), "data_mean_block_start": _norm(g_data),
+            "retain_mean_block_before": _norm(g_retain), "residual_before": before,
+            "retain_mean_block_after": _norm(g_retain_after), "residual_after": after,   # at the published weights
+            "data_gradient": ("exact (all of D)" if len(sample) == n else
+                              f"g_D on a seeded subsample of {len(sample)} of the {n} samples, before and after")},
+        "gradient_share": {"retained_removed": 1.0 - after / before if before > 0 else 1.0, "forget_in_block": share},
         "noise": noise_cal.as_record(),
         "epsilon_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.epsilon,
         "delta_spent": None if math.isinf(noise_cal.epsilon) else noise_cal.delta,
         "timings": timings, "release": release.model_dump(mode="json"),
+        # the published step (the weights' own, computable from the two versions), refit and noise included
+        "step_norm": _norm(w - w_start),
     })
-    if not noised:
-        record["step_norm"] = float(step.norm())
     return RemovalOutcome(new_parameters, record, release)
 
 
