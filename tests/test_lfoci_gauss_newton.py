@@ -295,3 +295,37 @@ def test_the_data_gradient_subsample_is_the_seeded_draw_and_only_for_the_one_win
     out = _run(copy.deepcopy(original), train, forget, RECIPE["weight_decay"],
                {**settings, "curvature": "gauss-newton", "target": "minimiser"}, card=_card(n), seed=4)
     assert out.record["gradient_norms"]["data_gradient"] == "exact (all of D)"
+
+
+# -- (f) the frozen prefix: the same step on the suffix over the prefix's outputs --------------------------
+def test_a_block_after_the_first_module_runs_on_the_suffix_with_the_same_step(digits_images, original):
+    train = digits_images["train"]
+    forget = torch.nonzero(train.columns["y"] == 5).flatten()
+    settings = {**DEEP, "curvature": "gauss-newton", "selection": "parameters",
+                "parameters": ["2.weight", "2.bias", "8.weight", "8.bias"],
+                "gauss_newton": {"gradient_samples": 600, "curvature_samples": 400, "probe_samples": 500}}
+    runs = {}
+    for cached in (True, False):
+        model = copy.deepcopy(original)
+        runs[cached] = (_run(model, train, forget, RECIPE["weight_decay"], {**settings, "cache_frozen_prefix": cached},
+                             card=_card(len(train)), seed=3), model)
+    (on_suffix, model_s), (whole, model_w) = runs[True], runs[False]
+    prefix = on_suffix.record["frozen_prefix"]
+    assert whole.record["frozen_prefix"] is None
+    assert prefix["suffix_start_module"] == 2 and prefix["suffix_modules"][0] == "Conv2d"
+    # the prefix ran once on each set the path reads: U, g_D's sample, the curvature subsample and the probe
+    assert prefix["prefix_samples"]["samples"] == len(forget) + 600 + 400 + 500
+    assert "prefix_cache" in on_suffix.record["timings"]
+    ratios = [[t["ratio"] for t in r.record["trust_region"]["trials"]] for r in (on_suffix, whole)]
+    assert ratios[0] == pytest.approx(ratios[1], rel=1e-3) and on_suffix.record["trust_region"]["accepted"]
+    moved = 0.0
+    for name, p in original.named_parameters():
+        step_s = dict(model_s.named_parameters())[name].detach() - p.detach()
+        step_w = dict(model_w.named_parameters())[name].detach() - p.detach()
+        if name.startswith("0."):  # the prefix never moves
+            assert torch.equal(step_s, torch.zeros_like(p)) and torch.equal(step_w, torch.zeros_like(p))
+        assert float((step_s - step_w).norm()) <= 1e-4 * max(float(step_w.norm()), 1e-12)
+        moved += float(step_w.norm())
+    assert moved > 0
+    for key in ("retain_mean_block_before", "residual_after", "forget_sum_block"):
+        assert on_suffix.record["gradient_norms"][key] == pytest.approx(whole.record["gradient_norms"][key], rel=1e-4)

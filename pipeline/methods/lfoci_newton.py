@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
 import torch
@@ -61,7 +61,7 @@ from pipeline.curvature import (
 from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed, UnsolvedSystemError
-from pipeline.frozen_prefix import cache_frozen_prefix, suffix_start
+from pipeline.frozen_prefix import cache_frozen_prefix, prefix_outputs, split_for, suffix_start
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
@@ -158,8 +158,10 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
         REPLAY_MAX_PARAMETERS, gt=0, description="retrain on an SGD recipe: the largest block the recipe replay holds "
                                                  "P x P matrices for; larger blocks take the budget-damped step")
     cache_frozen_prefix: bool = Field(
-        True, description="a block in the trailing modules of a Sequential: compute the modules before it once "
-                          "and run every pass of the removal on the rest (pipeline.frozen_prefix)")
+        True, description="a block after the model's first module (a Sequential, a Hugging Face encoder's upper "
+                          "layers): compute the modules before it once per sample read and run every pass of the "
+                          "removal on the rest (pipeline.frozen_prefix; the Gauss-Newton path only on the samples "
+                          "it reads)")
     closed_form_curvature: bool = Field(
         True, description="a block that is the whole last Linear layer under cross-entropy: build its Hessian in "
                           "closed form (pipeline.curvature.linear_layer), the same matrix as the Hessian-vector products")
@@ -389,11 +391,44 @@ def _affine_in_block(model: nn.Module, task: Task, block: Any) -> str | None:
     return None
 
 
-def _retained_gradient(problem: RemovalProblem, block: Any, sample: SampleSet, lam: float) -> tuple[torch.Tensor, ...]:
-    """(g_U summed over U, g_D's mean over ``sample``, g_R = (n g_D - g_U) / (n - m)) on the block."""
-    n, m, bs = problem.n, problem.m, problem.batch_size
-    g_forget = block_gradient(problem.model, problem.task, problem.forget, block, lam, reduction="sum", batch_size=bs)
-    g_data = block_gradient(problem.model, problem.task, sample, block, lam, reduction="mean", batch_size=bs)
+@dataclass(frozen=True)
+class _Passes:
+    """What the Gauss-Newton path's passes run on: the model, or its suffix after the block's first module with the
+    frozen prefix's outputs in place of the inputs (``pipeline.frozen_prefix``: the same numbers, the prefix run
+    once per sample the path reads: U, g_D's samples, the curvature subsample and the probe)."""
+
+    model: nn.Module
+    task: Task
+    forget: SampleSet
+    sample: SampleSet
+    inputs: Callable[[SampleSet], SampleSet] | None = None
+    record: dict[str, Any] | None = None
+
+
+def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: bool,
+            timings: dict[str, float]) -> _Passes:
+    split = split_for(problem.model, problem.task, block) if use_prefix else None
+    if split is None:
+        return _Passes(problem.model, problem.task, problem.forget, sample)
+    model, task, bs = problem.model, problem.task, problem.batch_size
+    counted = {"samples": 0}
+
+    def inputs(data: SampleSet) -> SampleSet:
+        counted["samples"] += len(data)
+        return prefix_outputs(split, model, task, data, bs)
+
+    with problem.stage("prefix_cache", timings):
+        forget, sample = inputs(problem.forget), inputs(sample)
+    return _Passes(split.suffix_of(model), split.task, forget, sample, inputs,
+                   {"suffix_start_module": split.start, "prefix_samples": counted,
+                    "suffix_modules": [type(m).__name__ for m in split.suffix_of(model).children()]})
+
+
+def _retained_gradient(passes: _Passes, block: Any, n: int, lam: float, bs: int) -> tuple[torch.Tensor, ...]:
+    """(g_U summed over U, g_D's mean over the passes' sample, g_R = (n g_D - g_U) / (n - m)) on the block."""
+    m = len(passes.forget)
+    g_forget = block_gradient(passes.model, passes.task, passes.forget, block, lam, reduction="sum", batch_size=bs)
+    g_data = block_gradient(passes.model, passes.task, passes.sample, block, lam, reduction="mean", batch_size=bs)
     return g_forget, g_data, (n * g_data - g_forget) / (n - m)
 
 
@@ -408,15 +443,19 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     One Gauss-Newton step s = -(G_R + (lambda + mu + damping) I)^{-1} rhs (``damping``: the settings' least
     damping, Levenberg-Marquardt's) accepted by the trust region; ``gauss_newton.refit_epochs`` of the
     recipe's SGD on D \\ U over the block; the noise; then the residual at the published weights on the same
-    samples (``verify``). No accepted step, or any failure: the model as it was. Never certified."""
+    samples (``verify``). No accepted step, or any failure: the model as it was. Never certified.
+    With ``cache_frozen_prefix`` and a block after the model's first module, every pass but the refit runs on the
+    suffix over the prefix's outputs of the samples it reads (``_passes``)."""
     gn, lam, n = settings.gauss_newton, problem.weight_decay, problem.n
     model, task = problem.model, problem.task
     sample = problem.train
     if mu > 0 and gn.gradient_samples is not None and gn.gradient_samples < n:
         gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
         sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
+    passes = _passes(problem, block, sample, settings.cache_frozen_prefix, timings)
+    record["frozen_prefix"] = passes.record
     with problem.stage("gradients", timings):
-        g_forget, g_data, g_retain = _retained_gradient(problem, block, sample, lam)
+        g_forget, g_data, g_retain = _retained_gradient(passes, block, n, lam, problem.batch_size)
         share = record["selection"].get("forget_gradient_share")
         if share is None and (full_block or settings.record_gradient_share):
             share = 1.0 if full_block else block_share(
@@ -430,9 +469,9 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     noised = noise_cal.sigma > 0
     try:
         with problem.stage("curvature_and_solve", timings):
-            step, trust = gauss_newton_trust_step(model, task, block, problem.retain, rhs, mu, lam, gn.trust_region(),
-                                                  seed=problem.seed, batch_size=problem.batch_size,
-                                                  extra_damping=settings.damping)
+            step, trust = gauss_newton_trust_step(passes.model, passes.task, block, problem.retain, rhs, mu, lam,
+                                                  gn.trust_region(), seed=problem.seed, batch_size=problem.batch_size,
+                                                  extra_damping=settings.damping, inputs=passes.inputs)
         if noised:  # nothing of the solution before the noise: the trials' step norms and decreases go
             trust = {**trust, "trials": [{k: t[k] for k in ("damping", "cg_iterations", "cg_converged", "accepted")}
                                          for t in trust["trials"]]}
@@ -456,7 +495,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
             bounds=certify.data_bounds(model, task, problem.train) if noised else None)
         block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
         with problem.stage("verify", timings):  # at the published weights, on the step's samples
-            _, g_data_after, g_retain_after = _retained_gradient(problem, block, sample, lam)
+            _, g_data_after, g_retain_after = _retained_gradient(passes, block, n, lam, problem.batch_size)
             w = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
             after = _norm(g_retain_after - anchor + mu * (w - w_start))
     except BaseException:

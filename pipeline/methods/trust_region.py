@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -79,14 +79,19 @@ def _mean_loss(obj: BlockObjective, data: SampleSet, delta: Tensor, batch_size: 
 
 def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, retain: SampleSet, rhs: Tensor,
                             mu: float, lam: float, settings: TrustRegion, *, seed: int, batch_size: int,
-                            extra_damping: float = 0.0) -> tuple[Tensor | None, dict[str, Any]]:
+                            extra_damping: float = 0.0, inputs: Callable[[SampleSet], SampleSet] | None = None,
+                            ) -> tuple[Tensor | None, dict[str, Any]]:
     """The accepted step s (CPU float64; None: none accepted) for ``rhs`` = g_R(w0) - g_D(w0) on the
     block of ``model``, and the trust region's record. ``extra_damping``: Levenberg-Marquardt damping of the
-    first solve beyond lambda + mu (it shortens the step; F and the quadratic model keep mu alone)."""
+    first solve beyond lambda + mu (it shortens the step; F and the quadratic model keep mu alone). ``inputs``:
+    what ``model`` reads of a drawn sample set (a network's suffix: the frozen prefix's outputs), applied to the
+    curvature subsample and the probe after they are drawn from ``retain``."""
     if float(rhs.norm()) == 0.0:
         return torch.zeros_like(rhs), {"trials": [], "accepted": True, "note": "g_R = g_D: nothing to move"}
     curvature_set = draw(retain, settings.curvature_samples, stream_seed(seed, RandomStream.CURVATURE_SUBSAMPLE))
     probe = draw(retain, settings.probe_samples, stream_seed(seed, PROBE_STREAM))
+    if inputs is not None:
+        curvature_set, probe = inputs(curvature_set), inputs(probe)
     ggn = BlockGaussNewton(model, task, curvature_set, block, lam, reduction="mean", batch_size=batch_size)
     obj = BlockObjective(model, task, block)
     w0 = obj.w_block.to("cpu", torch.float64)
@@ -132,8 +137,10 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
         trial.update(predicted=predicted, actual=actual, ratio=ratio if math.isfinite(ratio) else None)
         if predicted > 0 and math.isfinite(ratio) and ratio >= settings.min_ratio:
             trial["accepted"] = True
-            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products - products_before}
-    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products - products_before}
+            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products - products_before,
+                       "linearisation": ggn.linearisation}
+    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products - products_before,
+                  "linearisation": ggn.linearisation}
 
 
 def _row_masks(model: nn.Module, block: ParamBlock) -> dict[str, Tensor]:
