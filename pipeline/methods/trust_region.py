@@ -137,10 +137,8 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
         trial.update(predicted=predicted, actual=actual, ratio=ratio if math.isfinite(ratio) else None)
         if predicted > 0 and math.isfinite(ratio) and ratio >= settings.min_ratio:
             trial["accepted"] = True
-            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products - products_before,
-                       "linearisation": ggn.linearisation}
-    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products - products_before,
-                  "linearisation": ggn.linearisation}
+            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products - products_before}
+    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products - products_before}
 
 
 def _row_masks(model: nn.Module, block: ParamBlock) -> dict[str, Tensor]:
