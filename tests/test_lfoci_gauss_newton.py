@@ -10,7 +10,9 @@ network trained end to end: pipeline/methods/lfoci_newton.py, pipeline/methods/t
   (c) a step the trust region cannot accept is refused (RemovalNotServed -> needs_retrain), nothing moves;
   (d) with noise, the record holds nothing of the solution before it (two draws: the same record but for
       timings) and is never certified;
-  (e) the probe perturbs at most probe_forget_max forget samples, the step uses all of them.
+  (e) the probe perturbs at most probe_forget_max forget samples, the step uses all of them;
+  (f) a block after the model's first module: the same step on the suffix over the frozen prefix's outputs;
+  (g) the exact-Hessian path too leaves the model as it was when anything fails after its step.
 """
 from __future__ import annotations
 
@@ -329,3 +331,25 @@ def test_a_block_after_the_first_module_runs_on_the_suffix_with_the_same_step(di
     assert moved > 0
     for key in ("retain_mean_block_before", "residual_after", "forget_sum_block"):
         assert on_suffix.record["gradient_norms"][key] == pytest.approx(whole.record["gradient_norms"][key], rel=1e-4)
+
+
+# -- (g) the exact-Hessian path: a failure after its step leaves the model as it was too ------------------
+@pytest.mark.parametrize("target", ["minimiser", "retrain"])
+def test_a_failure_after_the_exact_newton_step_leaves_the_model_as_it_was(monkeypatch, softmax_unfinished, target):
+    from pipeline.privacy import certify
+
+    def broken_release(*args, **kwargs):
+        raise RuntimeError("the release failed")
+
+    model0, data, lam = softmax_unfinished
+    model = copy.deepcopy(model0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = {"selection": "all", "curvature": "hessian", "target": target, "min_gradient_reduction": 0.0}
+    card = _sgd_card(len(data), lam)  # retrain: the recipe replay of the whole (small) model, then the Newton check
+    monkeypatch.setattr(certify, "release", broken_release)
+    with pytest.raises(RuntimeError, match="the release failed"):
+        _run(model, data, torch.arange(0, 60, 3), lam, settings, card=card)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    monkeypatch.undo()
+    out = _run(model, data, torch.arange(0, 60, 3), lam, settings, card=card)   # and served once it can be
+    assert out.record["curvature"]["how"] == "hessian" and out.record["step_norm"] > 0

@@ -250,9 +250,11 @@ class LFociNewton(RemovalMethod):
             with problem.stage("target_replay", timings):
                 w_target, target["replay"] = _replayed_block(problem, work, block, schedule, full_block,
                                                              settings.curvature_samples)
-                block.add_to_model(work.model, (w_target - w_start).to(torch.float64))
-                anchor = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
-                _restore(model, saved)
+                try:
+                    block.add_to_model(work.model, (w_target - w_start).to(torch.float64))
+                    anchor = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
+                finally:
+                    _restore(model, saved)
             target["equation"] = "w' = w_replay (grad_P L_D\\U(w') = grad_P L_D\\U(w_replay))"
         else:
             target["equation"] = "grad_P L_D\\U(w') = 0"
@@ -321,28 +323,30 @@ class LFociNewton(RemovalMethod):
                     f"the Newton step removed {100 * reduction:.1f}% of the retained gradient on the block "
                     f"(needs {100 * settings.min_gradient_reduction:.0f}%): a local step cannot serve this request",
                     {"retain_gradient_norm_before": g0, "retain_gradient_norm_after": norm_g, "steps": history})
+            params = dict(model.named_parameters())
+            damping_used = max(h["damping"] for h in history) if history else settings.damping
+            noised = noise_cal.sigma > 0
+            converged = norm_g <= tol  # (the solve's, before the noise: a removal that does not reach it is still served
+            # when it removes min_gradient_reduction of the residual)
+            release = certify.release(
+                problem.model, problem.task, lam, settings, noise_cal, full_block=full_block, steps=len(history),
+                damping_used=damping_used, subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
+                start_gradient_norm=start_norm, final_gradient_norm=_norm(g),
+                bounds=certify.data_bounds(problem.model, problem.task, problem.train) if noised else None)
+            block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
+            new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
+            w_published = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
+            if noised:  # the record describes the published weights: nothing of the solution before the noise
+                with problem.stage("verify_published", timings):
+                    g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
+                norm_g = _norm(_residual(g, anchor, mu, block, model, w_start))
         except RemovalNotServed as err:
             _restore(model, saved)
             err.diagnostics.setdefault("block_numel", block.numel)
             raise
-
-        params = dict(model.named_parameters())
-        damping_used = max(h["damping"] for h in history) if history else settings.damping
-        noised = noise_cal.sigma > 0
-        converged = norm_g <= tol  # (the solve's, before the noise: a removal that does not reach it is still served
-        # when it removes min_gradient_reduction of the residual)
-        release = certify.release(
-            problem.model, problem.task, lam, settings, noise_cal, full_block=full_block, steps=len(history),
-            damping_used=damping_used, subsampled=subsampled, shortened=any(h["step_length"] != 1.0 for h in history),
-            start_gradient_norm=start_norm, final_gradient_norm=_norm(g),
-            bounds=certify.data_bounds(problem.model, problem.task, problem.train) if noised else None)
-        block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
-        new_parameters = {part.name: params[part.name].detach().clone() for part in block.parts}
-        w_published = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
-        if noised:  # the record describes the published weights: nothing of the solution before the noise
-            with problem.stage("verify_published", timings):
-                g = block_gradient(work.model, task, retain_set(), block, lam, reduction="mean", batch_size=bs)
-            norm_g = _norm(_residual(g, anchor, mu, block, model, w_start))
+        except BaseException:  # no half-moved model: the step, the noise and the published check stand or fall together
+            _restore(model, saved)
+            raise
         record = {
             "block": {"numel": block.numel, "full_model": full_block,
                       "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
