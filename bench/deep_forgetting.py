@@ -60,10 +60,11 @@ Writes bench/results/deep_<dataset>[_quick|_smoke].json and .md (atomically, aft
 (tqdm, with the time left) on stderr (``UNLEARN_PROGRESS=1`` forces it in a log).
 
 Cost of each full run (``--threads 1``, this shared 2-core box, measured; see each JSON's wall_seconds):
-  fmnist-cnn  (to be measured); --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core 1 of the shared
-              box at load average ~5 (189 s user + 17 s system CPU)
+  fmnist-cnn  the full profile: not run whole; one scenario of it (--scenarios class --sets 2 --shadows 0
+              --campaign 2, five rows) 1,348 s; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
+              1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
   identities  (to be measured)
-  r8-minilm   (to be measured)
+  r8-minilm   the full profile: (to be measured); --quick (n = 601): 669 s, the other core busy
 """
 from __future__ import annotations
 
