@@ -331,6 +331,19 @@ def test_a_block_after_the_first_module_runs_on_the_suffix_with_the_same_step(di
     assert moved > 0
     for key in ("retain_mean_block_before", "residual_after", "forget_sum_block"):
         assert on_suffix.record["gradient_norms"][key] == pytest.approx(whole.record["gradient_norms"][key], rel=1e-4)
+    # the prefix's outputs of every sample read are held at once: past half of the memory budget, the whole model
+    from pipeline import memory
+
+    reads = prefix["prefix_samples"]["samples"]
+    held = reads * 8 * 8 * 8 * 4  # the first conv's 8 x 8 x 8 float32 outputs per sample
+    model_b = copy.deepcopy(original)
+    with memory.use_budget(int(1.5 * held)):
+        over = _run(model_b, train, forget, RECIPE["weight_decay"], settings, card=_card(len(train)), seed=3)
+    assert "exceed half of" in over.record["frozen_prefix"]["skipped"] and "prefix_cache" not in over.record["timings"]
+    for name, p in original.named_parameters():
+        step_b = dict(model_b.named_parameters())[name].detach() - p.detach()
+        step_w = dict(model_w.named_parameters())[name].detach() - p.detach()
+        assert float((step_b - step_w).norm()) <= 1e-4 * max(float(step_w.norm()), 1e-12)
 
 
 # -- (g) the exact-Hessian path: a failure after its step leaves the model as it was too ------------------

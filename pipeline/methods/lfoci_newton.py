@@ -409,12 +409,23 @@ class _Passes:
     record: dict[str, Any] | None = None
 
 
-def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: bool,
+def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: bool, reads: int,
             timings: dict[str, float]) -> _Passes:
+    """``reads``: how many samples the path will pass through the prefix (U, g_D's sample, the curvature subsample
+    and the probe); their outputs are held at once, so the suffix is taken only where they fit half of what the
+    memory budget leaves (else the whole model, and the record says why)."""
     split = split_for(problem.model, problem.task, block) if use_prefix else None
     if split is None:
         return _Passes(problem.model, problem.task, problem.forget, sample)
     model, task, bs = problem.model, problem.task, problem.batch_size
+    one = prefix_outputs(split, model, task, problem.forget.take(torch.arange(1)), 1)
+    held = reads * sum(one.columns[k][0].numel() * one.columns[k].element_size() for k in split.cached)
+    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
+    if held > budget.bytes / 2:
+        return _Passes(problem.model, problem.task, problem.forget, sample, record={
+            "suffix_start_module": split.start, "skipped": (
+                f"the prefix's outputs of the {reads} samples the path reads (~{memory.format_bytes(held)}) exceed half "
+                f"of {budget.named()}: every pass runs through the whole model")})
     counted = {"samples": 0}
 
     def inputs(data: SampleSet) -> SampleSet:
@@ -456,7 +467,10 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     if mu > 0 and gn.gradient_samples is not None and gn.gradient_samples < n:
         gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
         sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
-    passes = _passes(problem, block, sample, settings.cache_frozen_prefix, timings)
+    retained = n - problem.m
+    reads = problem.m + len(sample) + sum(retained if k is None else min(k, retained)
+                                          for k in (gn.curvature_samples, gn.probe_samples))
+    passes = _passes(problem, block, sample, settings.cache_frozen_prefix, reads, timings)
     record["frozen_prefix"] = passes.record
     with problem.stage("gradients", timings):
         g_forget, g_data, g_retain = _retained_gradient(passes, block, n, lam, problem.batch_size)
