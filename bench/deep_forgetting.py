@@ -64,7 +64,8 @@ Cost of each full run (``--threads 1``, this shared 2-core box, measured; see ea
               --campaign 2, five rows) 1,348 s; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
               1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
   identities  (to be measured)
-  r8-minilm   the full profile: (to be measured); --quick (n = 601): 669 s, the other core busy
+  r8-minilm   the full profile: not run whole; --scenarios class --sets 1 --shadows 0 --campaign 2 with three
+              rows 1,112 s; --quick (n = 601): 669 s, the other core busy
 """
 from __future__ import annotations
 
