@@ -35,8 +35,8 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Batch, Task
 
-__all__ = ["PrefixCache", "PrefixMemo", "SPLITTERS", "Split", "cache_frozen_prefix", "deterministic_prefix",
-           "memoized", "prefix_digest", "register_splitter", "split_for", "suffix_start"]
+__all__ = ["PrefixCache", "PrefixMemo", "SPLITTERS", "Split", "cache_frozen_prefix", "cached_bytes_per_sample",
+           "deterministic_prefix", "memoized", "prefix_digest", "register_splitter", "split_for", "suffix_start"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,13 @@ def prefix_outputs(split: Split, model: nn.Module, task: Task, data: SampleSet, 
     columns = {k: v for k, v in data.columns.items() if k not in split.consumed}
     columns.update({k: torch.cat(v) for k, v in outputs.items()})
     return SampleSet(columns, data.sample_ids)
+
+
+def cached_bytes_per_sample(split: Split, model: nn.Module, task: Task, data: SampleSet) -> int:
+    """Bytes the prefix's outputs of one sample of ``data`` hold (its first sample run through the prefix;
+    samples share their shape)."""
+    one = prefix_outputs(split, model, task, data.take(torch.arange(1)), 1)
+    return int(sum(one.columns[k][0].numel() * one.columns[k].element_size() for k in split.cached))
 
 
 def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: ParamBlock,

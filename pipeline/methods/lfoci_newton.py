@@ -61,7 +61,9 @@ from pipeline.curvature import (
 from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed, UnsolvedSystemError
-from pipeline.frozen_prefix import cache_frozen_prefix, prefix_outputs, split_for, suffix_start
+from pipeline.frozen_prefix import (
+    cache_frozen_prefix, cached_bytes_per_sample, prefix_outputs, split_for, suffix_start,
+)
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
 )
@@ -418,8 +420,7 @@ def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: 
     if split is None:
         return _Passes(problem.model, problem.task, problem.forget, sample)
     model, task, bs = problem.model, problem.task, problem.batch_size
-    one = prefix_outputs(split, model, task, problem.forget.take(torch.arange(1)), 1)
-    held = reads * sum(one.columns[k][0].numel() * one.columns[k].element_size() for k in split.cached)
+    held = reads * cached_bytes_per_sample(split, model, task, problem.forget)
     budget = memory.available_in(memory.current_budget(memory.model_device(model)))
     if held > budget.bytes / 2:
         return _Passes(problem.model, problem.task, problem.forget, sample, record={
@@ -434,9 +435,10 @@ def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: 
 
     with problem.stage("prefix_cache", timings):
         forget, sample = inputs(problem.forget), inputs(sample)
-    return _Passes(split.suffix_of(model), split.task, forget, sample, inputs,
+    suffix = split.suffix_of(model)
+    return _Passes(suffix, split.task, forget, sample, inputs,
                    {"suffix_start_module": split.start, "prefix_samples": counted,
-                    "suffix_modules": [type(m).__name__ for m in split.suffix_of(model).children()]})
+                    "suffix_modules": [type(m).__name__ for m in suffix.children()]})
 
 
 def _retained_gradient(passes: _Passes, block: Any, n: int, lam: float, bs: int) -> tuple[torch.Tensor, ...]:
