@@ -11,6 +11,7 @@ dense reference, and the one PCG every solver uses.
   newton        converged inexact Newton on the decision layer (newton_minimise)
   gauss_newton  the generalised Gauss-Newton matrix of a classifier head, its EK-FAC, the head step
   ggn           matrix-free Gauss-Newton products J^T H_loss J restricted to a block of any network
+  kfac          K-FAC of a block's Gauss-Newton matrix (Linear and Conv2d rows) and its damped inverse
 """
 from pipeline.curvature.ggn import BlockGaussNewton
 from pipeline.curvature.hessian import BlockHessian, BlockObjective, block_gradient, gradient_batch_size

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -78,6 +78,9 @@ class BlockGaussNewtonSettings(MethodSettings):
                                "directions the training budget could not move are not moved (0: the plain Newton step)")
     budget: float | None = Field(
         None, gt=0, description="tau itself (null: from the model card's recipe, pipeline.target.ReplaySchedule.training_time)")
+    preconditioner: Literal["none", "kfac"] = Field(
+        "none", description="the Gauss-Newton PCG's preconditioner: kfac = (K-FAC + damping I)^{-1}, K-FAC on the "
+                            "curvature subsample (one pass over it)")
     cg_max_iter: int = Field(60, gt=0, description="PCG iterations per solve")
     cg_rtol: float = Field(1e-6, gt=0, description="PCG stops at this relative residual")
     probe_samples: int | None = Field(
@@ -220,7 +223,8 @@ class BlockGaussNewtonPrepared(Prepared):
 def _trust_region(settings: BlockGaussNewtonSettings) -> TrustRegion:
     return TrustRegion(curvature_samples=settings.curvature_samples, probe_samples=settings.probe_samples,
                        cg_max_iter=settings.cg_max_iter, cg_rtol=settings.cg_rtol, min_ratio=settings.min_ratio,
-                       max_retries=settings.max_retries, damping_growth=settings.damping_growth)
+                       max_retries=settings.max_retries, damping_growth=settings.damping_growth,
+                       preconditioner=settings.preconditioner)
 
 
 def _budget(trained: TrainedModel | RemovalProblem, settings: BlockGaussNewtonSettings) -> tuple[float | None, Recipe | None]:

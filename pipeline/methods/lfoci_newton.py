@@ -90,7 +90,10 @@ class GaussNewtonStepSettings(BaseModel):
         2048, gt=0, description="Gauss-Newton products over a seeded subsample of this many retained samples (null: all)")
     probe_samples: int | None = Field(
         4096, gt=0, description="the ratio test's objective on a seeded probe of this many retained samples (null: all)")
-    cg_max_iter: int = Field(30, gt=0, description="PCG iterations per solve (a truncated solve is still a descent "
+    preconditioner: Literal["none", "kfac"] = Field(
+        "kfac", description="the Gauss-Newton PCG's preconditioner: kfac = (K-FAC + damping I)^{-1}, K-FAC on the "
+                            "curvature subsample (pipeline.curvature.kfac: one forward and one backward pass over it)")
+    cg_max_iter: int = Field(10, gt=0, description="PCG iterations per solve (a truncated solve is still a descent "
                                                    "direction of the quadratic model)")
     cg_rtol: float = Field(1e-6, gt=0, description="PCG stops at this relative residual")
     min_ratio: float = Field(0.25, ge=0, lt=1, description="accept a step when actual / predicted decrease >= this")
@@ -107,7 +110,8 @@ class GaussNewtonStepSettings(BaseModel):
     def trust_region(self) -> TrustRegion:
         return TrustRegion(curvature_samples=self.curvature_samples, probe_samples=self.probe_samples,
                            cg_max_iter=self.cg_max_iter, cg_rtol=self.cg_rtol, min_ratio=self.min_ratio,
-                           max_retries=self.max_retries, damping_growth=self.damping_growth)
+                           max_retries=self.max_retries, damping_growth=self.damping_growth,
+                           preconditioner=self.preconditioner)
 
 
 class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):

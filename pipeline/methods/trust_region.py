@@ -9,7 +9,9 @@ one Newton step with the generalised Gauss-Newton curvature G_R of the block (Ma
 ``pipeline.curvature.ggn``, on a seeded subsample of R):
     s = -(G_R + (lambda + mu) I)^{-1} (g_R(w0) - g_D(w0)),
 lambda the weight decay (inside L_R and G_R), solved by PCG to ``cg_rtol`` or ``cg_max_iter`` (a
-truncated solve is still a descent direction of the model).
+truncated solve is still a descent direction of the model); ``preconditioner`` kfac: preconditioned by
+(K + (lambda + mu) I)^{-1}, K the K-FAC of G_R on the same subsample (``pipeline.curvature.kfac``), which buys
+the products it saves where each runs through the whole network (a block reaching the first layers).
 
 Trust region. s is accepted when rho = (F(w0) - F(w0 + s)) / (q(0) - q(s)) >= ``min_ratio``, q the
 quadratic model (the same G_R + mu I), F on a seeded probe of R with its linear part made exact
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from pipeline import memory
 from pipeline.curvature.ggn import BlockGaussNewton
 from pipeline.curvature.hessian import BlockObjective, block_gradient
+from pipeline.curvature.kfac import BlockKFAC
 from pipeline.curvature.pcg import pcg
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import NonFiniteGradientError
@@ -48,6 +51,8 @@ __all__ = ["TrustRegion", "draw", "gauss_newton_trust_step", "refit_block", "PRO
 # seeded streams of the step's probe and of the refit (hashed with the removal seed; apart from RandomStream's)
 PROBE_STREAM = 31
 REFIT_STREAM = 32
+KFAC_STREAM = 33
+PRECONDITIONERS = ("none", "kfac")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class TrustRegion:
     min_ratio: float = 0.25
     max_retries: int = 4
     damping_growth: float = 2.0
+    preconditioner: str = "none"        # or "kfac": K-FAC of G_R preconditions the Gauss-Newton PCG
 
 
 def draw(data: SampleSet, count: int | None, seed: int) -> SampleSet:
@@ -92,7 +98,11 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
     probe = draw(retain, settings.probe_samples, stream_seed(seed, PROBE_STREAM))
     if inputs is not None:
         curvature_set, probe = inputs(curvature_set), inputs(probe)
+    if settings.preconditioner not in PRECONDITIONERS:
+        raise ValueError(f"the trust region's preconditioner must be one of {PRECONDITIONERS} (got {settings.preconditioner!r})")
     ggn = BlockGaussNewton(model, task, curvature_set, block, lam, reduction="mean", batch_size=batch_size)
+    kfac = (BlockKFAC(model, task, curvature_set, block, seed=stream_seed(seed, KFAC_STREAM), batch_size=batch_size)
+            if settings.preconditioner == "kfac" else None)
     obj = BlockObjective(model, task, block)
     w0 = obj.w_block.to("cpu", torch.float64)
     eval_batch = memory.forward_batch_size(model, task, probe, batch_size)
@@ -110,8 +120,8 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
     trials: list[dict[str, Any]] = []
     total = lam + mu + extra_damping  # the damping of the solve, lambda included (G_R holds lambda)
     floor: float | None = None
-    products_before = ggn.products
-    sizes = {"curvature_samples": len(curvature_set), "probe_samples": len(probe)}
+    sizes = {"curvature_samples": len(curvature_set), "probe_samples": len(probe),
+             "preconditioner": "none" if kfac is None else "K-FAC", **({} if kfac is None else {"kfac": kfac.describe()})}
     for attempt in range(settings.max_retries + 1):
         if attempt > 0:
             if floor is None:  # a thousandth of the curvature along the gradient
@@ -119,6 +129,7 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
             total = max(total, floor) * settings.damping_growth
         extra = total - lam
         result = pcg(lambda v: ggn.matvec(v) + extra * v, -rhs, rtol=settings.cg_rtol, max_iter=settings.cg_max_iter,
+                     precondition=None if kfac is None else (lambda r: kfac.solve(r, total)),
                      progress="Gauss-Newton PCG")
         s = result.x
         trial: dict[str, Any] = {"damping": total, "cg_iterations": result.iterations,
@@ -137,8 +148,8 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
         trial.update(predicted=predicted, actual=actual, ratio=ratio if math.isfinite(ratio) else None)
         if predicted > 0 and math.isfinite(ratio) and ratio >= settings.min_ratio:
             trial["accepted"] = True
-            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products - products_before}
-    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products - products_before}
+            return s, {"trials": trials, "accepted": True, **sizes, "products": ggn.products}
+    return None, {"trials": trials, "accepted": False, **sizes, "products": ggn.products}
 
 
 def _row_masks(model: nn.Module, block: ParamBlock) -> dict[str, Tensor]:

@@ -1,0 +1,222 @@
+"""BlockKFAC (pipeline/curvature/kfac.py) against the dense Gauss-Newton matrix and its own dense form.
+
+  (a) where every sample gives a layer the same input, K-FAC is the Gauss-Newton matrix itself (A = a a^T
+      factors out): with the class sum, every part's diagonal block equals the dense J^T M J block (a
+      hidden layer's rows, its bias rows, the output layer), and a convolution whose kernel covers its
+      input (one position) likewise, channels in the weight's row order;
+  (b) positions: a 1x1 convolution and a Linear layer over the same pixels (a token-style (B, T, k)
+      input) give the same factors;
+  (c) drawn labels estimate the class sum (3 seeds, 4,000 samples);
+  (d) the damped inverse and the product agree with the dense matrix, in float64 and with factors
+      decomposed in float32; a wide layer with fewer inputs than columns takes the thin basis from the
+      inputs' Gram matrix, the same matrix and inverse;
+  (e) a part without Kronecker factors (a LayerNorm scale) gets the scalar tr G_part / |part| from the
+      batch squares, and factors beyond the memory budget fall back to it, the reason recorded;
+  (f) a loss other than cross-entropy is refused, naming it;
+  (g) the trust region's Gauss-Newton PCG preconditioned by K-FAC converges to the unpreconditioned
+      solution in fewer iterations.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import memory
+from pipeline.curvature import kfac as kfac_module
+from pipeline.curvature.ggn import BlockGaussNewton
+from pipeline.curvature.kfac import BlockKFAC
+from pipeline.data import SampleSet
+from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step
+from pipeline.param_block import ParamBlock
+from pipeline.tasks import DenseInputTask
+from tests.kit import digits64
+
+from tests.test_block_gauss_newton import TASK, _one_thread  # noqa: F401  (one torch thread, autouse)
+
+
+def _same_input(x: torch.Tensor, n: int, classes: int) -> SampleSet:
+    """n samples with the input x each and labels cycling through the classes."""
+    return SampleSet({"x": x[None].repeat(n, *([1] * x.dim())), "y": torch.arange(n) % classes}, torch.arange(n))
+
+
+def _blocks(matrix: torch.Tensor, block: ParamBlock) -> list[torch.Tensor]:
+    return [matrix[o:o + p.numel, o:o + p.numel] for o, p in zip(block.offsets, block.parts)]
+
+
+def _assert_parts_equal_ggn(model, data, block):
+    k = BlockKFAC(model, TASK, data, block, seed=0, labels="exact", batch_size=16)
+    dense = BlockGaussNewton(model, TASK, data, block, 0.0, batch_size=16).to_dense()
+    for part, got, want in zip(block.parts, _blocks(k.dense(), block), _blocks(dense, block)):
+        assert float(want.abs().max()) > 1e-6, part.name   # a part that carries curvature
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max())), part.name
+    return k
+
+
+# -- (a) exact where each layer sees one input ------------------------------------------------------
+def test_kfac_is_the_gauss_newton_matrix_where_every_sample_gives_a_layer_the_same_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 7), nn.Tanh(), nn.Linear(7, 10)).double()
+    x = digits64()["train"].columns["x"][3]
+    block = ParamBlock.from_rows(model, {"1.weight": [1, 4, 6], "1.bias": [0, 2], "3.weight": None, "3.bias": None})
+    k = _assert_parts_equal_ggn(model, _same_input(x, 40, 10), block)
+    assert set(k.describe()["parts"].values()) == {"kronecker"}
+
+
+def test_a_convolution_over_one_position_is_exact_with_channels_in_the_weights_row_order():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5, 4)).double()
+    x = torch.randn(2, 3, 3, dtype=torch.float64)
+    block = ParamBlock.from_rows(model, {"0.weight": [0, 2, 3], "0.bias": [1, 2], "3.weight": None})
+    _assert_parts_equal_ggn(model, _same_input(x, 24, 4), block)
+
+
+# -- (b) positions: a 1x1 convolution and a Linear over pixels --------------------------------------
+class _PixelLinear(nn.Module):
+    """The 1x1 convolution's map as a Linear over the H*W pixel positions (B, T, C)."""
+
+    def __init__(self, conv: nn.Conv2d, head: nn.Linear):
+        super().__init__()
+        self.mix = nn.Linear(conv.in_channels, conv.out_channels).double()
+        with torch.no_grad():
+            self.mix.weight.copy_(conv.weight[:, :, 0, 0])
+            self.mix.bias.copy_(conv.bias)
+        self.head = head
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        z = self.mix(x.reshape(b, c, h * w).transpose(1, 2))     # (B, T, out)
+        return self.head(torch.relu(z).transpose(1, 2).reshape(b, -1))
+
+
+def test_a_1x1_convolution_and_a_linear_over_its_pixels_give_the_same_factors():
+    torch.manual_seed(2)
+    conv = nn.Conv2d(3, 4, 1).double()
+    head = nn.Linear(4 * 9, 5).double()
+    as_conv = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), head)
+    as_linear = _PixelLinear(conv, head)
+    data = SampleSet({"x": torch.randn(30, 3, 3, 3, dtype=torch.float64), "y": torch.arange(30) % 5}, torch.arange(30))
+    with torch.no_grad():
+        assert torch.allclose(as_conv(data.columns["x"]), as_linear(data.columns["x"]), atol=1e-12)
+    k_conv = BlockKFAC(as_conv, TASK, data, ParamBlock.from_rows(as_conv, {"0.weight": [1, 3], "0.bias": None}),
+                       seed=4, labels="exact")
+    k_lin = BlockKFAC(as_linear, TASK, data, ParamBlock.from_rows(as_linear, {"mix.weight": [1, 3], "mix.bias": None}),
+                      seed=4, labels="exact")
+    assert torch.allclose(k_conv.dense(), k_lin.dense(), rtol=1e-10, atol=1e-14)
+
+
+# -- (c) drawn labels --------------------------------------------------------------------------------
+def test_drawn_labels_estimate_the_class_sum():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 7), nn.Tanh(), nn.Linear(7, 10)).double()
+    data = _same_input(digits64()["train"].columns["x"][3], 4000, 10)
+    block = ParamBlock.from_rows(model, {"1.weight": [1, 4, 6], "3.weight": None})
+    exact = BlockKFAC(model, TASK, data, block, seed=0, labels="exact", batch_size=500).dense()
+    errors = [float((BlockKFAC(model, TASK, data, block, seed=s, batch_size=500).dense() - exact).norm() / exact.norm())
+              for s in range(3)]
+    assert max(errors) < 0.1, errors
+    assert min(errors) > 0.0          # a draw, not the class sum
+
+
+# -- (d) inverse and product -------------------------------------------------------------------------
+@pytest.mark.parametrize("float32_above", [None, 8])
+def test_the_damped_inverse_and_the_product_agree_with_the_dense_matrix(monkeypatch, float32_above):
+    if float32_above is not None:
+        monkeypatch.setattr(kfac_module, "_EIGH_FLOAT64_MAX", float32_above)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)).double()
+    data = digits64()["train"].take(torch.arange(300))
+    block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": [0, 5], "3.weight": [2, 3, 7]})
+    k = BlockKFAC(model, TASK, data, block, seed=0)
+    dense = k.dense()
+    v = torch.randn(block.numel, dtype=torch.float64)
+    tol = 1e-10 if float32_above is None else 1e-4
+    for damping in (1e-3, 0.5):
+        want = torch.linalg.solve(dense + damping * torch.eye(block.numel, dtype=torch.float64), v)
+        assert float((k.solve(v, damping) - want).norm()) <= tol * float(want.norm())
+    assert float((k.product(v) - dense @ v).norm()) <= tol * float((dense @ v).norm())
+    with pytest.raises(ValueError, match="positive damping"):
+        k.solve(v, 0.0)
+
+
+def test_a_wide_layer_with_fewer_inputs_than_its_width_takes_the_thin_basis_with_the_same_matrix(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)).double()
+    data = digits64()["train"].take(torch.arange(40))      # 40 inputs < 64 columns: A has rank <= 40
+    block = ParamBlock.from_rows(model, {"1.weight": [0, 3, 4], "3.weight": None})
+    full = BlockKFAC(model, TASK, data, block, seed=0)
+    monkeypatch.setattr(kfac_module, "_THIN_MIN_WIDTH", 8)
+    thin = BlockKFAC(model, TASK, data, block, seed=0)
+    assert thin._parts["1.weight"].q_in.shape[1] <= 40 < full._parts["1.weight"].q_in.shape[1] == 64
+    assert torch.allclose(thin.dense(), full.dense(), rtol=1e-9, atol=1e-12)
+    v = torch.randn(block.numel, dtype=torch.float64)
+    for damping in (1e-4, 1e-2):
+        want = full.solve(v, damping)
+        assert float((thin.solve(v, damping) - want).norm()) <= 1e-8 * float(want.norm())
+
+
+# -- (e) the scalar parts ----------------------------------------------------------------------------
+def test_a_part_without_kronecker_factors_gets_the_scalar_trace_estimate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 10)).double()
+    data = digits64()["train"].take(torch.arange(1200))
+    block = ParamBlock.from_rows(model, {"2.weight": None, "4.weight": None})
+    dense = BlockGaussNewton(model, TASK, data, block, 0.0).to_dense()
+    want = float(torch.diagonal(_blocks(dense, block)[0]).mean())
+    estimates = []
+    for seed in range(3):
+        k = BlockKFAC(model, TASK, data, block, seed=seed, batch_size=8)
+        assert k.describe()["parts"] == {"2.weight": "scalar", "4.weight": "kronecker"}
+        assert "LayerNorm" in k.describe()["scalar_because"]["2.weight"]
+        estimates.append(k._parts["2.weight"].scale)
+    assert all(0.8 * want < e < 1.25 * want for e in estimates), (estimates, want)   # within 1 % here
+
+
+def test_factors_beyond_the_memory_budget_fall_back_to_the_scalar():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)).double()
+    data = digits64()["train"].take(torch.arange(64))
+    block = ParamBlock.from_rows(model, {"1.weight": None, "3.weight": None})
+    with memory.use_budget("200KB"):   # A of the first layer (64 x 64, with eigh's copies ~98 KB) > half of it
+        k = BlockKFAC(model, TASK, data, block, seed=0)
+    parts = k.describe()
+    assert parts["parts"] == {"1.weight": "scalar", "3.weight": "kronecker"}
+    assert "memory budget" in parts["scalar_because"]["1.weight"]
+
+
+# -- (f) other losses --------------------------------------------------------------------------------
+def test_a_loss_other_than_cross_entropy_is_refused_naming_it():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    data = digits64()["train"].take(torch.arange(8))
+    with pytest.raises(ValueError, match="'mse'"):
+        BlockKFAC(model, DenseInputTask(loss="mse"), data, ParamBlock.all_parameters(model), seed=0)
+
+
+# -- (g) the trust region ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mlp_problem():
+    """A ReLU MLP on 400 digits, a row block across both layers and a right-hand side g_R - g_D-like."""
+    from pipeline.training import fit_sgd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
+    data = digits64()["train"].take(torch.arange(400))
+    fit_sgd(model, TASK, data, 1e-3, epochs=5, lr=0.05, batch_size=32, momentum=0.9, seed=0)
+    block = ParamBlock.from_rows(model, {"1.weight": [0, 3, 5, 9], "1.bias": [0, 3, 5, 9], "3.weight": None})
+    rhs = 0.01 * torch.randn(block.numel, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    return model.eval(), data, block, rhs
+
+
+def test_the_kfac_preconditioned_pcg_converges_to_the_same_step_in_fewer_iterations(mlp_problem):
+    model, data, block, rhs = mlp_problem
+    steps, iterations = {}, {}
+    for pre in ("none", "kfac"):
+        settings = TrustRegion(curvature_samples=None, probe_samples=None, min_ratio=0.0, cg_rtol=1e-10,
+                               cg_max_iter=2000, preconditioner=pre)
+        step, record = gauss_newton_trust_step(model, TASK, block, data, rhs, 0.0, 1e-3, settings, seed=7,
+                                               batch_size=400)
+        assert record["accepted"] and record["trials"][0]["cg_converged"], record
+        assert record["preconditioner"] == ("none" if pre == "none" else "K-FAC")
+        steps[pre], iterations[pre] = step, record["trials"][0]["cg_iterations"]
+    assert float((steps["kfac"] - steps["none"]).norm()) <= 1e-7 * float(steps["none"].norm())
+    assert iterations["kfac"] < 0.8 * iterations["none"], iterations   # 124 against 195 here
