@@ -2,17 +2,22 @@
 
   (a) where every sample gives a layer the same input, K-FAC is the Gauss-Newton matrix itself (A = a a^T
       factors out): with the class sum, every part's diagonal block equals the dense J^T M J block (a
-      hidden layer's rows, its bias rows, the output layer), and a convolution whose kernel covers its
-      input (one position) likewise, channels in the weight's row order;
+      hidden layer's rows, its bias rows, the output layer; an in-place activation after the layer
+      too), and a convolution whose kernel covers its input (one position) likewise, channels in the
+      weight's row order; a strided, padded, dilated convolution over T > 1 positions has the expand
+      factors of its patches (found by autograd) and its bias block is the exact one;
   (b) positions: a 1x1 convolution and a Linear layer over the same pixels (a token-style (B, T, k)
       input) give the same factors;
   (c) drawn labels estimate the class sum (3 seeds, 4,000 samples);
   (d) the damped inverse and the product agree with the dense matrix, in float64 and with factors
       decomposed in float32; a wide layer with fewer inputs than columns takes the thin basis from the
-      inputs' Gram matrix, the same matrix and inverse;
+      inputs' Gram matrix, the same matrix and inverse, also when it switches to the dense factor mid
+      pass; in float32 the thin basis stays orthonormal and the inverse positive definite;
   (e) a part without Kronecker factors (a LayerNorm scale) gets the scalar tr G_part / |part| from the
-      batch squares, and factors beyond the memory budget fall back to it, the reason recorded;
-  (f) a loss other than cross-entropy is refused, naming it;
+      batch squares, and factors beyond the memory budget, or a layer whose forward never runs
+      (MultiheadAttention's out_proj), fall back to it, the reason recorded;
+  (f) a loss other than cross-entropy is refused, naming it, and the trust region then solves
+      unpreconditioned, saying why;
   (g) the trust region's Gauss-Newton PCG preconditioned by K-FAC converges to the unpreconditioned
       solution in fewer iterations.
 """
@@ -54,9 +59,10 @@ def _assert_parts_equal_ggn(model, data, block):
 
 
 # -- (a) exact where each layer sees one input ------------------------------------------------------
-def test_kfac_is_the_gauss_newton_matrix_where_every_sample_gives_a_layer_the_same_input():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 7), nn.Tanh(), nn.Linear(7, 10)).double()
+@pytest.mark.parametrize("activation", [nn.Tanh, lambda: nn.LeakyReLU(0.1, inplace=True)], ids=["tanh", "inplace"])
+def test_kfac_is_the_gauss_newton_matrix_where_every_sample_gives_a_layer_the_same_input(activation):
+    torch.manual_seed(0)   # an in-place activation after a layer must not change the layer's recorded output
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 7), activation(), nn.Linear(7, 10)).double()
     x = digits64()["train"].columns["x"][3]
     block = ParamBlock.from_rows(model, {"1.weight": [1, 4, 6], "1.bias": [0, 2], "3.weight": None, "3.bias": None})
     k = _assert_parts_equal_ggn(model, _same_input(x, 40, 10), block)
@@ -65,10 +71,46 @@ def test_kfac_is_the_gauss_newton_matrix_where_every_sample_gives_a_layer_the_sa
 
 def test_a_convolution_over_one_position_is_exact_with_channels_in_the_weights_row_order():
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5, 4)).double()
+    model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(5, 4)).double()
     x = torch.randn(2, 3, 3, dtype=torch.float64)
     block = ParamBlock.from_rows(model, {"0.weight": [0, 2, 3], "0.bias": [1, 2], "3.weight": None})
     _assert_parts_equal_ggn(model, _same_input(x, 24, 4), block)
+
+
+def test_a_strided_padded_dilated_convolution_has_the_expand_factors_of_its_patches_and_the_exact_bias_block():
+    """T > 1 positions: A = (1/(n T)) sum a a^T with a_t the gradient of output position t of filter 0 in the
+    weight (the patch, found by autograd, not by unfold), Gm = (1/n) sum_t sum_c delta delta^T on the rows."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)).double()
+    x = torch.randn(6, 2, 7, 6, dtype=torch.float64)
+    with torch.no_grad():
+        width = nn.Flatten()(torch.tanh(conv(x))).shape[1]
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(width, 5).double())
+    data = SampleSet({"x": x, "y": torch.arange(6) % 5}, torch.arange(6))
+    rows = [0, 2, 3]
+    block = ParamBlock.from_rows(model, {"0.weight": rows, "0.bias": [1, 3]})
+    k = BlockKFAC(model, TASK, data, block, seed=0, labels="exact", batch_size=4)
+    a_sum, g_sum, positions = 0.0, 0.0, 0
+    for i in range(len(x)):
+        z = conv(x[i:i + 1])
+        out, h, w = z.shape[1:]
+        positions = h * w
+        for t in range(positions):
+            a = torch.autograd.grad(z[0, 0, t // w, t % w], conv.weight, retain_graph=True)[0][0].reshape(-1)
+            a_sum = a_sum + torch.outer(a, a)
+        zz = z.detach().requires_grad_(True)
+        logits = model[3](model[2](model[1](zz)))[0]
+        p = torch.softmax(logits, -1).detach()
+        for c in range(5):
+            seed = p[c].sqrt() * (torch.eye(5, dtype=p.dtype)[c] - p)
+            d = torch.autograd.grad(logits, zz, seed, retain_graph=True)[0][0].reshape(out, -1)[rows]
+            g_sum = g_sum + d @ d.T
+    assert positions > 1
+    want = torch.kron(g_sum / len(x), a_sum / (len(x) * positions))
+    got, bias = _blocks(k.dense(), block)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-14)
+    dense_bias = _blocks(BlockGaussNewton(model, TASK, data, block, 0.0).to_dense(), block)[1]
+    assert torch.allclose(bias, dense_bias, rtol=1e-10, atol=1e-14)
 
 
 # -- (b) positions: a 1x1 convolution and a Linear over pixels --------------------------------------
@@ -155,6 +197,53 @@ def test_a_wide_layer_with_fewer_inputs_than_its_width_takes_the_thin_basis_with
         assert float((thin.solve(v, damping) - want).norm()) <= 1e-8 * float(want.norm())
 
 
+def test_the_thin_route_switching_to_the_dense_factor_mid_pass_gives_the_same_matrix(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)).double()
+    data = digits64()["train"].take(torch.arange(300))      # rows pass the width (64) in the second batch
+    block = ParamBlock.from_rows(model, {"1.weight": [0, 3, 4], "3.weight": None})
+    full = BlockKFAC(model, TASK, data, block, seed=0, batch_size=50)
+    monkeypatch.setattr(kfac_module, "_THIN_MIN_WIDTH", 8)
+    switched = BlockKFAC(model, TASK, data, block, seed=0, batch_size=50)
+    assert torch.allclose(switched.dense(), full.dense(), rtol=1e-10, atol=1e-13)
+
+
+def test_a_thin_basis_decomposed_in_float32_stays_orthonormal_and_its_inverse_positive(monkeypatch):
+    monkeypatch.setattr(kfac_module, "_THIN_MIN_WIDTH", 8)
+    monkeypatch.setattr(kfac_module, "_EIGH_FLOAT64_MAX", 8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)).double()
+    data = digits64()["train"].take(torch.arange(48))      # digits: a steeply decaying input spectrum
+    block = ParamBlock.from_rows(model, {"1.weight": [0, 3], "3.weight": None})
+    k = BlockKFAC(model, TASK, data, block, seed=0)
+    q = k._parts["1.weight"].q_in
+    assert q.shape[1] < 48
+    assert float((q.T @ q - torch.eye(q.shape[1], dtype=q.dtype)).abs().max()) < 1e-3
+    eye = torch.eye(block.numel, dtype=torch.float64)
+    for damping in (1e-5, 1e-3):
+        inverse = torch.stack([k.solve(e, damping) for e in eye], 1)
+        assert float(torch.linalg.eigvalsh(0.5 * (inverse + inverse.T)).min()) > 0
+
+
+def test_a_layer_whose_forward_never_runs_falls_back_to_the_scalar():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Attention(), nn.Flatten(), nn.Linear(8 * 3, 4)).double()
+    data = SampleSet({"x": torch.randn(40, 3, 8, dtype=torch.float64), "y": torch.arange(40) % 4}, torch.arange(40))
+    block = ParamBlock.from_rows(model, {"0.mha.out_proj.weight": None, "2.weight": None})
+    k = BlockKFAC(model, TASK, data, block, seed=0)
+    assert k.describe()["parts"] == {"0.mha.out_proj.weight": "scalar", "2.weight": "kronecker"}
+    assert "never ran" in k.describe()["scalar_because"]["0.mha.out_proj.weight"]
+    assert k._parts["0.mha.out_proj.weight"].scale > 0
+
+
 # -- (e) the scalar parts ----------------------------------------------------------------------------
 def test_a_part_without_kronecker_factors_gets_the_scalar_trace_estimate():
     torch.manual_seed(0)
@@ -185,11 +274,20 @@ def test_factors_beyond_the_memory_budget_fall_back_to_the_scalar():
 
 
 # -- (f) other losses --------------------------------------------------------------------------------
-def test_a_loss_other_than_cross_entropy_is_refused_naming_it():
+def test_a_loss_other_than_cross_entropy_is_refused_naming_it_and_the_trust_region_solves_unpreconditioned():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
-    data = digits64()["train"].take(torch.arange(8))
+    data = digits64()["train"].take(torch.arange(64))
     with pytest.raises(ValueError, match="'mse'"):
         BlockKFAC(model, DenseInputTask(loss="mse"), data, ParamBlock.all_parameters(model), seed=0)
+    task = DenseInputTask(loss="bce_multilabel")
+    multi = SampleSet({"x": data.columns["x"], "y": torch.nn.functional.one_hot(data.columns["y"], 10).double()},
+                      data.sample_ids)
+    block = ParamBlock.all_parameters(model)
+    rhs = 0.01 * torch.randn(block.numel, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    settings = TrustRegion(curvature_samples=None, probe_samples=None, min_ratio=0.0, preconditioner="kfac")
+    step, record = gauss_newton_trust_step(model, task, block, multi, rhs, 0.0, 1e-3, settings, seed=7, batch_size=64)
+    assert step is not None and record["preconditioner"] == "none"
+    assert "bce_multilabel" in record["preconditioner_skipped"]
 
 
 # -- (g) the trust region ----------------------------------------------------------------------------

@@ -20,8 +20,9 @@ Damped inverse (exact for the Kronecker product, through the factors' eigenbases
 which holds for a thin Q_A too: a Linear wider than 1,024 that sees fewer input rows than it has columns
 takes A's eigenbasis from the rows' Gram matrix (A's other eigenvalues are 0); factors wider than 1,024
 are decomposed in float32 (a preconditioner: eigenvalues clamped at 0).
-Any other part (a norm's scale, an embedding), or one whose factors would not fit half of what the
-memory budget leaves: a scalar c I, c = (1/(|S| |part|)) sum_batches ||g_B||^2 with g_B the part's
+Any other part (a norm's scale, an embedding), one whose factors would not fit half of what the memory
+budget leaves (less the factors kept before it), or one whose module's forward never runs (a parent calls
+its weights functionally: MultiheadAttention's out_proj): a scalar c I, c = (1/(|S| |part|)) sum_batches ||g_B||^2 with g_B the part's
 gradient of a batch's summed loss at the drawn labels (per-sample gradients at drawn labels have
 mean zero and are independent, so ||g_B||^2 is unbiased for the sum of their squared norms: an
 estimate of tr G_part / |part|). Cost: one forward and one backward pass over S.
@@ -115,6 +116,7 @@ class _LayerSums:
     positions: int = 0                # T, positions per sample (after the first batch)
     rows: list[Tensor] | None = None  # a wide Linear's input rows while fewer than its width (the thin route)
     rows_count: int = 0
+    calls: int = 0                    # forward calls seen
     inputs: list[Tensor] = field(default_factory=list)
     outputs: list[Tensor] = field(default_factory=list)
 
@@ -162,7 +164,8 @@ def _thin_eigh(rows: Tensor, divisor: int) -> tuple[Tensor, Tensor]:
     A's eigenvalues s / divisor and its eigenvectors X^T V s^{-1/2} (float64)."""
     x = rows.to(torch.float64 if rows.shape[0] <= _EIGH_FLOAT64_MAX else torch.float32)
     s, v = torch.linalg.eigh(x @ x.T)
-    keep = s > 1e-12 * float(s.max().clamp_min(1e-300))
+    # below m eps of the largest, an eigenvalue is rounding: X^T v s^{-1/2} would not be a unit vector
+    keep = s > float(s.max().clamp_min(1e-300)) * max(1e-12, x.shape[0] * torch.finfo(x.dtype).eps)
     s, v = s[keep], v[:, keep]
     return (s / divisor).to(torch.float64), ((x.T @ v) / s.sqrt()).to(torch.float64)
 
@@ -199,7 +202,6 @@ class BlockKFAC:
         modules = dict(model.named_modules())
         layers: dict[str, _LayerSums] = {}
         self.reasons: dict[str, str] = {}
-        scalar_names: list[str] = []
         room = memory.available_in(memory.current_budget()).bytes / 2
         for part in block.parts:
             owner, _, attr = part.name.rpartition(".")
@@ -214,7 +216,6 @@ class BlockKFAC:
                     layer.rows = []
                 continue
             self.reasons[part.name] = why
-            scalar_names.append(part.name)
         for owner in list(layers):
             layer = layers[owner]
             need = _factor_bytes(layer.module, layer.weight, layer.bias)
@@ -222,26 +223,28 @@ class BlockKFAC:
                 for part in (layer.weight, layer.bias):
                     if part is not None:
                         self.reasons[part.name] = (f"its factors ({memory.format_bytes(need)}) exceed half of what the "
-                                                   "memory budget leaves")
-                        scalar_names.append(part.name)
+                                                   "memory budget leaves, less the factors kept before it")
                 del layers[owner]
+            else:
+                room -= need
         self._layers = layers
         self._parts: dict[str, KroneckerPart | ScalarPart] = {}
         self.labels = labels
         batch_size = gradient_batch_size(model, task, data, block, batch_size)
-        self._accumulate(model, task, data, scalar_names, seed, batch_size, labels)
+        self._accumulate(model, task, data, seed, batch_size, labels)
         self.seconds = time.perf_counter() - started
 
     # -- the pass ---------------------------------------------------------------------------------
-    def _accumulate(self, model: nn.Module, task: Task, data: SampleSet, scalar_names: list[str], seed: int,
-                    batch_size: int, labels: str) -> None:
+    def _accumulate(self, model: nn.Module, task: Task, data: SampleSet, seed: int, batch_size: int,
+                    labels: str) -> None:
         params = {n: p.detach() for n, p in model.named_parameters()}
         buffers = {n: b.detach() for n, b in model.named_buffers()}
-        # the block's parameters as leaves: the layers' outputs then carry gradients, and the scalar parts' own
+        # the block's parameters as leaves: the layers' outputs then carry gradients; every part's batch squares
+        # are summed (the scalar of a part without factors, and of a layer whose forward never runs)
         leaves = {p.name: params[p.name].clone().requires_grad_(True) for p in self.block.parts}
-        scalar_parts = {p.name: p for p in self.block.parts if p.name in scalar_names}
+        parts = {p.name: p for p in self.block.parts}
         handles = [layer.module.register_forward_hook(self._hook(layer)) for layer in self._layers.values()]
-        squares = {n: 0.0 for n in scalar_names}
+        squares = {n: 0.0 for n in parts}
         gen = torch.Generator().manual_seed(seed)
         try:
             for batch in data.batches(batch_size):
@@ -253,17 +256,17 @@ class BlockKFAC:
                     logits = output_logits(functional_call(model, {**params, **leaves, **buffers}, args, kwargs))
                     seeds = _seeds(logits.detach(), labels, gen)
                     outputs = [o for layer in self._layers.values() for o in layer.outputs]
-                    wrt = outputs + [leaves[name] for name in scalar_parts]
+                    wrt = outputs + list(leaves.values())
                     for i, seed_c in enumerate(seeds):
                         grads = torch.autograd.grad(logits, wrt, grad_outputs=seed_c, allow_unused=True,
                                                     retain_graph=i + 1 < len(seeds))
                         it = iter(grads)
                         for layer in self._layers.values():
                             self._add(layer, [next(it) for _ in layer.outputs], inputs=i == 0)
-                        for name in scalar_parts:
+                        for name in leaves:
                             g = next(it)
                             if g is not None:
-                                squares[name] += float(scalar_parts[name].take(g.detach()).to(torch.float64).pow(2).sum())
+                                squares[name] += float(parts[name].take(g.detach()).to(torch.float64).pow(2).sum())
         finally:
             for h in handles:
                 h.remove()
@@ -271,16 +274,25 @@ class BlockKFAC:
                 layer.inputs.clear()
                 layer.outputs.clear()
         n = len(data)
-        for name, part in scalar_parts.items():
-            self._parts[name] = ScalarPart(squares[name] / (n * part.numel))
+        for owner, layer in list(self._layers.items()):
+            if layer.calls == 0:  # run by its parent without its forward (MultiheadAttention's out_proj): no hook fired
+                for part in (layer.weight, layer.bias):
+                    if part is not None:
+                        self.reasons[part.name] = (f"its module's forward never ran ({type(layer.module).__name__} "
+                                                   "called through its parent's functional form)")
+                del self._layers[owner]
+        for name in self.reasons:
+            self._parts[name] = ScalarPart(squares[name] / (n * parts[name].numel))
         for layer in self._layers.values():
             self._factorise(layer, n)
 
     @staticmethod
     def _hook(layer: _LayerSums) -> Any:
-        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+            layer.calls += 1
             layer.inputs.append(args[0].detach())
             layer.outputs.append(output)
+            return output.clone()  # what runs on: an in-place op after the layer (ReLU(inplace=True)) changes the copy
         return hook
 
     @staticmethod
@@ -303,18 +315,18 @@ class BlockKFAC:
                         if layer.rows_count < flat.shape[1]:
                             continue
                         flat, layer.rows = torch.cat(layer.rows), None
-                    a_sum = (flat.T @ flat).to(torch.float64)
+                    a_sum = (flat.T @ flat).to("cpu", torch.float64)
                     layer.a = a_sum if layer.a is None else layer.a + a_sum
                 layer.positions += act.shape[1]
         if layer.weight is not None:
             rows = delta if layer.weight.rows is None else delta[..., layer.weight.rows.to(delta.device)]
             flat = rows.reshape(-1, rows.shape[-1])
-            g_sum = (flat.T @ flat).to(torch.float64)
+            g_sum = (flat.T @ flat).to("cpu", torch.float64)
             layer.g = g_sum if layer.g is None else layer.g + g_sum
         if layer.bias is not None:
             rows = delta if layer.bias.rows is None else delta[..., layer.bias.rows.to(delta.device)]
             per_sample = rows.sum(1)
-            b_sum = (per_sample.T @ per_sample).to(torch.float64)
+            b_sum = (per_sample.T @ per_sample).to("cpu", torch.float64)
             layer.gb = b_sum if layer.gb is None else layer.gb + b_sum
 
     def _factorise(self, layer: _LayerSums, n: int) -> None:
@@ -352,7 +364,8 @@ class BlockKFAC:
     def describe(self) -> dict[str, Any]:
         kinds = {part.name: ("kronecker" if isinstance(self._parts[part.name], KroneckerPart) else "scalar")
                  for part in self.block.parts}
-        return {"kind": "K-FAC of the Gauss-Newton matrix, labels drawn from the model's softmax",
+        return {"kind": "K-FAC of the Gauss-Newton matrix, " + ("labels drawn from the model's softmax"
+                                                                 if self.labels == "sampled" else "the class sum"),
                 "parts": kinds, **({"scalar_because": dict(self.reasons)} if self.reasons else {}),
                 "seconds": self.seconds}
 

@@ -10,8 +10,9 @@ one Newton step with the generalised Gauss-Newton curvature G_R of the block (Ma
     s = -(G_R + (lambda + mu) I)^{-1} (g_R(w0) - g_D(w0)),
 lambda the weight decay (inside L_R and G_R), solved by PCG to ``cg_rtol`` or ``cg_max_iter`` (a
 truncated solve is still a descent direction of the model); ``preconditioner`` kfac: preconditioned by
-(K + (lambda + mu) I)^{-1}, K the K-FAC of G_R on the same subsample (``pipeline.curvature.kfac``), which buys
-the products it saves where each runs through the whole network (a block reaching the first layers).
+(K + d I)^{-1}, d the solve's whole damping (lambda + mu and any retry's), K the K-FAC of G_R on the same
+subsample (``pipeline.curvature.kfac``; cross-entropy only, other losses solve unpreconditioned and the
+record says so), which buys the products it saves where each runs through the whole network.
 
 Trust region. s is accepted when rho = (F(w0) - F(w0 + s)) / (q(0) - q(s)) >= ``min_ratio``, q the
 quadratic model (the same G_R + mu I), F on a seeded probe of R with its linear part made exact
@@ -101,8 +102,12 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
     if settings.preconditioner not in PRECONDITIONERS:
         raise ValueError(f"the trust region's preconditioner must be one of {PRECONDITIONERS} (got {settings.preconditioner!r})")
     ggn = BlockGaussNewton(model, task, curvature_set, block, lam, reduction="mean", batch_size=batch_size)
-    kfac = (BlockKFAC(model, task, curvature_set, block, seed=stream_seed(seed, KFAC_STREAM), batch_size=batch_size)
-            if settings.preconditioner == "kfac" else None)
+    kfac, skipped = None, None
+    if settings.preconditioner == "kfac" and getattr(task, "loss", None) != "cross_entropy":
+        skipped = (f"K-FAC draws labels from a softmax (cross-entropy); the task's loss is '{task.loss}': "
+                   "unpreconditioned")
+    elif settings.preconditioner == "kfac":
+        kfac = BlockKFAC(model, task, curvature_set, block, seed=stream_seed(seed, KFAC_STREAM), batch_size=batch_size)
     obj = BlockObjective(model, task, block)
     w0 = obj.w_block.to("cpu", torch.float64)
     eval_batch = memory.forward_batch_size(model, task, probe, batch_size)
@@ -121,7 +126,8 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
     total = lam + mu + extra_damping  # the damping of the solve, lambda included (G_R holds lambda)
     floor: float | None = None
     sizes = {"curvature_samples": len(curvature_set), "probe_samples": len(probe),
-             "preconditioner": "none" if kfac is None else "K-FAC", **({} if kfac is None else {"kfac": kfac.describe()})}
+             "preconditioner": "none" if kfac is None else "K-FAC", **({} if kfac is None else {"kfac": kfac.describe()}),
+             **({} if skipped is None else {"preconditioner_skipped": skipped})}
     for attempt in range(settings.max_retries + 1):
         if attempt > 0:
             if floor is None:  # a thousandth of the curvature along the gradient
