@@ -62,11 +62,11 @@ Writes bench/results/deep_<dataset>[_quick|_smoke].json and .md (atomically, aft
 Cost of each full run (``--threads 1``, this shared 2-core box, measured; see each JSON's wall_seconds):
   fmnist-cnn  the full profile: not run whole; one scenario of it (--scenarios class --sets 2 --shadows 0
               --campaign 2, six rows) 1,487 s; --scenarios random_1pct (same options, four rows) 1,210 s, the
-              two at once on the two cores; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
+              two at once on the two cores; random_10pct (four rows) 1,535 s; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
               1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
   identities  (to be measured)
   r8-minilm   the full profile: not run whole; --scenarios class --sets 1 --shadows 0 --campaign 2 with three
-              rows 1,112 s; --quick (n = 601): 669 s, the other core busy
+              rows 1,112 s (1,443 s with both cores busy); --quick (n = 601): 669 s, the other core busy
 """
 from __future__ import annotations
 
