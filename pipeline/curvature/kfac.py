@@ -44,12 +44,19 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import BlockPart, ParamBlock
 from pipeline.tasks import Task, output_logits
 
-__all__ = ["BlockKFAC", "KroneckerPart", "LABELS", "ScalarPart"]
+__all__ = ["BlockKFAC", "KroneckerPart", "LABELS", "ScalarPart", "unsupported_loss"]
 
 #: sampled: one label per sample drawn from the softmax (one backward pass); exact: the class sum,
 #: K backward passes with seeds sqrt(p_c) (e_c - p) (each sample's seeds times a random sign, so the
 #: scalar parts' batch squares stay unbiased)
 LABELS = ("sampled", "exact")
+
+
+def unsupported_loss(task: Task) -> str | None:
+    """None when K-FAC can draw the task's labels (cross-entropy: a softmax), else why not."""
+    loss = getattr(task, "loss", None)
+    return None if loss == "cross_entropy" else (
+        f"K-FAC draws labels from a softmax (cross-entropy); the task's loss is '{loss}'")
 
 
 def _seeds(logits: Tensor, labels: str, gen: torch.Generator) -> list[Tensor]:
@@ -134,10 +141,14 @@ def _supported(module: nn.Module) -> str | None:
     return f"no Kronecker factors for {type(module).__name__}"
 
 
+def _row_count(part: BlockPart | None) -> int:
+    """The rows of a part in the block (0 without the part)."""
+    return 0 if part is None else part.numel // part.row_size
+
+
 def _factor_bytes(module: nn.Module, weight: BlockPart | None, bias: BlockPart | None) -> int:
     """The float64 factors of a layer with eigh's work copies (3 of each)."""
-    rows = 0 if weight is None else (weight.shape[0] if weight.rows is None else int(weight.rows.numel()))
-    brows = 0 if bias is None else (bias.shape[0] if bias.rows is None else int(bias.rows.numel()))
+    rows, brows = _row_count(weight), _row_count(bias)
     cols = 0 if weight is None else weight.row_size
     return 8 * 3 * (rows * rows + cols * cols + brows * brows)
 
@@ -194,8 +205,9 @@ class BlockKFAC:
         started = time.perf_counter()
         if labels not in LABELS:
             raise ValueError(f"labels must be one of {LABELS} (got {labels!r})")
-        if getattr(task, "loss", None) != "cross_entropy":
-            raise ValueError(f"the K-FAC preconditioner draws labels from a softmax (cross-entropy); the task's loss is '{task.loss}'")
+        why_not = unsupported_loss(task)
+        if why_not is not None:
+            raise ValueError(why_not)
         if len(data) == 0:
             raise ValueError("K-FAC needs at least one sample")
         self.block = block
@@ -331,17 +343,18 @@ class BlockKFAC:
 
     def _factorise(self, layer: _LayerSums, n: int) -> None:
         if layer.weight is not None:
-            width = layer.weight.row_size
-            rows = layer.weight.shape[0] if layer.weight.rows is None else int(layer.weight.rows.numel())
-            a = (torch.zeros(width, width, dtype=torch.float64) if layer.a is None
-                 else layer.a.cpu() / (n * max(layer.positions, 1)))
-            g = torch.zeros(rows, rows, dtype=torch.float64) if layer.g is None else layer.g.cpu() / n
-            l_in, q_in = _eigh(a) if not layer.rows else _thin_eigh(torch.cat(layer.rows), n * max(layer.positions, 1))
-            l_out, q_out = _eigh(g)
+            divisor = n * max(layer.positions, 1)
+            if layer.rows:  # the thin route: no k x k factor formed
+                l_in, q_in = _thin_eigh(torch.cat(layer.rows), divisor)
+            else:
+                width = layer.weight.row_size
+                l_in, q_in = _eigh(torch.zeros(width, width, dtype=torch.float64) if layer.a is None else layer.a / divisor)
+            rows = _row_count(layer.weight)
+            l_out, q_out = _eigh(torch.zeros(rows, rows, dtype=torch.float64) if layer.g is None else layer.g / n)
             self._parts[layer.weight.name] = KroneckerPart(q_out, l_out, q_in, l_in)
         if layer.bias is not None:
-            rows = layer.bias.shape[0] if layer.bias.rows is None else int(layer.bias.rows.numel())
-            gb = torch.zeros(rows, rows, dtype=torch.float64) if layer.gb is None else layer.gb.cpu() / n
+            rows = _row_count(layer.bias)
+            gb = torch.zeros(rows, rows, dtype=torch.float64) if layer.gb is None else layer.gb / n
             l_b, q_b = _eigh(gb)
             self._parts[layer.bias.name] = KroneckerPart(q_b, l_b, torch.ones(1, 1, dtype=torch.float64),
                                                          torch.ones(1, dtype=torch.float64))

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from pipeline import memory
 from pipeline.curvature.ggn import BlockGaussNewton
 from pipeline.curvature.hessian import BlockObjective, block_gradient
-from pipeline.curvature.kfac import BlockKFAC
+from pipeline.curvature.kfac import BlockKFAC, unsupported_loss
 from pipeline.curvature.pcg import pcg
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import NonFiniteGradientError
@@ -103,9 +103,8 @@ def gauss_newton_trust_step(model: nn.Module, task: Task, block: ParamBlock, ret
         raise ValueError(f"the trust region's preconditioner must be one of {PRECONDITIONERS} (got {settings.preconditioner!r})")
     ggn = BlockGaussNewton(model, task, curvature_set, block, lam, reduction="mean", batch_size=batch_size)
     kfac, skipped = None, None
-    if settings.preconditioner == "kfac" and getattr(task, "loss", None) != "cross_entropy":
-        skipped = (f"K-FAC draws labels from a softmax (cross-entropy); the task's loss is '{task.loss}': "
-                   "unpreconditioned")
+    if settings.preconditioner == "kfac" and (why_not := unsupported_loss(task)) is not None:
+        skipped = f"{why_not}: unpreconditioned"
     elif settings.preconditioner == "kfac":
         kfac = BlockKFAC(model, task, curvature_set, block, seed=stream_seed(seed, KFAC_STREAM), batch_size=batch_size)
     obj = BlockObjective(model, task, block)
