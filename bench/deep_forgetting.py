@@ -64,7 +64,8 @@ Cost of each full run (``--threads 1``, this shared 2-core box, measured; see ea
               --campaign 2, six rows) 1,487 s; --scenarios random_1pct (same options, four rows) 1,210 s, the
               two at once on the two cores; random_10pct (four rows) 1,535 s; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
               1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
-  identities  (to be measured)
+  identities  the full profile: not run whole; --scenarios identity --sets 3 --shadows 0 --campaign 2 with three
+              rows (lfoci-newton, finetune, salun) 1,379 s (Retrain 95 s), the other core busy
   r8-minilm   the full profile: not run whole; --scenarios class --sets 1 --shadows 0 --campaign 2 with three
               rows 1,112 s (1,443 s with both cores busy); --quick (n = 601): 669 s, the other core busy
 """

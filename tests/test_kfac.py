@@ -189,7 +189,8 @@ def test_a_wide_layer_with_fewer_inputs_than_its_width_takes_the_thin_basis_with
     full = BlockKFAC(model, TASK, data, block, seed=0)
     monkeypatch.setattr(kfac_module, "_THIN_MIN_WIDTH", 8)
     thin = BlockKFAC(model, TASK, data, block, seed=0)
-    assert thin._parts["1.weight"].q_in.shape[1] <= 40 < full._parts["1.weight"].q_in.shape[1] == 64
+    live = int((data.columns["x"].reshape(40, -1).abs().sum(0) > 0).sum())   # pixels not 0 in every image
+    assert thin._parts["1.weight"].q_in.shape[1] <= 40 < full._parts["1.weight"].q_in.shape[1] == live
     assert torch.allclose(thin.dense(), full.dense(), rtol=1e-9, atol=1e-12)
     v = torch.randn(block.numel, dtype=torch.float64)
     for damping in (1e-4, 1e-2):
@@ -223,6 +224,38 @@ def test_a_thin_basis_decomposed_in_float32_stays_orthonormal_and_its_inverse_po
     for damping in (1e-5, 1e-3):
         inverse = torch.stack([k.solve(e, damping) for e in eye], 1)
         assert float(torch.linalg.eigvalsh(0.5 * (inverse + inverse.T)).min()) > 0
+
+
+def test_a_factor_with_dead_coordinates_gets_a_thin_basis_of_the_rest_and_survives_a_float32_eigh_failure(
+        monkeypatch):
+    # the identities ResNet's 1,152-wide conv factor had 768 input coordinates that are always 0; float32
+    # eigh did not converge on it (LinAlgError): the zero rows are left out, and float32 falls back to float64
+    monkeypatch.setattr(kfac_module, "_EIGH_FLOAT64_MAX", 8)
+    torch.manual_seed(0)
+    x = torch.zeros(200, 30, dtype=torch.float64)
+    x[:, ::3] = torch.randn(200, 10, dtype=torch.float64)   # 20 of 30 coordinates never move
+    factor = x.T @ x / 200
+    real_eigh = torch.linalg.eigh
+    failures = []
+
+    def float32_fails(a, *args, **kwargs):
+        if a.dtype == torch.float32:
+            failures.append(a.shape)
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return real_eigh(a, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    values, vectors = kfac_module._eigh(factor)
+    assert failures == [torch.Size([10, 10])]          # only the live 10 x 10 block was decomposed
+    assert vectors.shape == (30, 10) and float(vectors[1::3].abs().max()) == 0.0
+    assert torch.allclose(vectors.T @ vectors, torch.eye(10, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(vectors @ torch.diag(values) @ vectors.T, factor, atol=1e-12)
+    part = kfac_module.KroneckerPart(torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64),
+                                     vectors, values)
+    dense = torch.kron(torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64)), factor)
+    v = torch.randn(60, dtype=torch.float64)
+    want = torch.linalg.solve(dense + 0.1 * torch.eye(60, dtype=torch.float64), v)
+    assert torch.allclose(part.solve(v, 0.1), want, rtol=1e-10, atol=1e-12)
 
 
 def test_a_layer_whose_forward_never_runs_falls_back_to_the_scalar():

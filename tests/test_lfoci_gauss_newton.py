@@ -366,6 +366,71 @@ def test_a_block_after_the_first_module_runs_on_the_suffix_with_the_same_step(di
         assert float((step_b - step_w).norm()) <= 1e-4 * max(float(step_w.norm()), 1e-12)
 
 
+def _steps(original: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    moved = dict(model.named_parameters())
+    return {name: moved[name].detach() - p.detach() for name, p in original.named_parameters()}
+
+
+def test_frozen_layers_outputs_are_prepared_once_kept_for_the_next_version_and_give_the_same_step(
+        digits_images, original):
+    from pipeline.methods.base import TrainedModel
+    from pipeline.methods.lfoci_newton import LFociNewtonPrepared
+
+    train = digits_images["train"]
+    frozen = copy.deepcopy(original)
+    for p in frozen[0].parameters():   # the first conv frozen: a prefix no removal moves
+        p.requires_grad_(False)
+    method = get_method("lfoci-newton")
+    settings = {**DEEP, "curvature": "gauss-newton", "selection": "parameters",
+                "parameters": ["2.weight", "2.bias", "8.weight", "8.bias"],
+                "gauss_newton": {"gradient_samples": 600, "curvature_samples": 400, "probe_samples": 500}}
+
+    def run(model, data, forget, cached, prepared=None):
+        problem = RemovalProblem(model, TASK, data, forget, RECIPE["weight_decay"], seed=3, batch_size=512,
+                                 card=_card(len(data)))
+        return method.run(problem, parse_settings("lfoci-newton", {**settings, "cache_frozen_prefix": cached}),
+                          prepared)
+
+    forget = torch.nonzero(train.columns["y"] == 5).flatten()
+    prepared_model, whole_model = copy.deepcopy(frozen), copy.deepcopy(frozen)
+    first, whole = run(prepared_model, train, forget, True), run(whole_model, train, forget, False)
+    state = first.prepared
+    assert isinstance(state, LFociNewtonPrepared) and state.split is not None and state.split.start == 2
+    assert first.record["preparation"]["frozen_prefix"]["cached_input_shape"]["x"] == [len(train), 8, 8, 8]
+    assert first.record["frozen_prefix"]["prefix"].startswith("prepared once")
+    assert "prefix_cache" not in first.record["timings"]   # no pass through the prefix in the request itself
+    assert whole.prepared.split is None and whole.record["frozen_prefix"] is None
+    steps, want = _steps(frozen, prepared_model), _steps(frozen, whole_model)
+    assert sum(float(v.norm()) for v in want.values()) > 0
+    for name in want:
+        assert float((steps[name] - want[name]).norm()) <= 1e-4 * max(float(want[name].norm()), 1e-12), name
+
+    # the next version: U's rows dropped from the prepared outputs (the prefix did not move), nothing recomputed
+    retain = train.without(forget)
+    trained = TrainedModel(prepared_model, TASK, retain, RECIPE["weight_decay"], 512, _card(len(retain)))
+    s = parse_settings("lfoci-newton", {**settings, "cache_frozen_prefix": True})
+    binding = method.binding(trained, s)
+    carried = state.after_removal(trained, forget, None, binding)
+    assert isinstance(carried, LFociNewtonPrepared) and carried.holds_for(binding)
+    assert torch.equal(carried.features.sample_ids, retain.sample_ids)
+    assert torch.allclose(carried.features.columns["x"], frozen[:2](retain.columns["x"]), atol=1e-6)
+    second_forget = torch.nonzero(retain.columns["y"] == 2).flatten()
+    again, fresh = copy.deepcopy(prepared_model), copy.deepcopy(prepared_model)
+    reused = run(again, retain, second_forget, True, carried)
+    rebuilt = run(fresh, retain, second_forget, True)
+    assert reused.record["preparation"]["built_for_this_request"] is False
+    assert rebuilt.record["preparation"]["built_for_this_request"] is True
+    a, b = _steps(prepared_model, again), _steps(prepared_model, fresh)
+    for name in a:
+        assert float((a[name] - b[name]).norm()) <= 1e-6 * max(float(b[name].norm()), 1e-12), name
+    # a prefix that moved (another model under the same name) is not carried
+    moved = copy.deepcopy(prepared_model)
+    with torch.no_grad():
+        moved[0].weight.add_(0.01)
+    other = TrainedModel(moved, TASK, retain, RECIPE["weight_decay"], 512, _card(len(retain)))
+    assert state.after_removal(other, forget, None, method.binding(other, s)) is None
+
+
 # -- (g) the exact-Hessian path: a failure after its step leaves the model as it was too ------------------
 @pytest.mark.parametrize("target", ["minimiser", "retrain"])
 def test_a_failure_after_the_exact_newton_step_leaves_the_model_as_it_was(monkeypatch, softmax_unfinished, target):

@@ -79,7 +79,7 @@ def _seeds(logits: Tensor, labels: str, gen: torch.Generator) -> list[Tensor]:
 class KroneckerPart:
     """Gm_RR (x) A of one weight part, through its eigenbases (rows: the part's rows, columns: A's side)."""
 
-    q_out: Tensor      # (|R|, |R|)
+    q_out: Tensor      # (|R|, r): r = |R|, or a thin basis (rows whose outputs never move the loss left out)
     l_out: Tensor      # (|R|,)
     q_in: Tensor       # (k, r): r = k, or a thin basis of A's range (A's other eigenvalues are 0)
     l_in: Tensor       # (r,)
@@ -164,9 +164,26 @@ _EIGH_FLOAT64_MAX = 1024
 
 
 def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """(eigenvalues >= 0, eigenvectors) of a symmetric PSD factor, float64 out."""
+    """(eigenvalues >= 0, eigenvectors) of a symmetric PSD factor, float64 out, as a basis of its range's
+    coordinates: an index whose diagonal entry is 0 (an input channel that is always 0, a row whose output never
+    moves the loss) has a zero row and column in a PSD matrix, so it only adds the eigenvalue 0 with a unit
+    eigenvector; those are left out (the basis is thin, like ``_thin_eigh``'s: directions outside it have
+    eigenvalue 0) and eigh runs on the rest. LAPACK's float32 eigh can fail to converge on a factor with
+    many repeated eigenvalues; float64 is then used."""
+    live = matrix.diagonal() > 0
+    if not bool(live.all()):
+        index = live.nonzero().squeeze(1)
+        values, sub = _eigh(matrix[index][:, index]) if len(index) else (matrix.new_zeros(0), matrix.new_zeros(0, 0))
+        vectors = torch.zeros(matrix.shape[0], sub.shape[1], dtype=torch.float64)
+        vectors[index] = sub
+        return values, vectors
     work = matrix if matrix.shape[0] <= _EIGH_FLOAT64_MAX else matrix.to(torch.float32)
-    values, vectors = torch.linalg.eigh(work)
+    try:
+        values, vectors = torch.linalg.eigh(work)
+    except torch.linalg.LinAlgError:
+        if work.dtype == torch.float64:
+            raise
+        values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
     return values.to(torch.float64).clamp_min(0), vectors.to(torch.float64)
 
 

@@ -62,14 +62,16 @@ from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_fo
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed, UnsolvedSystemError
 from pipeline.frozen_prefix import (
-    cache_frozen_prefix, cached_bytes_per_sample, prefix_outputs, split_for, suffix_start,
+    PrefixCache, Split, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest, prefix_outputs, split_for,
+    suffix_start,
 )
 from pipeline.methods.base import (
-    MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, register_method,
+    MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
-from pipeline.prepared import Prepared
+from pipeline.param_block import ParamBlock
+from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
 from pipeline.recipe import recipe_of, start_weights
@@ -165,9 +167,11 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
                                                  "P x P matrices for; larger blocks take the budget-damped step")
     cache_frozen_prefix: bool = Field(
         True, description="a block after the model's first module (a Sequential, a Hugging Face encoder's upper "
-                          "layers): compute the modules before it once per sample read and run every pass of the "
-                          "removal on the rest (pipeline.frozen_prefix; the Gauss-Newton path only on the samples "
-                          "it reads)")
+                          "layers): compute the modules before it once and run every pass of the removal on the "
+                          "rest (pipeline.frozen_prefix). Where the model has frozen layers before its first "
+                          "trainable one, their outputs on D are prepared once (LFociNewtonPrepared) and kept for "
+                          "every later version; else the modules before the block run per request (the "
+                          "Gauss-Newton path only on the samples it reads)")
     closed_form_curvature: bool = Field(
         True, description="a block that is the whole last Linear layer under cross-entropy: build its Hessian in "
                           "closed form (pipeline.curvature.linear_layer), the same matrix as the Hessian-vector products")
@@ -191,10 +195,69 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t))
 
 
+@dataclass
+class LFociNewtonPrepared(Prepared):
+    """The frozen prefix's outputs on D, where the model has layers before its first trainable parameter (the
+    split of ``pipeline.frozen_prefix`` whose suffix holds every trainable parameter: a Hugging Face encoder's
+    frozen lower layers, a frozen trunk before a head). No removal moves those layers, so the outputs hold for
+    every later version too: ``after_removal`` drops U's rows once the prefix's digest is checked unchanged.
+    ``split`` None: nothing to prepare (every layer trains, ``cache_frozen_prefix`` off, or the outputs would
+    not fit the memory budget; ``details`` says which)."""
+
+    split: Split | None = None
+    features: SampleSet | None = None
+    prefix: str | None = None
+
+    what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
+
+    def cache(self, model: nn.Module) -> PrefixCache | None:
+        """The prepared outputs as the prefix cache of ``model`` (None: nothing prepared)."""
+        if self.split is None or self.features is None:
+            return None
+        return PrefixCache(self.split, self.split.suffix_of(model), self.features, 0.0)
+
+    def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
+        if self.split is None or self.features is None:
+            return LFociNewtonPrepared(binding, 0.0, dict(self.details))
+        if prefix_digest(self.split, trained.model) != self.prefix:
+            return None
+        return LFociNewtonPrepared(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
+                                   split=self.split, features=self.features.without(removed), prefix=self.prefix)
+
+
+def _prepare_frozen_prefix(trained: TrainedModel, settings: "LFociNewtonSettings",
+                           binding: Binding) -> LFociNewtonPrepared:
+    if not settings.cache_frozen_prefix:
+        return LFociNewtonPrepared(binding, details={"frozen_prefix": None, "why": "cache_frozen_prefix: false"})
+    model, task, train = trained.model, trained.task, trained.train
+    trainable = ParamBlock.all_parameters(model)
+    split = split_for(model, task, trainable)
+    if split is None:
+        return LFociNewtonPrepared(binding, details={
+            "frozen_prefix": None, "why": "no frozen layers before the first trainable parameter (or no splitter "
+                                          "knows the architecture): the modules before a block run per request"})
+    held = len(train) * cached_bytes_per_sample(split, model, task, train)
+    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
+    if held > budget.bytes / 2:
+        return LFociNewtonPrepared(binding, details={
+            "frozen_prefix": None, "why": f"the frozen prefix's outputs on D (~{memory.format_bytes(held)}) exceed "
+                                          f"half of {budget.named()}: the modules before a block run per request"})
+    cache = cache_frozen_prefix(model, task, train, trainable, trained.batch_size)
+    assert cache is not None
+    return LFociNewtonPrepared(binding, details={"frozen_prefix": cache.describe(), "prefix_seconds": cache.seconds},
+                               split=split, features=cache.train, prefix=prefix_digest(split, model))
+
+
 @register_method
 class LFociNewton(RemovalMethod):
     name = "lfoci-newton"
     Settings = LFociNewtonSettings
+    PREPARED_FROM = ("cache_frozen_prefix",)
+
+    def prepare(self, trained: TrainedModel, settings: LFociNewtonSettings,  # type: ignore[override]
+                binding: Binding) -> LFociNewtonPrepared:
+        """The frozen prefix's outputs on D, where the model has frozen layers (``LFociNewtonPrepared``)."""
+        return _prepare_frozen_prefix(trained, settings, binding)
 
     def remove(self, problem: RemovalProblem, settings: LFociNewtonSettings,  # type: ignore[override]
                prepared: Prepared) -> RemovalOutcome:
@@ -218,7 +281,7 @@ class LFociNewton(RemovalMethod):
             if kind == "replay":  # the Gauss-Newton path takes the one-window form of the target
                 kind, why = "budget_damped", "curvature: gauss-newton takes the one-window form of the recipe replay"
             return _gauss_newton_removal(
-                problem, settings, block, saved, timings, noise_cal, full_block=full_block,
+                problem, settings, block, saved, timings, noise_cal, prepared, full_block=full_block,
                 mu=budget_damping(schedule, n - m) if kind == "budget_damped" else 0.0,
                 record={"block": {"numel": block.numel, "full_model": full_block,
                                   "parts": block.describe() if block.numel <= 100_000 else len(block.parts)},
@@ -227,7 +290,11 @@ class LFociNewton(RemovalMethod):
 
         # every pass below runs on `work`: the model itself, or its suffix over cached prefix outputs
         prefix = None
-        if settings.cache_frozen_prefix and suffix_start(model, block) is not None:
+        held = prepared.cache(model) if isinstance(prepared, LFociNewtonPrepared) else None
+        own = split_for(model, task, block) if settings.cache_frozen_prefix else None
+        if held is not None and own is not None and own.start == held.start:  # the prepared outputs are the block's
+            prefix = held
+        elif settings.cache_frozen_prefix and suffix_start(model, block) is not None:
             with problem.stage("prefix_cache", timings):
                 prefix = cache_frozen_prefix(model, task, problem.train, block, bs)
         work = problem if prefix is None else replace(problem, model=prefix.suffix, train=prefix.train,
@@ -411,26 +478,39 @@ class _Passes:
     task: Task
     forget: SampleSet
     sample: SampleSet
+    retain: SampleSet               # D \ U as the passes read it (the trust region draws its subsamples from it)
     inputs: Callable[[SampleSet], SampleSet] | None = None
     record: dict[str, Any] | None = None
 
 
-def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: bool, reads: int,
-            timings: dict[str, float]) -> _Passes:
-    """``reads``: how many samples the path will pass through the prefix (U, g_D's sample, the curvature subsample
-    and the probe); their outputs are held at once, so the suffix is taken only where they fit half of what the
-    memory budget leaves (else the whole model, and the record says why)."""
+def _passes(problem: RemovalProblem, block: Any, positions: torch.Tensor | None, use_prefix: bool, reads: int,
+            timings: dict[str, float], prepared: Prepared) -> _Passes:
+    """``positions``: g_D's samples in D (None: all of D); ``reads``: how many samples the path will pass through the
+    prefix (U, g_D's sample, the curvature subsample and the probe). With the frozen prefix's outputs prepared
+    (``LFociNewtonPrepared``) every pass runs on the suffix after the frozen layers over them. Else, with a split
+    before the block, the prefix runs on the samples read, whose outputs are held at once: the suffix is taken only
+    where they fit half of what the memory budget leaves (else the whole model, and the record says why)."""
+    sample = problem.train if positions is None else problem.train.take(positions)
+    held = prepared.cache(problem.model) if use_prefix and isinstance(prepared, LFociNewtonPrepared) else None
+    if held is not None:
+        features = held.train
+        return _Passes(held.suffix, held.task, features.take(problem.forget_positions),
+                       features if positions is None else features.take(positions),
+                       features.without(problem.forget_positions),
+                       record={"suffix_start_module": held.start, "prefix": "prepared once (the frozen layers' outputs "
+                                                                            "on D)",
+                               "suffix_modules": [type(m).__name__ for m in held.suffix.children()]})
     split = split_for(problem.model, problem.task, block) if use_prefix else None
     if split is None:
-        return _Passes(problem.model, problem.task, problem.forget, sample)
+        return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain)
     model, task, bs = problem.model, problem.task, problem.batch_size
-    held = reads * cached_bytes_per_sample(split, model, task, problem.forget)
+    held_bytes = reads * cached_bytes_per_sample(split, model, task, problem.forget)
     budget = memory.available_in(memory.current_budget(memory.model_device(model)))
-    if held > budget.bytes / 2:
-        return _Passes(problem.model, problem.task, problem.forget, sample, record={
+    if held_bytes > budget.bytes / 2:
+        return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain, record={
             "suffix_start_module": split.start, "skipped": (
-                f"the prefix's outputs of the {reads} samples the path reads (~{memory.format_bytes(held)}) exceed half "
-                f"of {budget.named()}: every pass runs through the whole model")})
+                f"the prefix's outputs of the {reads} samples the path reads (~{memory.format_bytes(held_bytes)}) "
+                f"exceed half of {budget.named()}: every pass runs through the whole model")})
     counted = {"samples": 0}
 
     def inputs(data: SampleSet) -> SampleSet:
@@ -440,9 +520,9 @@ def _passes(problem: RemovalProblem, block: Any, sample: SampleSet, use_prefix: 
     with problem.stage("prefix_cache", timings):
         forget, sample = inputs(problem.forget), inputs(sample)
     suffix = split.suffix_of(model)
-    return _Passes(suffix, split.task, forget, sample, inputs,
-                   {"suffix_start_module": split.start, "prefix_samples": counted,
-                    "suffix_modules": [type(m).__name__ for m in suffix.children()]})
+    return _Passes(suffix, split.task, forget, sample, problem.retain, inputs,
+                   {"suffix_start_module": split.start, "prefix": "per request, on the samples read",
+                    "prefix_samples": counted, "suffix_modules": [type(m).__name__ for m in suffix.children()]})
 
 
 def _retained_gradient(passes: _Passes, block: Any, n: int, lam: float, bs: int) -> tuple[torch.Tensor, ...]:
@@ -454,7 +534,8 @@ def _retained_gradient(passes: _Passes, block: Any, n: int, lam: float, bs: int)
 
 
 def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings, block: Any,
-                          saved: dict[str, torch.Tensor], timings: dict[str, float], noise_cal: Any, *,
+                          saved: dict[str, torch.Tensor], timings: dict[str, float], noise_cal: Any,
+                          prepared: Prepared, *,
                           full_block: bool, mu: float, record: dict[str, Any]) -> RemovalOutcome:
     """The block's Gauss-Newton path (``curvature: gauss-newton``; ``pipeline.methods.trust_region``):
         rhs = grad F(w0) = g_R - g_D = (m / (n - m)) (g_D - g_U)     (one-window target, mu = 1 / tau)
@@ -469,14 +550,15 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     suffix over the prefix's outputs of the samples it reads (``_passes``)."""
     gn, lam, n = settings.gauss_newton, problem.weight_decay, problem.n
     model, task = problem.model, problem.task
-    sample = problem.train
+    positions = None
     if mu > 0 and gn.gradient_samples is not None and gn.gradient_samples < n:
         gen = problem.generator(RandomStream.GRADIENT_SUBSAMPLE)
-        sample = sample.take(torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values)
+        positions = torch.randperm(n, generator=gen)[:gn.gradient_samples].sort().values
     retained = n - problem.m
-    reads = problem.m + len(sample) + sum(retained if k is None else min(k, retained)
-                                          for k in (gn.curvature_samples, gn.probe_samples))
-    passes = _passes(problem, block, sample, settings.cache_frozen_prefix, reads, timings)
+    reads = problem.m + (n if positions is None else len(positions)) + sum(
+        retained if k is None else min(k, retained) for k in (gn.curvature_samples, gn.probe_samples))
+    passes = _passes(problem, block, positions, settings.cache_frozen_prefix, reads, timings, prepared)
+    sample = passes.sample
     record["frozen_prefix"] = passes.record
     with problem.stage("gradients", timings):
         g_forget, g_data, g_retain = _retained_gradient(passes, block, n, lam, problem.batch_size)
@@ -493,7 +575,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     noised = noise_cal.sigma > 0
     try:
         with problem.stage("curvature_and_solve", timings):
-            step, trust = gauss_newton_trust_step(passes.model, passes.task, block, problem.retain, rhs, mu, lam,
+            step, trust = gauss_newton_trust_step(passes.model, passes.task, block, passes.retain, rhs, mu, lam,
                                                   gn.trust_region(), seed=problem.seed, batch_size=problem.batch_size,
                                                   extra_damping=settings.damping, inputs=passes.inputs)
         if noised:  # nothing of the solution before the noise: the trials' step norms and decreases go
