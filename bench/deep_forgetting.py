@@ -66,8 +66,8 @@ Cost of each full run (``--threads 1``, this shared 2-core box, measured; see ea
               1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
   identities  the full profile: not run whole; --scenarios identity --sets 3 --shadows 0 --campaign 2 with three
               rows (lfoci-newton, finetune, salun) 1,379 s (Retrain 95 s), the other core busy
-  r8-minilm   the full profile: not run whole; --scenarios class --sets 1 --shadows 0 --campaign 2 with three
-              rows 1,112 s (1,443 s with both cores busy); --quick (n = 601): 669 s, the other core busy
+  r8-minilm   the full profile: not run whole; --scenarios class --sets 2 --shadows 0 --campaign 2 with three
+              rows 1,595 s (Retrain 114 s; with --sets 1: 1,112 s); --quick (n = 601): 669 s, the other core busy
 """
 from __future__ import annotations
 
