@@ -256,6 +256,16 @@ def test_a_factor_with_dead_coordinates_gets_a_thin_basis_of_the_rest_and_surviv
     v = torch.randn(60, dtype=torch.float64)
     want = torch.linalg.solve(dense + 0.1 * torch.eye(60, dtype=torch.float64), v)
     assert torch.allclose(part.solve(v, 0.1), want, rtol=1e-10, atol=1e-12)
+    # the thin route's Gram matrix goes through the same decomposition: 12 rows (3 of them zero) of the 30
+    # columns, float32 above 8 rows, which fails: the live 9 x 9 Gram block redone in float64
+    rows = torch.zeros(12, 30, dtype=torch.float64)
+    rows[3:] = x[:9]
+    failures.clear()
+    s, q = kfac_module._thin_eigh(rows, 12)
+    assert failures == [torch.Size([9, 9])] and q.shape == (30, 9)
+    # (the Gram matrix itself was formed in float32: float32's rounding, not float64's)
+    assert torch.allclose(q.T @ q, torch.eye(9, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(q @ torch.diag(s) @ q.T, rows.T @ rows / 12, atol=1e-5)
 
 
 def test_a_layer_whose_forward_never_runs_falls_back_to_the_scalar():

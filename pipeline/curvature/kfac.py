@@ -163,37 +163,46 @@ _THIN_MIN_WIDTH = 1024
 _EIGH_FLOAT64_MAX = 1024
 
 
-def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """(eigenvalues >= 0, eigenvectors) of a symmetric PSD factor, float64 out, as a basis of its range's
-    coordinates: an index whose diagonal entry is 0 (an input channel that is always 0, a row whose output never
-    moves the loss) has a zero row and column in a PSD matrix, so it only adds the eigenvalue 0 with a unit
-    eigenvector; those are left out (the basis is thin, like ``_thin_eigh``'s: directions outside it have
-    eigenvalue 0) and eigh runs on the rest. LAPACK's float32 eigh can fail to converge on a factor with
-    many repeated eigenvalues; float64 is then used."""
+def _decompose(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """eigh of a symmetric PSD matrix as a basis of the coordinates its range can reach, in the dtype it ran in:
+    a coordinate whose diagonal entry is 0 (an input channel that is always 0, a row whose output never moves the
+    loss, a sample row of zeros) has a zero row and column in a PSD matrix, so it only adds the eigenvalue 0 with
+    a unit eigenvector; those are left out (the basis is thin: directions outside it have eigenvalue 0, as the
+    damped inverse assumes) and eigh runs on the rest, in float32 above ``_EIGH_FLOAT64_MAX`` columns. LAPACK's
+    float32 eigh can fail to converge on a matrix with many repeated eigenvalues; float64 is then used."""
     live = matrix.diagonal() > 0
-    if not bool(live.all()):
-        index = live.nonzero().squeeze(1)
-        values, sub = _eigh(matrix[index][:, index]) if len(index) else (matrix.new_zeros(0), matrix.new_zeros(0, 0))
-        vectors = torch.zeros(matrix.shape[0], sub.shape[1], dtype=torch.float64)
-        vectors[index] = sub
-        return values, vectors
-    work = matrix if matrix.shape[0] <= _EIGH_FLOAT64_MAX else matrix.to(torch.float32)
+    index = None if bool(live.all()) else live.nonzero().squeeze(1)
+    sub = matrix if index is None else matrix[index][:, index]
+    work = sub if sub.shape[0] <= _EIGH_FLOAT64_MAX else sub.to(torch.float32)
     try:
         values, vectors = torch.linalg.eigh(work)
     except torch.linalg.LinAlgError:
         if work.dtype == torch.float64:
             raise
-        values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
+        values, vectors = torch.linalg.eigh(sub.to(torch.float64))
+    if index is not None:
+        full = vectors.new_zeros(matrix.shape[0], vectors.shape[1])
+        full[index] = vectors
+        vectors = full
+    return values, vectors
+
+
+def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """(eigenvalues >= 0, eigenvectors) of a symmetric PSD factor, float64 out (``_decompose``)."""
+    values, vectors = _decompose(matrix)
     return values.to(torch.float64).clamp_min(0), vectors.to(torch.float64)
 
 
 def _thin_eigh(rows: Tensor, divisor: int) -> tuple[Tensor, Tensor]:
-    """The nonzero eigenpairs of A = X^T X / divisor from X's m < k rows: X X^T = V diag(s) V^T gives
-    A's eigenvalues s / divisor and its eigenvectors X^T V s^{-1/2} (float64)."""
+    """The nonzero eigenpairs of A = X^T X / divisor from X's m < k rows: X X^T = V diag(s) V^T (``_decompose``)
+    gives A's eigenvalues s / divisor and its eigenvectors X^T V s^{-1/2} (float64)."""
     x = rows.to(torch.float64 if rows.shape[0] <= _EIGH_FLOAT64_MAX else torch.float32)
-    s, v = torch.linalg.eigh(x @ x.T)
+    eps = torch.finfo(x.dtype).eps  # the Gram matrix's rounding
+    s, v = _decompose(x @ x.T)
+    x = x.to(v.dtype)  # float64 where float32's eigh did not converge
     # below m eps of the largest, an eigenvalue is rounding: X^T v s^{-1/2} would not be a unit vector
-    keep = s > float(s.max().clamp_min(1e-300)) * max(1e-12, x.shape[0] * torch.finfo(x.dtype).eps)
+    floor = float(s.max()) if s.numel() else 0.0
+    keep = s > max(floor, 1e-300) * max(1e-12, x.shape[0] * eps)
     s, v = s[keep], v[:, keep]
     return (s / divisor).to(torch.float64), ((x.T @ v) / s.sqrt()).to(torch.float64)
 

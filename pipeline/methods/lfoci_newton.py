@@ -225,27 +225,13 @@ class LFociNewtonPrepared(Prepared):
                                    split=self.split, features=self.features.without(removed), prefix=self.prefix)
 
 
-def _prepare_frozen_prefix(trained: TrainedModel, settings: "LFociNewtonSettings",
-                           binding: Binding) -> LFociNewtonPrepared:
-    if not settings.cache_frozen_prefix:
-        return LFociNewtonPrepared(binding, details={"frozen_prefix": None, "why": "cache_frozen_prefix: false"})
-    model, task, train = trained.model, trained.task, trained.train
-    trainable = ParamBlock.all_parameters(model)
-    split = split_for(model, task, trainable)
-    if split is None:
-        return LFociNewtonPrepared(binding, details={
-            "frozen_prefix": None, "why": "no frozen layers before the first trainable parameter (or no splitter "
-                                          "knows the architecture): the modules before a block run per request"})
-    held = len(train) * cached_bytes_per_sample(split, model, task, train)
+def _over_half_budget(model: nn.Module, held: int, what: str) -> str | None:
+    """Why ``held`` bytes of prefix outputs (``what``) are not kept: more than half of what the memory budget
+    leaves; None where they fit."""
     budget = memory.available_in(memory.current_budget(memory.model_device(model)))
-    if held > budget.bytes / 2:
-        return LFociNewtonPrepared(binding, details={
-            "frozen_prefix": None, "why": f"the frozen prefix's outputs on D (~{memory.format_bytes(held)}) exceed "
-                                          f"half of {budget.named()}: the modules before a block run per request"})
-    cache = cache_frozen_prefix(model, task, train, trainable, trained.batch_size)
-    assert cache is not None
-    return LFociNewtonPrepared(binding, details={"frozen_prefix": cache.describe(), "prefix_seconds": cache.seconds},
-                               split=split, features=cache.train, prefix=prefix_digest(split, model))
+    if held <= budget.bytes / 2:
+        return None
+    return f"{what} (~{memory.format_bytes(held)}) exceed half of {budget.named()}"
 
 
 @register_method
@@ -257,7 +243,24 @@ class LFociNewton(RemovalMethod):
     def prepare(self, trained: TrainedModel, settings: LFociNewtonSettings,  # type: ignore[override]
                 binding: Binding) -> LFociNewtonPrepared:
         """The frozen prefix's outputs on D, where the model has frozen layers (``LFociNewtonPrepared``)."""
-        return _prepare_frozen_prefix(trained, settings, binding)
+        if not settings.cache_frozen_prefix:
+            return LFociNewtonPrepared(binding, details={"frozen_prefix": None, "why": "cache_frozen_prefix: false"})
+        model, task, train = trained.model, trained.task, trained.train
+        trainable = ParamBlock.all_parameters(model)
+        split = split_for(model, task, trainable)
+        if split is None:
+            return LFociNewtonPrepared(binding, details={
+                "frozen_prefix": None, "why": "no frozen layers before the first trainable parameter (or no splitter "
+                                              "knows the architecture): the modules before a block run per request"})
+        over = _over_half_budget(model, len(train) * cached_bytes_per_sample(split, model, task, train),
+                                 "the frozen prefix's outputs on D")
+        if over is not None:
+            return LFociNewtonPrepared(binding, details={
+                "frozen_prefix": None, "why": f"{over}: the modules before a block run per request"})
+        cache = cache_frozen_prefix(model, task, train, trainable, trained.batch_size)
+        assert cache is not None
+        return LFociNewtonPrepared(binding, details={"frozen_prefix": cache.describe(), "prefix_seconds": cache.seconds},
+                                   split=split, features=cache.train, prefix=prefix_digest(split, model))
 
     def remove(self, problem: RemovalProblem, settings: LFociNewtonSettings,  # type: ignore[override]
                prepared: Prepared) -> RemovalOutcome:
@@ -291,8 +294,8 @@ class LFociNewton(RemovalMethod):
         # every pass below runs on `work`: the model itself, or its suffix over cached prefix outputs
         prefix = None
         held = prepared.cache(model) if isinstance(prepared, LFociNewtonPrepared) else None
-        own = split_for(model, task, block) if settings.cache_frozen_prefix else None
-        if held is not None and own is not None and own.start == held.start:  # the prepared outputs are the block's
+        own = split_for(model, task, block) if held is not None else None
+        if own is not None and own.start == held.start:  # the prepared outputs are the block's
             prefix = held
         elif settings.cache_frozen_prefix and suffix_start(model, block) is not None:
             with problem.stage("prefix_cache", timings):
@@ -490,7 +493,6 @@ def _passes(problem: RemovalProblem, block: Any, positions: torch.Tensor | None,
     (``LFociNewtonPrepared``) every pass runs on the suffix after the frozen layers over them. Else, with a split
     before the block, the prefix runs on the samples read, whose outputs are held at once: the suffix is taken only
     where they fit half of what the memory budget leaves (else the whole model, and the record says why)."""
-    sample = problem.train if positions is None else problem.train.take(positions)
     held = prepared.cache(problem.model) if use_prefix and isinstance(prepared, LFociNewtonPrepared) else None
     if held is not None:
         features = held.train
@@ -500,17 +502,16 @@ def _passes(problem: RemovalProblem, block: Any, positions: torch.Tensor | None,
                        record={"suffix_start_module": held.start, "prefix": "prepared once (the frozen layers' outputs "
                                                                             "on D)",
                                "suffix_modules": [type(m).__name__ for m in held.suffix.children()]})
+    sample = problem.train if positions is None else problem.train.take(positions)
     split = split_for(problem.model, problem.task, block) if use_prefix else None
     if split is None:
         return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain)
     model, task, bs = problem.model, problem.task, problem.batch_size
-    held_bytes = reads * cached_bytes_per_sample(split, model, task, problem.forget)
-    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
-    if held_bytes > budget.bytes / 2:
+    over = _over_half_budget(model, reads * cached_bytes_per_sample(split, model, task, problem.forget),
+                             f"the prefix's outputs of the {reads} samples the path reads")
+    if over is not None:
         return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain, record={
-            "suffix_start_module": split.start, "skipped": (
-                f"the prefix's outputs of the {reads} samples the path reads (~{memory.format_bytes(held_bytes)}) "
-                f"exceed half of {budget.named()}: every pass runs through the whole model")})
+            "suffix_start_module": split.start, "skipped": f"{over}: every pass runs through the whole model"})
     counted = {"samples": 0}
 
     def inputs(data: SampleSet) -> SampleSet:
