@@ -25,9 +25,10 @@ Rows: original (no removal), retrain (the file's recipe on D_r), retrain-reseed 
   the noise floor), then every registered removal method (``pipeline.methods.METHODS``, looked up at run time:
   ours and the baselines finetune, gradient-ascent, random-labels, salun, and neggrad-plus, scrub, l1-sparse when
   registered) and every variant file of configs/methods/ (a name that is not its method's, e.g. newton-head).
-  The quick and smoke profiles run only their ``rows`` (QUICK_ROWS, SMOKE_ROWS: block-gauss-newton, our method for
-  deep networks, lfoci-newton, the default, and the baselines the issue names); every other row is recorded in
-  skipped_rows with the reason.
+  The quick and smoke profiles run only their ``rows`` (QUICK_ROWS, SMOKE_ROWS: block-gauss-newton and
+  trajectory-refit, our methods for deep networks, lfoci-newton, the default, and the baselines the issue names);
+  every other row is recorded in skipped_rows with the reason. The originals keep their recipe's recorded
+  trajectory (what `unlearn train` writes beside a model), which trajectory-refit reads.
   A method that declares it does not apply to the model (``applies_to(trained)`` returning a reason, or listed
   in ``NOT_APPLICABLE``) is skipped and the reason recorded. Every removal goes through the code users run:
   ``pipeline.removal.remove`` (``prepare`` + ``run_removal``, the row's ``MethodRef`` settings); bench/ holds no
@@ -134,8 +135,9 @@ _FULL = {"sets": 3, "tuning_sets": 1, "shadows": 16, "campaign": 10, "mia": [200
          "row_limit": [1.0, 2.0], "row_floor": 60.0}
 # rows: the rows a profile runs (every other registered row is recorded as skipped, with the reason): quick and
 # smoke run our methods for deep networks and the baselines the issue names, not every variant of the registry.
-QUICK_ROWS = ("block-gauss-newton", "lfoci-newton", "finetune", "gradient-ascent", "neggrad-plus", "salun", "l1-sparse")
-SMOKE_ROWS = ("block-gauss-newton", "lfoci-newton", "finetune", "salun")
+QUICK_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "gradient-ascent", "neggrad-plus",
+              "salun", "l1-sparse")
+SMOKE_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "salun")
 _QUICK = {"sets": 1, "tuning_sets": 1, "shadows": 3, "campaign": 2, "mia": [500, 1], "tuning_mia": [300, 1], "grid": 2,
           "row_limit": [1.5, 2.0], "row_floor": 10.0, "timeout_scope": "run", "rows": QUICK_ROWS}
 _SMOKE = {"sets": 1, "tuning_sets": 1, "shadows": 3, "campaign": 2, "mia": [100, 1], "tuning_mia": [100, 1], "grid": 1,
@@ -437,6 +439,7 @@ class Context:
     tuning: dict[str, Any]
     memo: Any = None                # pipeline.frozen_prefix.PrefixMemo (text: frozen layers run once per sample)
     originals: dict[int, nn.Module] = field(default_factory=dict)
+    trajectories: dict[int, Any] = field(default_factory=dict)  # the originals' recorded SGD checkpoints
     cards: dict[int, Any] = field(default_factory=dict)
     train_seconds: list[float] = field(default_factory=list)
     prepared: dict[tuple[str, int, str], Any] = field(default_factory=dict)
@@ -455,6 +458,10 @@ class Context:
         return self.train_config.recipe.model_copy(update={"seed": int(seed)})
 
     def fit(self, data: Any, seed: int) -> tuple[nn.Module, float]:
+        model, seconds, _ = self.fit_recorded(data, seed)
+        return model, seconds
+
+    def fit_recorded(self, data: Any, seed: int) -> tuple[nn.Module, float, Any]:
         """The config's preset trained on ``data`` with its recipe at ``seed`` (``pipeline.recipe.train``);
         (model, seconds charged). With a frozen prefix kept in the memo, the seconds are the fit's without the
         memo's own computing, plus the prefix's pass over ``data`` at the rate measured in this run: what
@@ -472,7 +479,7 @@ class Context:
             inside = sum(sec for _, sec in self.memo.computed[before:])
             seconds = max(0.0, seconds - inside) + self.memo.seconds_per_sample() * len(data)
         result.model.eval()
-        return result.model, seconds
+        return result.model, seconds, result.trajectory
 
     def card(self, seed: int, n: int) -> Any:
         from pipeline.models.card import DataRef, ModelCard, TrainingRecord
@@ -488,8 +495,9 @@ class Context:
     def original(self, s: int) -> nn.Module:
         if s not in self.originals:
             self.tick(f"train original {s}")
-            model, seconds = self.fit(self.train, s)
+            model, seconds, trajectory = self.fit_recorded(self.train, s)
             self.originals[s] = model
+            self.trajectories[s] = trajectory  # what `unlearn train` writes beside the model
             self.cards[s] = self.card(s, len(self.train))
             self.train_seconds.append(seconds)
         return self.originals[s]
@@ -514,7 +522,7 @@ class Context:
         from pipeline.methods import TrainedModel
 
         return TrainedModel(self.original(s), self.task, self.train, self.cards[s].training.weight_decay,
-                            self.batch_size, self.cards[s])
+                            self.batch_size, self.cards[s], trajectory=self.trajectories.get(s))
 
     def limit(self, scenario: str, role: str = "reported") -> float:
         measured = self.retrain_seconds.get(scenario) or [s for v in self.retrain_seconds.values() for s in v]
@@ -543,7 +551,8 @@ class Context:
                 return {"error": f"not run: {self.timed_out[earlier][0]}", "spent": 0.0, "notes": notes}
         impl = get_method(ref.method)
         model = copy.deepcopy(trained.model)
-        work = type(trained)(model, trained.task, trained.train, trained.weight_decay, trained.batch_size, trained.card)
+        work = type(trained)(model, trained.task, trained.train, trained.weight_decay, trained.batch_size, trained.card,
+                             trajectory=trained.trajectory)
         stage = "preparation"
         try:
             with time_limit(limit):
@@ -948,7 +957,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
             continue
         impl = get_method(ref.method)
         trained = TrainedModel(copy.deepcopy(base.model), base.task, base.train, base.weight_decay, base.batch_size,
-                               base.card)
+                               base.card, trajectory=base.trajectory)
         skey = json.dumps(ref.settings.model_dump(mode="json"), sort_keys=True, default=str)
         key = (row, 0, skey)
         earlier = next((ctx.timed_out[k][0] for k in ((row, skey, "*"), (row, skey, scenario))
@@ -987,7 +996,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                 card.training.removed_ids = sorted(set(card.training.removed_ids) | set(fs.ids))
                 card.training.n = card.training.n - len(fs.ids)
                 trained = TrainedModel(trained.model, trained.task, trained.train.without(positions),
-                                       trained.weight_decay, trained.batch_size, card)
+                                       trained.weight_decay, trained.batch_size, card, trajectory=trained.trajectory)
                 prepared = None
                 if isinstance(err, RowTimeout):  # the rest would run into the limit again: charged, not run
                     where = "*" if ctx.profile.get("timeout_scope") == "run" else scenario

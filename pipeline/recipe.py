@@ -24,6 +24,7 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.tasks import Task
 
 if TYPE_CHECKING:
+    from pipeline.trajectory import Trajectory, TrajectoryRecorder
     from pipeline.models.card import ModelCard
 from pipeline.training import FitReport, fit_lbfgs, fit_sgd
 
@@ -62,21 +63,21 @@ class InitSpec(BaseModel):
     scope: Literal["full", "backbone"] = "full"
 
 
-FitFn = Callable[[nn.Module, Task, SampleSet, Recipe], FitReport]
+FitFn = Callable[..., FitReport]
 
 
-def _fit_lbfgs(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+def _fit_lbfgs(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None) -> FitReport:
     model.eval()  # full-batch: deterministic forward (no dropout, BN running statistics)
     return fit_lbfgs(model, task, data, recipe.weight_decay, max_steps=recipe.max_steps,
                      tolerance=recipe.tolerance, batch_size=recipe.batch_size or 4096)
 
 
-def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None) -> FitReport:
     if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1:
         raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
     return fit_sgd(model, task, data, recipe.weight_decay, epochs=recipe.epochs, lr=recipe.lr,
                    batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed,
-                   report_samples=recipe.report_samples)
+                   report_samples=recipe.report_samples, callback=None if recorder is None else recorder.callback())
 
 
 OPTIMIZERS: dict[str, FitFn] = {"lbfgs": _fit_lbfgs, "sgd": _fit_sgd}
@@ -119,14 +120,16 @@ def start_weights(card: "ModelCard") -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in start.state_dict().items()}
 
 
-def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitReport:
+def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe,
+        recorder: "TrajectoryRecorder | None" = None) -> FitReport:
     """Fit in place with the recipe's optimiser; every random draw from the recipe's seed.
 
     Frozen layers in front (``requires_grad`` False, e.g. a text encoder's lower layers) whose
     forward pass draws nothing at random in train mode (no dropout with p > 0, no batch-norm
     statistics) compute the same outputs at every step: they run once over ``data``
     (``pipeline.frozen_prefix``) and the optimiser fits the trainable suffix over their cached
-    outputs, the same objective and the same steps at a fraction of the cost."""
+    outputs, the same objective and the same steps at a fraction of the cost. ``recorder``: collects an SGD
+    run's epoch checkpoints (``pipeline.trajectory``; the full model's parameter names)."""
     from pipeline.frozen_prefix import cache_frozen_prefix, deterministic_prefix
     from pipeline.param_block import ParamBlock
 
@@ -142,8 +145,8 @@ def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe) -> FitRep
                 prefix = cache_frozen_prefix(model, task, data, block, recipe.batch_size or 256)
                 model.train(was)
         if prefix is None:
-            return OPTIMIZERS[recipe.optimizer](model, task, data, recipe)
-        return OPTIMIZERS[recipe.optimizer](prefix.suffix, prefix.task, prefix.train, recipe)
+            return OPTIMIZERS[recipe.optimizer](model, task, data, recipe, recorder)
+        return OPTIMIZERS[recipe.optimizer](prefix.suffix, prefix.task, prefix.train, recipe, recorder)
 
 
 @dataclass
@@ -153,6 +156,7 @@ class TrainResult:
     fit: FitReport
     init_report: dict[str, Any]
     seconds: float
+    trajectory: "Trajectory | None" = None  # an SGD recipe's epoch checkpoints (pipeline.trajectory)
 
 
 def train(
@@ -166,6 +170,24 @@ def train(
     started = time.perf_counter()
     model, task, report = initial_model(preset, options, seed=recipe.seed, init=init)
     model = model.to(dtype)
-    result = fit(model, task, data.astype(dtype), recipe)
+    recorder = None
+    if recipe.optimizer == "sgd":
+        from pipeline.trajectory import TrajectoryRecorder
+
+        names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        recorder = TrajectoryRecorder(model, names, recipe.epochs)
+    result = fit(model, task, data.astype(dtype), recipe, recorder)
     model.eval()
-    return TrainResult(model, task, result, report, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    trajectory = None
+    if recorder is not None:
+        per_epoch = (len(data) + recipe.batch_size - 1) // recipe.batch_size
+        trajectory = recorder.trajectory(sgd_epoch_rates(recipe), per_epoch, recipe.momentum, len(data))
+    return TrainResult(model, task, result, report, seconds, trajectory)
+
+
+def sgd_epoch_rates(recipe: Recipe) -> list[float]:
+    """The learning rate of each epoch of ``fit_sgd``: CosineAnnealingLR(T_max=epochs) stepped per epoch."""
+    import math
+
+    return [recipe.lr * (1 + math.cos(math.pi * e / max(1, recipe.epochs))) / 2 for e in range(recipe.epochs)]

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.config import referenced
 from pipeline.evaluate.classification import task_accuracy
 from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
+from pipeline.trajectory import TRAJECTORY_FILE, save_trajectory
 from pipeline.mixed_linear_training import MixedLinearTraining, fit_user_weights, shared_ids
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord, write_model_dir
 from pipeline.progress import Steps
@@ -129,6 +130,7 @@ def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: S
             result = train(config.model.preset, config.model.options, data, config.recipe, config.model.init,
                            dtype=dtype)
         model, task, init_report, seconds = result.model, result.task, result.init_report, result.seconds
+        trajectory = result.trajectory
         fit_summary = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
                        "steps": result.fit.steps}
         if result.fit.report_samples is not None:  # measured on a seeded subsample (recipe.report_samples)
@@ -136,6 +138,7 @@ def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: S
         mixed, user = None, None
         accuracy_of = lambda split: task_accuracy(model, task, split)  # noqa: E731
     else:
+        trajectory = None
         with steps.step(f"fit (core, then Mixed-Linear user weights on n={len(data)})"):
             model, task, init_report, seconds, mixed, user, accuracy_of = _fit_mixed_linear(
                 config, config.mixed_linear, data, dtype, load_source)
@@ -175,6 +178,10 @@ def _run_training(config: TrainConfig, out_dir: Path, load_source: Any, steps: S
         if user is not None:  # before the card: a directory is a model directory once model.json exists
             out_dir.mkdir(parents=True, exist_ok=True)
             summary["user_weights_sha256"] = save_user_weights(out_dir / USER_WEIGHTS_FILE, user)
+        if trajectory is not None:  # the SGD recipe's epoch checkpoints (trajectory-refit removes from them)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_trajectory(out_dir / TRAJECTORY_FILE, trajectory)
+            summary["trajectory_checkpoints"] = len(trajectory.checkpoints)
         summary["sha256"] = write_model_dir(out_dir, state, card)
     return summary
 

@@ -47,6 +47,15 @@ def pytest_sessionstart(session) -> None:
                             f"-p randomly --randomly-seed={seed} (or fix the order with -p no:randomly)")
 
 
+@pytest.fixture()
+def one_thread():
+    """torch on one thread for the test (timings and float reductions independent of the core count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def torch_globals(request):
     """Before each test: torch's global generator seeded from the test's own id (as pytest-randomly

@@ -34,12 +34,7 @@ from pipeline.training import fit_lbfgs, fit_sgd
 TASK = DenseInputTask(loss="cross_entropy")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _method_run(model, train, forget, weight_decay, settings, card=None, seed=0):

@@ -38,12 +38,7 @@ EXACT = {"curvature": "gauss-newton", "selection": "all", "gauss_newton": {
     "cg_max_iter": 3000, "refit_epochs": 0.0}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(model, train, forget, weight_decay, settings, card=None, seed=0):

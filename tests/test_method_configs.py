@@ -58,6 +58,13 @@ def mlp_dir(trained_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
+def sgd_dir(trained_model_dir) -> Path:
+    """Trained by an SGD recipe: `unlearn train` records its trajectory (trajectory-refit reads it)."""
+    return trained_model_dir("mlp", MLP, recipe={"optimizer": "sgd", "epochs": 2, "lr": 0.05, "batch_size": 64,
+                                                 "momentum": 0.9, "weight_decay": 1e-3, "seed": 0})
+
+
+@pytest.fixture(scope="module")
 def mixed_linear_dir(tmp_path_factory) -> Path:
     from click.testing import CliRunner
 
@@ -71,12 +78,12 @@ def mixed_linear_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_file_runs_as_written(name: str, mlp_dir: Path, mixed_linear_dir: Path):
+def test_file_runs_as_written(name: str, mlp_dir: Path, mixed_linear_dir: Path, sgd_dir: Path):
     from pipeline.models.card import load_model_dir, read_card
     from pipeline.removal import remove, training_set
 
     ref = MethodRef.model_validate(name)
-    model_dir = mixed_linear_dir if ref.method == "mixed-linear" else mlp_dir
+    model_dir = {"mixed-linear": mixed_linear_dir, "trajectory-refit": sgd_dir}.get(ref.method, mlp_dir)
     ids = training_set(read_card(model_dir)).sample_ids[:6].tolist()
     run = remove(model_dir, ids, method=name, seed=0, batch_size=512)
     assert run.record["method"] == ref.method

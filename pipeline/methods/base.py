@@ -139,6 +139,7 @@ class TrainedModel:
     batch_size: int = 1024
     card: "ModelCard | None" = None
     user_weights: Any = None
+    trajectory: Any = None  # an SGD recipe's recorded epoch checkpoints: pipeline.trajectory.Trajectory
 
 
 @dataclass
@@ -152,6 +153,7 @@ class RemovalProblem:
     batch_size: int = 1024
     card: "ModelCard | None" = None
     user_weights: Any = None  # Mixed-Linear models: pipeline.methods.mixed_linear.UserWeights
+    trajectory: Any = None  # the recipe's recorded epoch checkpoints (pipeline.trajectory.Trajectory), if kept
     # How the distributed parts run; None = in this process. cluster/ supplies Ray versions.
     probe_runner: "ProbeRunner | None" = None
     curvature_factory: "CurvatureFactory | None" = None
@@ -189,7 +191,7 @@ class RemovalProblem:
     @property
     def trained(self) -> TrainedModel:
         return TrainedModel(self.model, self.task, self.train, self.weight_decay, self.batch_size, self.card,
-                            self.user_weights)
+                            self.user_weights, self.trajectory)
 
     def generator(self, stream: RandomStream) -> torch.Generator:
         """A CPU generator for one named random stream of this removal (seed, stream)."""

@@ -61,16 +61,13 @@ from pipeline.curvature import (
 from pipeline.curvature.linear_layer import LinearCrossEntropyHessian, closed_form_layer
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed, UnsolvedSystemError
-from pipeline.frozen_prefix import (
-    PrefixCache, Split, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest, prefix_outputs, split_for,
-    suffix_start,
-)
+from pipeline.frozen_prefix import cache_frozen_prefix, cached_bytes_per_sample, prefix_outputs, split_for, suffix_start
 from pipeline.methods.base import (
     MethodSettings, RandomStream, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget, prepare_frozen_prefix
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
-from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
 from pipeline.privacy.noise import secret_gaussian_noise
@@ -196,42 +193,8 @@ def _norm(t: torch.Tensor) -> float:
 
 
 @dataclass
-class LFociNewtonPrepared(Prepared):
-    """The frozen prefix's outputs on D, where the model has layers before its first trainable parameter (the
-    split of ``pipeline.frozen_prefix`` whose suffix holds every trainable parameter: a Hugging Face encoder's
-    frozen lower layers, a frozen trunk before a head). No removal moves those layers, so the outputs hold for
-    every later version too: ``after_removal`` drops U's rows once the prefix's digest is checked unchanged.
-    ``split`` None: nothing to prepare (every layer trains, ``cache_frozen_prefix`` off, or the outputs would
-    not fit the memory budget; ``details`` says which)."""
-
-    split: Split | None = None
-    features: SampleSet | None = None
-    prefix: str | None = None
-
-    what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
-
-    def cache(self, model: nn.Module) -> PrefixCache | None:
-        """The prepared outputs as the prefix cache of ``model`` (None: nothing prepared)."""
-        if self.split is None or self.features is None:
-            return None
-        return PrefixCache(self.split, self.split.suffix_of(model), self.features, 0.0)
-
-    def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
-        if self.split is None or self.features is None:
-            return LFociNewtonPrepared(binding, 0.0, dict(self.details))
-        if prefix_digest(self.split, trained.model) != self.prefix:
-            return None
-        return LFociNewtonPrepared(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
-                                   split=self.split, features=self.features.without(removed), prefix=self.prefix)
-
-
-def _over_half_budget(model: nn.Module, held: int, what: str) -> str | None:
-    """Why ``held`` bytes of prefix outputs (``what``) are not kept: more than half of what the memory budget
-    leaves; None where they fit."""
-    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
-    if held <= budget.bytes / 2:
-        return None
-    return f"{what} (~{memory.format_bytes(held)}) exceed half of {budget.named()}"
+class LFociNewtonPrepared(FrozenPrefixPrepared):
+    """lfoci-newton's preparation: the frozen prefix's outputs on D (``pipeline.methods.prefix_prepared``)."""
 
 
 @register_method
@@ -245,22 +208,7 @@ class LFociNewton(RemovalMethod):
         """The frozen prefix's outputs on D, where the model has frozen layers (``LFociNewtonPrepared``)."""
         if not settings.cache_frozen_prefix:
             return LFociNewtonPrepared(binding, details={"frozen_prefix": None, "why": "cache_frozen_prefix: false"})
-        model, task, train = trained.model, trained.task, trained.train
-        trainable = ParamBlock.all_parameters(model)
-        split = split_for(model, task, trainable)
-        if split is None:
-            return LFociNewtonPrepared(binding, details={
-                "frozen_prefix": None, "why": "no frozen layers before the first trainable parameter (or no splitter "
-                                              "knows the architecture): the modules before a block run per request"})
-        over = _over_half_budget(model, len(train) * cached_bytes_per_sample(split, model, task, train),
-                                 "the frozen prefix's outputs on D")
-        if over is not None:
-            return LFociNewtonPrepared(binding, details={
-                "frozen_prefix": None, "why": f"{over}: the modules before a block run per request"})
-        cache = cache_frozen_prefix(model, task, train, trainable, trained.batch_size)
-        assert cache is not None
-        return LFociNewtonPrepared(binding, details={"frozen_prefix": cache.describe(), "prefix_seconds": cache.seconds},
-                                   split=split, features=cache.train, prefix=prefix_digest(split, model))
+        return prepare_frozen_prefix(trained, binding, LFociNewtonPrepared)
 
     def remove(self, problem: RemovalProblem, settings: LFociNewtonSettings,  # type: ignore[override]
                prepared: Prepared) -> RemovalOutcome:
@@ -507,7 +455,7 @@ def _passes(problem: RemovalProblem, block: Any, positions: torch.Tensor | None,
     if split is None:
         return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain)
     model, task, bs = problem.model, problem.task, problem.batch_size
-    over = _over_half_budget(model, reads * cached_bytes_per_sample(split, model, task, problem.forget),
+    over = over_half_budget(model, reads * cached_bytes_per_sample(split, model, task, problem.forget),
                              f"the prefix's outputs of the {reads} samples the path reads")
     if over is not None:
         return _Passes(problem.model, problem.task, problem.forget, sample, problem.retain, record={

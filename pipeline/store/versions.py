@@ -43,6 +43,7 @@ from torch import Tensor
 from pipeline.checkpoint import atomic_write_bytes, sha256_of
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, write_model_dir
 from pipeline.store.crashpoint import crash_point
+from pipeline.trajectory import TRAJECTORY_FILE
 
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
@@ -226,7 +227,7 @@ class VersionStore:
         info = self.info(model, version)
         self._check_seal(info.manifest, f"version {version} of '{model}': the manifest")
         files = info.manifest.get("files")
-        if not isinstance(files, dict) or set(files) != {WEIGHTS_FILE, CARD_FILE}:
+        if not isinstance(files, dict) or set(files) - {TRAJECTORY_FILE} != {WEIGHTS_FILE, CARD_FILE}:
             raise TamperedVersionError(f"version {version} of '{model}': the manifest's file list is damaged")
         present = {p.name for p in info.path.iterdir()}
         unexpected = sorted(present - set(files) - {MANIFEST_FILE})
@@ -390,7 +391,8 @@ class VersionStore:
         write(staging)
         crash_point("publish_staged")
         manifest = {**manifest, "format": FORMAT, "model": model, "version": version, "created_at": _now(),
-                    "files": {name: sha256_of(staging / name) for name in (WEIGHTS_FILE, CARD_FILE)}}
+                    "files": {name: sha256_of(staging / name) for name in (WEIGHTS_FILE, CARD_FILE, TRAJECTORY_FILE)
+                              if name != TRAJECTORY_FILE or (staging / name).exists()}}
         manifest = self._sealed(manifest)
         atomic_write_bytes(staging / MANIFEST_FILE, _json_bytes(manifest))
         _fsync_dir(staging)
@@ -412,8 +414,9 @@ class VersionStore:
         load_model_dir(source)  # refuses a directory whose weights do not fit its card
 
         def write(staging: Path) -> None:
-            for name in (WEIGHTS_FILE, CARD_FILE):
-                atomic_write_bytes(staging / name, (source / name).read_bytes())
+            for name in (WEIGHTS_FILE, CARD_FILE, TRAJECTORY_FILE):  # the recorded trajectory where it exists
+                if name != TRAJECTORY_FILE or (source / name).exists():
+                    atomic_write_bytes(staging / name, (source / name).read_bytes())
 
         info = self._stage(model, write, {"kind": "import", "parent": None, "source": str(source.resolve()), "note": note}, 0)
         self._write_pointer(model, 0, "import", note, None)
@@ -429,8 +432,15 @@ class VersionStore:
             raise VersionStoreError(f"model '{model}' is at version {pointer['version']}, not at the expected parent {parent}")
         version = max(self.versions(model)) + 1
         parent_sha = sha256_of(self.version_dir(model, parent) / MANIFEST_FILE)
+        recorded = self.version_dir(model, parent) / TRAJECTORY_FILE
+
+        def write(staging: Path) -> None:
+            write_model_dir(staging, dict(state), card)
+            if recorded.exists():  # the recipe's trajectory belongs to every version of the model
+                atomic_write_bytes(staging / TRAJECTORY_FILE, recorded.read_bytes())
+
         info = self._stage(
-            model, lambda staging: write_model_dir(staging, dict(state), card),
+            model, write,
             {**manifest, "kind": "removal", "parent": parent, "parent_manifest_sha256": parent_sha}, version,
         )
         self.set_current(model, version, expected=parent, kind="publish")

@@ -1,0 +1,78 @@
+"""The frozen prefix's outputs on D as a method's prepared state: where a model has layers before its first
+trainable parameter (a Hugging Face encoder's frozen lower layers, a frozen trunk before a head), no removal
+moves them, so their outputs on D are computed once per model and carried to every later version by dropping
+U's rows (the prefix's digest checked unchanged). ``lfoci-newton`` and ``trajectory-refit`` prepare it
+(``pipeline.frozen_prefix`` does the caching)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline import memory
+from pipeline.data.sampleset import SampleSet
+from pipeline.frozen_prefix import PrefixCache, Split, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest, split_for
+from pipeline.methods.base import TrainedModel
+from pipeline.param_block import ParamBlock
+from pipeline.prepared import Binding, Prepared
+
+__all__ = ["FrozenPrefixPrepared", "over_half_budget", "prepare_frozen_prefix"]
+
+
+@dataclass
+class FrozenPrefixPrepared(Prepared):
+    """The frozen prefix's outputs on D, where the model has layers before its first trainable parameter (the
+    split of ``pipeline.frozen_prefix`` whose suffix holds every trainable parameter). ``split`` None: nothing
+    to prepare (every layer trains, caching turned off, or the outputs would not fit the memory budget;
+    ``details`` says which)."""
+
+    split: Split | None = None
+    features: SampleSet | None = None
+    prefix: str | None = None
+
+    what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
+
+    def cache(self, model: nn.Module) -> PrefixCache | None:
+        """The prepared outputs as the prefix cache of ``model`` (None: nothing prepared)."""
+        if self.split is None or self.features is None:
+            return None
+        return PrefixCache(self.split, self.split.suffix_of(model), self.features, 0.0)
+
+    def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
+        if self.split is None or self.features is None:
+            return type(self)(binding, 0.0, dict(self.details))
+        if prefix_digest(self.split, trained.model) != self.prefix:
+            return None
+        return type(self)(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
+                          split=self.split, features=self.features.without(removed), prefix=self.prefix)
+
+
+def over_half_budget(model: nn.Module, held: int, what: str) -> str | None:
+    """Why ``held`` bytes of prefix outputs (``what``) are not kept: more than half of what the memory budget
+    leaves; None where they fit."""
+    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
+    if held <= budget.bytes / 2:
+        return None
+    return f"{what} (~{memory.format_bytes(held)}) exceed half of {budget.named()}"
+
+
+def prepare_frozen_prefix(trained: TrainedModel, binding: Binding, cls: type[FrozenPrefixPrepared] = FrozenPrefixPrepared,
+                          ) -> FrozenPrefixPrepared:
+    """The frozen prefix's outputs on D where the model has frozen layers, else ``cls`` with the reason."""
+    model, task, train = trained.model, trained.task, trained.train
+    trainable = ParamBlock.all_parameters(model)
+    split = split_for(model, task, trainable)
+    if split is None:
+        return cls(binding, details={
+            "frozen_prefix": None, "why": "no frozen layers before the first trainable parameter (or no splitter "
+                                          "knows the architecture): the modules before a block run per request"})
+    over = over_half_budget(model, len(train) * cached_bytes_per_sample(split, model, task, train),
+                            "the frozen prefix's outputs on D")
+    if over is not None:
+        return cls(binding, details={"frozen_prefix": None, "why": f"{over}: the modules before a block run per request"})
+    cache = cache_frozen_prefix(model, task, train, trainable, trained.batch_size)
+    assert cache is not None
+    return cls(binding, details={"frozen_prefix": cache.describe(), "prefix_seconds": cache.seconds},
+               split=split, features=cache.train, prefix=prefix_digest(split, model))

@@ -1,0 +1,133 @@
+"""Trajectory refit: take back the forget set's share of the recorded training run, then refit on the
+retained data. A checkpoint form of Amnesiac unlearning (Graves, Nagisetty and Ganesh, AAAI 2021, who
+keep every batch's update; here the recipe's epoch checkpoints, ``pipeline.trajectory``).
+
+The recipe moved the weights by w_K - w_0 = - sum_k c_k g_k (heavy-ball SGD, c_k the share of step k's
+gradient the final weights carry). A sample z of U sits in one batch of B per epoch, so over stretch e
+(between checkpoints e and e + 1, total rate C_e) U's own pushes sum to about
+    (C_e / n) (G_U(c_e) + G_U(c_{e+1})) / 2,      G_U(w) = sum_{z in U} grad loss(w, z),
+n the size of the set the recipe ran on. Retrain never took them. The removal adds back
+    delta = scale * (1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2
+to every trainable parameter, then runs ``refit_epochs`` of the recipe's SGD on R = D \\ U (its momentum
+and batch size, its learning rate times ``refit_lr_scale``, cosine decay to zero; eval mode: batch-norm
+statistics fixed), ``pipeline.methods.trust_region.refit_block`` over every trainable parameter. Where the
+model has frozen layers before its first trainable one, the refit runs on the suffix over their outputs on D,
+prepared once per model version and carried to the next (``pipeline.methods.prefix_prepared``).
+
+What delta leaves out: the retained data's restoring force. Pushes along directions R's curvature
+trains (stiff modes) are undone by the rest of the run, pushes along flat ones (a class or an identity
+only U ever taught) stay; scale = 1 (all of them, unfiltered) over-forgets and the refit restores the stiff
+part. ``scale`` is chosen on tuning forget sets. First order in m / n around the recorded run; a removal
+from a version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from pipeline.curvature.hessian import block_gradient
+from pipeline.methods.base import (
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
+)
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
+from pipeline.methods.trust_region import refit_block
+from pipeline.param_block import ParamBlock
+from pipeline.prepared import Binding, Prepared
+from pipeline.recipe import recipe_of
+from pipeline.trajectory import TRAJECTORY_FILE, Trajectory
+
+__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "forget_pushes"]
+
+
+class TrajectoryRefitSettings(MethodSettings):
+    scale: float = Field(0.1, gt=0, le=1, description="share of U's recorded pushes taken back (1 = all)")
+    refit_epochs: float = Field(1.0, ge=0, description="epochs of the recipe's SGD on D \\ U after the correction")
+    refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this")
+
+
+def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's parameters and buffers into ``model`` (names as ``pipeline.trajectory`` keeps them)."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in checkpoint.items():
+            target = buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
+            target.copy_(value.to(target.device, target.dtype))
+
+
+def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """(1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2 (CPU float64), ``forget_gradient()`` giving G_U (summed over
+    U, no weight decay) at the weights ``model`` holds; each checkpoint is loaded into ``model`` in turn and its
+    parameters and buffers are as they were when it returns."""
+    kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        grads = []
+        for checkpoint in trajectory.checkpoints:
+            _load(model, checkpoint)
+            grads.append(forget_gradient())
+    finally:
+        model.load_state_dict(kept)
+    total = torch.zeros_like(grads[0])
+    for e, rate in enumerate(trajectory.rates):
+        total += rate * 0.5 * (grads[e] + grads[e + 1])
+    return total / trajectory.n
+
+
+@register_method
+class TrajectoryRefit(RemovalMethod):
+    name = "trajectory-refit"
+    Settings = TrajectoryRefitSettings
+
+    def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]
+                binding: Binding) -> FrozenPrefixPrepared:
+        """The frozen prefix's outputs on D, where the model has frozen layers (the refit runs over them)."""
+        return prepare_frozen_prefix(trained, binding)
+
+    def remove(self, problem: RemovalProblem, settings: TrajectoryRefitSettings,  # type: ignore[override]
+               prepared: Prepared) -> RemovalOutcome:
+        started = time.perf_counter()
+        trajectory = problem.trajectory
+        if trajectory is None:
+            raise ValueError(f"method trajectory-refit needs the model's recorded training trajectory ({TRAJECTORY_FILE}, "
+                             "written by `unlearn train` for an SGD recipe); this model has none")
+        model = problem.model
+        names = [k for k, p in model.named_parameters() if p.requires_grad]
+        missing = sorted(set(names) - set(trajectory.parameters))
+        if missing:
+            raise ValueError(f"the recorded trajectory does not hold the trainable parameters {missing[:5]}: it "
+                             "belongs to another model")
+        timings: dict[str, float] = {}
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # every pass runs on the suffix over the prepared outputs where the model has frozen layers in front
+        held = prepared.cache(model) if isinstance(prepared, FrozenPrefixPrepared) else None
+        work, task, data = (model, problem.task, problem.train) if held is None else (held.suffix, held.task, held.train)
+        block = ParamBlock.all_parameters(work)
+        forget, retain = data.take(problem.forget_positions), data.without(problem.forget_positions)
+        try:
+            with problem.stage("forget_pushes", timings):
+                pushes = forget_pushes(model, trajectory, lambda: block_gradient(
+                    work, task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
+                if not bool(torch.isfinite(pushes).all()):
+                    raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
+                block.add_to_model(work, settings.scale * pushes)
+            recipe = recipe_of(problem.card) if problem.card is not None else None
+            with problem.stage("refit", timings):
+                refit = refit_block(work, task, block, retain, recipe, problem.weight_decay, epochs=settings.refit_epochs,
+                                    lr_scale=settings.refit_lr_scale, seed=problem.seed)
+            if held is not None:
+                refit["frozen_prefix"] = f"the suffix from module {held.start} over the prepared outputs"
+        except BaseException:
+            model.load_state_dict(saved)
+            raise
+        params = dict(model.named_parameters())
+        record: dict[str, Any] = {
+            "trajectory": {"checkpoints": len(trajectory.checkpoints), "n": trajectory.n,
+                           "rates": [round(r, 6) for r in trajectory.rates]},
+            "correction_norm": settings.scale * float(pushes.norm()),
+            "refit": refit, "parameters": len(names), "block_numel": block.numel, "timings": timings,
+            "seconds": time.perf_counter() - started,
+        }
+        return RemovalOutcome({k: params[k].detach().clone() for k in names}, record)

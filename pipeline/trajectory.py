@@ -1,0 +1,115 @@
+"""The recorded training trajectory of an SGD recipe: its weights at epoch boundaries and how much of
+each stretch's gradients reached the final weights. What ``trajectory-refit`` removes from
+(``pipeline.methods.trajectory_refit``).
+
+Heavy-ball SGD (``pipeline.training.fit_sgd``: b <- beta b + g_k; w <- w - eta_k b) moves the weights by
+    w_K - w_0 = - sum_k c_k g_k,      c_k = sum_{j=k}^{K-1} eta_j beta^(j-k),
+g_k the step's mini-batch gradient (weight decay included): c_k is the share of g_k the final weights
+carry, counted to the end of the run (no curvature feedback). The record keeps the weights c_e at the
+E + 1 epoch boundaries (or at most ``MAX_CHECKPOINTS`` evenly spaced ones: every k-th epoch) and, per
+stretch e between checkpoints e and e + 1, its total rate C_e = sum_{k in e} c_k. Only trainable
+parameters are kept, plus the floating buffers (batch-norm statistics) a model in eval mode reads.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+__all__ = ["MAX_CHECKPOINTS", "TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "read_trajectory",
+           "save_trajectory", "stretch_rates"]
+
+TRAJECTORY_FILE = "trajectory.safetensors"
+#: at most this many stretches are kept (checkpoints every ceil(epochs / MAX_CHECKPOINTS) epochs)
+MAX_CHECKPOINTS = 16
+
+
+def stretch_rates(epoch_rates: list[float], steps_per_epoch: int, momentum: float, every: int) -> list[float]:
+    """C_e for stretches of ``every`` epochs: sum over the stretch's steps k of c_k = sum_{j >= k} eta_j beta^(j-k)."""
+    rates = [r for r in epoch_rates for _ in range(steps_per_epoch)]
+    carried = [0.0] * len(rates)
+    tail = 0.0
+    for k in range(len(rates) - 1, -1, -1):  # c_k = eta_k + beta c_{k+1}
+        tail = rates[k] + momentum * tail
+        carried[k] = tail
+    per = every * steps_per_epoch
+    return [sum(carried[s:s + per]) for s in range(0, len(carried), per)]
+
+
+@dataclass
+class Trajectory:
+    """Checkpoints c_0..c_E (name -> tensor: trainable parameters and floating buffers) and the stretch
+    rates C_0..C_{E-1}; ``n`` the training set size the recipe ran on."""
+
+    checkpoints: list[dict[str, Tensor]]
+    rates: list[float]
+    n: int
+
+    def __post_init__(self) -> None:
+        if len(self.checkpoints) != len(self.rates) + 1:
+            raise ValueError(f"a trajectory needs one checkpoint more than stretches (got {len(self.checkpoints)} "
+                             f"checkpoints, {len(self.rates)} rates)")
+        if self.n < 1 or not all(math.isfinite(r) and r >= 0 for r in self.rates):
+            raise ValueError("a trajectory needs n >= 1 and finite rates >= 0")
+
+    @property
+    def parameters(self) -> list[str]:
+        return sorted(self.checkpoints[0])
+
+
+class TrajectoryRecorder:
+    """Collects the checkpoints of one ``fit_sgd`` run on ``model`` (its trainable parameters under
+    ``names``: the full model's names, also when the run fits a suffix module that shares them)."""
+
+    def __init__(self, model: nn.Module, names: dict[int, str], epochs: int, every: int | None = None) -> None:
+        self.model = model
+        self.names = names
+        self.epochs = epochs
+        self.every = every or max(1, math.ceil(epochs / MAX_CHECKPOINTS))
+        self.checkpoints: list[dict[str, Tensor]] = [self._snapshot()]
+
+    def _snapshot(self) -> dict[str, Tensor]:
+        out = {self.names[id(p)]: p.detach().cpu().clone() for p in self.model.parameters() if id(p) in self.names}
+        for name, buf in self.model.named_buffers():
+            if buf.is_floating_point():
+                out.setdefault(f"buffer:{name}", buf.detach().cpu().clone())
+        return out
+
+    def callback(self) -> Callable[[int, float], None]:
+        def after_epoch(epoch: int, _loss: float) -> None:
+            if (epoch + 1) % self.every == 0 or epoch + 1 == self.epochs:
+                self.checkpoints.append(self._snapshot())
+        return after_epoch
+
+    def trajectory(self, epoch_rates: list[float], steps_per_epoch: int, momentum: float, n: int) -> Trajectory:
+        rates = stretch_rates(epoch_rates, steps_per_epoch, momentum, self.every)
+        return Trajectory(self.checkpoints, rates, n)
+
+
+def save_trajectory(path: str | Path, trajectory: Trajectory) -> None:
+    """One safetensors file: ``{e}/{name}`` tensors, the rates and n in its metadata."""
+    tensors = {f"{e}/{name}": t.contiguous() for e, ckpt in enumerate(trajectory.checkpoints) for name, t in ckpt.items()}
+    save_file(tensors, str(path), metadata={"rates": json.dumps(trajectory.rates), "n": str(trajectory.n),
+                                            "checkpoints": str(len(trajectory.checkpoints))})
+
+
+def read_trajectory(path: str | Path) -> Trajectory:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    try:
+        rates, n, count = json.loads(meta["rates"]), int(meta["n"]), int(meta["checkpoints"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{path}: not a training trajectory (metadata rates / n / checkpoints: {err})") from err
+    flat = load_file(str(path))
+    checkpoints: list[dict[str, Tensor]] = [{} for _ in range(count)]
+    for key, tensor in flat.items():
+        e, _, name = key.partition("/")
+        checkpoints[int(e)][name] = tensor
+    return Trajectory(checkpoints, [float(r) for r in rates], n)

@@ -1,0 +1,276 @@
+"""trajectory-refit (pipeline/methods/trajectory_refit.py) and the recorded trajectory it reads
+(pipeline/trajectory.py).
+
+  (a) the stretch rates are the heavy-ball carry c_k = sum_{j >= k} eta_j beta^(j-k) summed per stretch
+      (direct sum), and on U = D they reproduce the run: (1/n) sum_e C_e G_D ~ w_0 - w_K for full-batch
+      SGD with momentum and no weight decay (a wrong sign, a missing 1/n or a rate off by 1/(1-beta) fails);
+  (b) forget_pushes equals the formula computed by hand (autograd at every checkpoint, float64);
+  (c) on a small CNN trained end to end by SGD, a class removal forgets the class as the same-recipe
+      retrains do (training accuracy on the class 0 like theirs), lands nearer the retrains than doing
+      nothing in KL on the forget and test sets, and a refit alone (scale ~ 0) keeps the class;
+  (d) `unlearn train` writes the trajectory for an SGD recipe, remove() reads it (unlearn forget's path),
+      and a model without one gets an error naming the file, the model untouched.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.curvature.hessian import block_gradient
+from pipeline.data import SampleSet, load_source
+from pipeline.methods import RemovalProblem, get_method
+from pipeline.methods.base import parse_settings
+from pipeline.methods.trajectory_refit import forget_pushes
+from pipeline.models.card import DataRef, ModelCard, TrainingRecord
+from pipeline.param_block import ParamBlock
+from pipeline.recipe import sgd_epoch_rates, Recipe
+from pipeline.tasks import DenseInputTask
+from pipeline.trajectory import TrajectoryRecorder, stretch_rates
+from pipeline.training import fit_sgd
+
+TASK = DenseInputTask(loss="cross_entropy")
+RECIPE = {"optimizer": "sgd", "epochs": 12, "lr": 0.05, "batch_size": 64, "momentum": 0.9, "weight_decay": 5e-4}
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _recorded_fit(model: nn.Module, data: SampleSet, recipe: dict, seed: int):
+    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
+    recorder = TrajectoryRecorder(model, names, recipe["epochs"])
+    fit_sgd(model, TASK, data, recipe["weight_decay"], epochs=recipe["epochs"], lr=recipe["lr"],
+            batch_size=recipe["batch_size"], momentum=recipe["momentum"], seed=seed, callback=recorder.callback())
+    per_epoch = (len(data) + recipe["batch_size"] - 1) // recipe["batch_size"]
+    rates = sgd_epoch_rates(Recipe(**{k: v for k, v in recipe.items()}))
+    return recorder.trajectory(rates, per_epoch, recipe["momentum"], len(data))
+
+
+# -- (a) the rates --------------------------------------------------------------------------------------
+def test_stretch_rates_are_the_heavy_ball_carry():
+    epoch_rates, per, beta = [0.3, 0.2, 0.1, 0.05], 3, 0.8
+    steps = [r for r in epoch_rates for _ in range(per)]
+    carry = [sum(steps[j] * beta ** (j - k) for j in range(k, len(steps))) for k in range(len(steps))]
+    assert stretch_rates(epoch_rates, per, beta, 1) == pytest.approx([sum(carry[i:i + per]) for i in range(0, 12, per)])
+    assert stretch_rates(epoch_rates, per, beta, 2) == pytest.approx([sum(carry[:6]), sum(carry[6:])])
+
+
+def test_the_pushes_of_all_of_d_reproduce_the_run():
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.0}
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    trajectory = _recorded_fit(model, data, recipe, 0)
+    problem = RemovalProblem(model, TASK, data, torch.arange(1, len(data)), 0.0, batch_size=4096)
+    problem.forget_positions = torch.arange(len(data))  # U = D (the problem itself refuses to remove everything)
+    block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": None})
+    pushes = forget_pushes(model, trajectory, lambda: block_gradient(model, TASK, problem.forget, block, 0.0))
+    moved = block.gather({k: start[k] - v for k, v in model.state_dict().items()})
+    assert len(trajectory.checkpoints) == 15 and trajectory.n == len(data)  # every 3rd epoch (40 / 16), and the 40th
+    assert float((pushes - moved).norm()) <= 0.03 * float(moved.norm())
+    assert float(moved.norm()) > 0.02  # it moved (0.04)
+
+
+# -- (b) the formula --------------------------------------------------------------------------------------
+def test_forget_pushes_is_the_formula():
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    recipe = {"epochs": 3, "lr": 0.05, "batch_size": 128, "momentum": 0.9, "weight_decay": 1e-3}
+    trajectory = _recorded_fit(model, data, recipe, 2)
+    forget = torch.arange(0, 200, 7)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    problem = RemovalProblem(model, TASK, data, forget, 1e-3, batch_size=64)
+    names = [k for k, _ in model.named_parameters()]
+    block = ParamBlock.from_rows(model, {k: None for k in names})
+    got = forget_pushes(model, trajectory, lambda: block_gradient(model, TASK, problem.forget, block, 0.0, batch_size=64))
+    x, y = data.columns["x"][forget], data.columns["y"][forget]
+
+    def g_u(ckpt):
+        params = {k: ckpt[k].clone().requires_grad_(True) for k in names}
+        loss = nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="sum")
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, [params[k] for k in names])])
+
+    grads = [g_u(c) for c in trajectory.checkpoints]
+    expected = sum(r * 0.5 * (grads[e] + grads[e + 1]) for e, r in enumerate(trajectory.rates)) / len(data)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())  # the model as it was
+
+
+# -- (c) forgetting a class as Retrain does --------------------------------------------------------------
+def _cnn() -> nn.Module:
+    from pipeline.models.small import build_cnn
+
+    torch.manual_seed(0)
+    return build_cnn(channels=(8, 16), pool=(1, 2), hidden=(32,), image_size=8)
+
+
+def _card(n: int) -> ModelCard:
+    return ModelCard(preset="cnn", options={}, data=DataRef(source="digits"), training=TrainingRecord(
+        weight_decay=RECIPE["weight_decay"], n=n, optimizer="sgd", epochs=RECIPE["epochs"], lr=RECIPE["lr"],
+        batch_size=RECIPE["batch_size"], extra={"recipe": dict(RECIPE)}))
+
+
+def _kl_units(model: nn.Module, retrains: list[nn.Module], x: torch.Tensor) -> float:
+    with torch.no_grad():
+        logs = [r(x).log_softmax(1) for r in retrains]
+        mine = model(x).log_softmax(1)
+    mean = torch.stack([lp.exp() for lp in logs]).mean(0).log()
+
+    def kl(lp: torch.Tensor) -> float:
+        return float((lp.exp() * (lp - mean)).sum(1).mean())
+
+    return kl(mine) / (sum(kl(lp) for lp in logs) / len(logs))
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).double().mean())
+
+
+def test_a_class_is_forgotten_as_the_retrains_forget_it():
+    images = load_source("digits", {"flatten": False})
+    train, test = images["train"], images["test"]
+    y = train.columns["y"]
+    forget = torch.nonzero(y == 3).flatten()
+    original = _cnn()
+    trajectory = _recorded_fit(original, train, RECIPE, 0)
+    original.eval()
+    retain = train.without(forget)
+    retrains = []
+    for s in range(1, 4):
+        r = _cnn()
+        fit_sgd(r, TASK, retain, RECIPE["weight_decay"], epochs=RECIPE["epochs"], lr=RECIPE["lr"],
+                batch_size=RECIPE["batch_size"], momentum=RECIPE["momentum"], seed=s)
+        retrains.append(r.eval())
+    xf, yf = train.columns["x"][forget], y[forget]
+    xt, yt = test.columns["x"], test.columns["y"]
+    kept = yt != 3
+
+    def run(scale: float) -> tuple[nn.Module, dict]:
+        model = copy.deepcopy(original)
+        problem = RemovalProblem(model, TASK, train, forget, RECIPE["weight_decay"], seed=0, batch_size=512,
+                                 card=_card(len(train)), trajectory=trajectory)
+        out = get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", {"scale": scale}))
+        return model, out.record
+
+    model, record = run(0.1)
+    refit_only, _ = run(1e-9)
+    before = (_kl_units(original, retrains, xf), _kl_units(original, retrains, xt))
+    after = (_kl_units(model, retrains, xf), _kl_units(model, retrains, xt))
+    retrain_acc = [_accuracy(r, xt[kept], yt[kept]) for r in retrains]
+    print(f"\nclass 3: forget accuracy original {_accuracy(original, xf, yf):.3f}, retrains "
+          f"{[round(_accuracy(r, xf, yf), 3) for r in retrains]}, trajectory-refit {_accuracy(model, xf, yf):.3f}, "
+          f"refit only {_accuracy(refit_only, xf, yf):.3f}; KL units (forget, test) doing nothing "
+          f"{before[0]:.1f}, {before[1]:.2f}, trajectory-refit {after[0]:.2f}, {after[1]:.2f}; test accuracy on the "
+          f"other classes {_accuracy(model, xt[kept], yt[kept]):.3f} (retrains {[round(a, 3) for a in retrain_acc]}); "
+          f"{record['timings']}")
+    assert max(_accuracy(r, xf, yf) for r in retrains) == 0.0
+    assert _accuracy(original, xf, yf) > 0.95 and _accuracy(refit_only, xf, yf) > 0.9  # the refit alone keeps it
+    assert _accuracy(model, xf, yf) <= 0.02
+    assert after[0] < 0.5 * before[0] and after[1] < before[1]
+    assert _accuracy(model, xt[kept], yt[kept]) >= min(retrain_acc) - 0.03
+    assert record["refit"]["steps"] > 0 and set(record["timings"]) == {"forget_pushes", "refit"}
+
+
+# -- (d) through unlearn train and unlearn forget's path ----------------------------------------------------
+def test_unlearn_train_records_it_and_remove_reads_it(trained_model_dir):
+    from pipeline.models.card import read_card
+    from pipeline.removal import load_trained, remove, training_set
+    from pipeline.trajectory import TRAJECTORY_FILE, read_trajectory
+
+    model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
+                                  data_options={"flatten": False}, recipe={**RECIPE, "epochs": 3, "seed": 0})
+    trajectory = read_trajectory(model_dir / TRAJECTORY_FILE)
+    trained = load_trained(model_dir)
+    final = {k: v for k, v in trained.model.state_dict().items()}
+    assert len(trajectory.checkpoints) == 4 and len(trajectory.rates) == 3 and trajectory.n == len(trained.train)
+    assert all(torch.equal(trajectory.checkpoints[-1][k], final[k]) for k in trajectory.parameters
+               if not k.startswith("buffer:"))
+    ids = training_set(read_card(model_dir)).sample_ids[:12].tolist()
+    run = remove(model_dir, ids, method="trajectory-refit", seed=0, batch_size=512)
+    assert run.record["method"] == "trajectory-refit" and run.record["release"]["guarantee"] == "none"
+    assert run.record["trajectory"]["checkpoints"] == 4 and run.record["correction_norm"] > 0
+    assert run.after.trajectory is trajectory or run.after.trajectory is not None  # carried to the next version
+
+    (model_dir / TRAJECTORY_FILE).unlink()
+    bare = load_trained(model_dir)
+    kept = {k: v.clone() for k, v in bare.model.state_dict().items()}
+    with pytest.raises(ValueError, match=TRAJECTORY_FILE):
+        remove(bare, ids, method="trajectory-refit")
+    assert all(torch.equal(kept[k], v) for k, v in bare.model.state_dict().items())
+
+
+# -- (e) frozen layers: the refit runs on the suffix over the prepared outputs, the same removal --------------
+def test_frozen_layers_refit_on_the_prepared_outputs_the_same_removal():
+    from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
+    from pipeline.recipe import fit
+
+    images = load_source("digits", {"flatten": False})
+    train = images["train"]
+    model = _cnn()
+    for p in model[0].parameters():  # the first conv frozen: the recipe fits the rest over its outputs
+        p.requires_grad_(False)
+    recipe = Recipe(**{**RECIPE, "epochs": 3})
+    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
+    recorder = TrajectoryRecorder(model, names, recipe.epochs)
+    fit(model, TASK, train, recipe, recorder)
+    model.eval()
+    per_epoch = (len(train) + recipe.batch_size - 1) // recipe.batch_size
+    trajectory = recorder.trajectory(sgd_epoch_rates(recipe), per_epoch, recipe.momentum, len(train))
+    assert "0.weight" not in trajectory.parameters and "2.weight" in trajectory.parameters
+    forget = torch.nonzero(train.columns["y"] == 5).flatten()
+    method, settings = get_method("trajectory-refit"), parse_settings("trajectory-refit", {})
+    outs = []
+    for prepared in (None, "none"):
+        work = copy.deepcopy(model)
+        problem = RemovalProblem(work, TASK, train, forget, RECIPE["weight_decay"], seed=3, batch_size=512,
+                                 card=_card(len(train)), trajectory=trajectory)
+        state = None if prepared is None else FrozenPrefixPrepared(method.binding(problem.trained, settings))
+        outs.append(method.run(problem, settings, state))
+    via_prefix, whole = outs
+    assert "frozen_prefix" in via_prefix.record["refit"] and "frozen_prefix" not in whole.record["refit"]
+    assert via_prefix.record["preparation"]["frozen_prefix"]["suffix_start_module"] in (1, 2)
+    for k, v in whole.new_parameters.items():
+        assert torch.allclose(via_prefix.new_parameters[k], v, rtol=1e-4, atol=1e-5), k
+    assert float((whole.new_parameters["2.weight"] - model.state_dict()["2.weight"]).norm()) > 1e-2  # it moved
+
+
+# -- (f) every new version keeps the trajectory: unlearn forget's output and the version store -------------
+def test_new_versions_carry_the_trajectory(trained_model_dir, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from jobs.cli import cli
+    from pipeline.removal import load_trained
+    from pipeline.store.versions import VersionStore
+    from pipeline.trajectory import TRAJECTORY_FILE
+
+    model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
+                                  data_options={"flatten": False}, recipe={**RECIPE, "epochs": 2, "seed": 0})
+    recorded = (model_dir / TRAJECTORY_FILE).read_bytes()
+    first = load_trained(model_dir).train.sample_ids[:4].tolist()
+    config = tmp_path / "forget.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir), "forget": {"sample_ids": first},
+                                      "method": "trajectory-refit", "output": str(tmp_path / "v1")}))
+    result = CliRunner().invoke(cli, ["forget", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "v1" / TRAJECTORY_FILE).read_bytes() == recorded
+    again = load_trained(tmp_path / "v1")  # the next removal from the new version reads it
+    assert again.trajectory is not None and len(again.trajectory.checkpoints) == 3
+
+    vs = VersionStore(tmp_path / "store", create=True)
+    with vs.lock("m", create=True):
+        vs.import_model_dir("m", model_dir)
+    with vs.lock("m"):
+        state = {k: v.detach() for k, v in again.model.state_dict().items()}
+        vs.publish("m", state, again.card, parent=0, manifest={"batch": {"key": "b", "content_sha256": "h"}})
+    for version in (0, 1):
+        info = vs.verify("m", version)  # the file is in the manifest and checked like the weights
+        assert (info.path / TRAJECTORY_FILE).read_bytes() == recorded and TRAJECTORY_FILE in info.manifest["files"]
+    (vs.version_dir("m", 1) / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
+    with pytest.raises(Exception, match=TRAJECTORY_FILE):
+        vs.verify("m", 1)
