@@ -45,6 +45,10 @@ class Recipe(BaseModel):
     report_samples: int | None = Field(
         None, gt=0, description="sgd: measure the final objective and gradient norm on a seeded subsample of this many "
                                 "training samples (null: all of them; on a large set that costs about a third of an epoch)")
+    trajectory_checkpoints: int = Field(
+        16, ge=0, description="sgd: keep the weights at most this many times along the run (every ceil(epochs / this) "
+                              "epochs and the last; pipeline.trajectory, read by trajectory-refit; each holds the "
+                              "trainable parameters once); 0 = none")
 
     @field_validator("optimizer")
     @classmethod
@@ -171,11 +175,14 @@ def train(
     model, task, report = initial_model(preset, options, seed=recipe.seed, init=init)
     model = model.to(dtype)
     recorder = None
-    if recipe.optimizer == "sgd":
+    if recipe.optimizer == "sgd" and recipe.trajectory_checkpoints > 0:
+        import math
+
         from pipeline.trajectory import TrajectoryRecorder
 
         names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-        recorder = TrajectoryRecorder(model, names, recipe.epochs)
+        recorder = TrajectoryRecorder(model, names, recipe.epochs,
+                                      every=max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints)))
     result = fit(model, task, data.astype(dtype), recipe, recorder)
     model.eval()
     seconds = time.perf_counter() - started

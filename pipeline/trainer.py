@@ -26,7 +26,10 @@ the core is the preset's initial weights, fitted with the recipe on ``core_data`
 
 The model directory (``model.safetensors`` + ``model.json``) records the preset and options,
 the data reference, n, lambda, the whole recipe, the init spec and the seeds, so a removal can
-rebuild the training set by id and the Retrain baseline can repeat the recipe exactly.
+rebuild the training set by id and the Retrain baseline can repeat the recipe exactly. An SGD
+recipe also leaves ``trajectory.safetensors``: the weights at up to ``recipe.trajectory_checkpoints``
+(16) epoch boundaries and the rates between them (``pipeline.trajectory``; trajectory-refit reads it;
+``trajectory_checkpoints: 0`` writes none).
 Bad input raises ``TrainingError`` (a ``ValueError``) naming the field.
 """
 from __future__ import annotations

@@ -6,7 +6,8 @@ Heavy-ball SGD (``pipeline.training.fit_sgd``: b <- beta b + g_k; w <- w - eta_k
     w_K - w_0 = - sum_k c_k g_k,      c_k = sum_{j=k}^{K-1} eta_j beta^(j-k),
 g_k the step's mini-batch gradient (weight decay included): c_k is the share of g_k the final weights
 carry, counted to the end of the run (no curvature feedback). The record keeps the weights c_e at the
-E + 1 epoch boundaries (or at most ``MAX_CHECKPOINTS`` evenly spaced ones: every k-th epoch) and, per
+E + 1 epoch boundaries (or at most ``recipe.trajectory_checkpoints``, 16 by default, evenly spaced ones:
+every k-th epoch and the last) and, per
 stretch e between checkpoints e and e + 1, its total rate C_e = sum_{k in e} c_k. Only trainable
 parameters are kept, plus the floating buffers (batch-norm statistics) a model in eval mode reads.
 """

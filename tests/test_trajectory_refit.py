@@ -274,3 +274,14 @@ def test_new_versions_carry_the_trajectory(trained_model_dir, tmp_path):
     (vs.version_dir("m", 1) / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
     with pytest.raises(Exception, match=TRAJECTORY_FILE):
         vs.verify("m", 1)
+
+
+def test_the_recipe_bounds_the_checkpoints_kept():
+    from pipeline.recipe import train
+
+    data = load_source("digits", {})["train"]
+    recipe = Recipe(optimizer="sgd", epochs=5, lr=0.05, batch_size=256, weight_decay=1e-3)
+    kept = train("linear", {}, data, recipe.model_copy(update={"trajectory_checkpoints": 2})).trajectory
+    assert kept is not None and len(kept.checkpoints) == 3 and len(kept.rates) == 2  # epochs 3 and 5, and the start
+    assert train("linear", {}, data, recipe.model_copy(update={"trajectory_checkpoints": 0})).trajectory is None
+    assert train("linear", {}, data, recipe.model_copy(update={"optimizer": "lbfgs"})).trajectory is None
