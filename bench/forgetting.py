@@ -102,7 +102,9 @@ METHOD_SETTINGS: dict[str, dict[str, Any]] = {
 #                   Gauss-Newton step on the whole head (its EK-FAC factors prepared once per model too)
 VARIANT_ROWS: tuple[str, ...] = ("newton-head", "newton-head-gn")
 QUICK_OVERRIDES: dict[str, dict[str, Any]] = {"lfoci-newton": {"perturbations": 64, "curvature_samples": 512}}
-SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear"})  # its own model family: see MIXED_LINEAR
+# mixed-linear: its own model family (see MIXED_LINEAR); trajectory-refit: for networks trained end to end (it
+# reads the recipe's recorded trajectory, which these heads over frozen features do not keep), bench/deep_forgetting.py
+SKIP_METHODS: frozenset[str] = frozenset({"mixed-linear", "trajectory-refit"})
 # Mixed-Linear (Golatkar et al. 2021) is a different model: core = the frozen features + the head's
 # hidden layer at its seeded initialisation (trained on no sample), user weights = the output layer
 # of the linearised head, MSE on one-hot targets. Its forgetting is compared with retraining the user

@@ -37,7 +37,9 @@ from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from tests.kit import digits64
 
-from tests.test_block_gauss_newton import TASK, _one_thread  # noqa: F401  (one torch thread, autouse)
+from tests.test_block_gauss_newton import TASK
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _same_input(x: torch.Tensor, n: int, classes: int) -> SampleSet:

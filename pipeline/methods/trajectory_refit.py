@@ -81,6 +81,13 @@ class TrajectoryRefit(RemovalMethod):
     name = "trajectory-refit"
     Settings = TrajectoryRefitSettings
 
+    def applies_to(self, trained: TrainedModel) -> str | None:
+        """Why this method cannot serve ``trained`` (None: it can): it needs the recipe's recorded trajectory."""
+        if trained.trajectory is None:
+            return (f"needs the recipe's recorded training trajectory ({TRAJECTORY_FILE}, written by `unlearn train` "
+                    "for an SGD recipe); this model has none")
+        return None
+
     def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]
                 binding: Binding) -> FrozenPrefixPrepared:
         """The frozen prefix's outputs on D, where the model has frozen layers (the refit runs over them)."""
@@ -90,9 +97,8 @@ class TrajectoryRefit(RemovalMethod):
                prepared: Prepared) -> RemovalOutcome:
         started = time.perf_counter()
         trajectory = problem.trajectory
-        if trajectory is None:
-            raise ValueError(f"method trajectory-refit needs the model's recorded training trajectory ({TRAJECTORY_FILE}, "
-                             "written by `unlearn train` for an SGD recipe); this model has none")
+        if (why := self.applies_to(problem.trained)) is not None:
+            raise ValueError(f"method trajectory-refit {why}")
         model = problem.model
         names = [k for k, p in model.named_parameters() if p.requires_grad]
         missing = sorted(set(names) - set(trajectory.parameters))
