@@ -35,7 +35,7 @@ from pipeline import memory
 from pipeline.jsonio import dumps
 from pipeline.methods.base import MethodRef, MethodSettings, get_method, parse_settings
 from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
-from pipeline.trajectory import TRAJECTORY_FILE
+from pipeline.trajectory import copy_trajectory
 from pipeline.models.card import write_model_dir
 
 
@@ -148,8 +148,7 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
         write_model_dir(staging, run.new_state, run.card)
         if run.user_weights is not None:
             save_user_weights(staging / USER_WEIGHTS_FILE, run.user_weights)
-        if (model_dir / TRAJECTORY_FILE).exists():  # the recipe's recorded trajectory goes with every version
-            shutil.copyfile(model_dir / TRAJECTORY_FILE, staging / TRAJECTORY_FILE)
+        copy_trajectory(model_dir, staging)  # the recipe's recorded trajectory goes with every version
         record_bytes = dumps(run.record).encode()
         with open(staging / "removal.json", "wb") as fh:
             fh.write(record_bytes)

@@ -176,25 +176,10 @@ def train(
     model = model.to(dtype)
     recorder = None
     if recipe.optimizer == "sgd" and recipe.trajectory_checkpoints > 0:
-        import math
-
         from pipeline.trajectory import TrajectoryRecorder
 
-        names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-        recorder = TrajectoryRecorder(model, names, recipe.epochs,
-                                      every=max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints)))
+        recorder = TrajectoryRecorder(model, recipe)
     result = fit(model, task, data.astype(dtype), recipe, recorder)
     model.eval()
-    seconds = time.perf_counter() - started
-    trajectory = None
-    if recorder is not None:
-        per_epoch = (len(data) + recipe.batch_size - 1) // recipe.batch_size
-        trajectory = recorder.trajectory(sgd_epoch_rates(recipe), per_epoch, recipe.momentum, len(data))
-    return TrainResult(model, task, result, report, seconds, trajectory)
-
-
-def sgd_epoch_rates(recipe: Recipe) -> list[float]:
-    """The learning rate of each epoch of ``fit_sgd``: CosineAnnealingLR(T_max=epochs) stepped per epoch."""
-    import math
-
-    return [recipe.lr * (1 + math.cos(math.pi * e / max(1, recipe.epochs))) / 2 for e in range(recipe.epochs)]
+    return TrainResult(model, task, result, report, time.perf_counter() - started,
+                       None if recorder is None else recorder.trajectory(len(data)))

@@ -15,30 +15,30 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-__all__ = ["MAX_CHECKPOINTS", "TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "read_trajectory",
+if TYPE_CHECKING:
+    from pipeline.recipe import Recipe
+
+__all__ = ["TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "copy_trajectory", "read_trajectory",
            "save_trajectory", "stretch_rates"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
-#: at most this many stretches are kept (checkpoints every ceil(epochs / MAX_CHECKPOINTS) epochs)
-MAX_CHECKPOINTS = 16
 
 
-def stretch_rates(epoch_rates: list[float], steps_per_epoch: int, momentum: float, every: int) -> list[float]:
-    """C_e for stretches of ``every`` epochs: sum over the stretch's steps k of c_k = sum_{j >= k} eta_j beta^(j-k)."""
-    rates = [r for r in epoch_rates for _ in range(steps_per_epoch)]
-    carried = [0.0] * len(rates)
+def stretch_rates(step_rates: list[float], momentum: float, per: int) -> list[float]:
+    """C_e for stretches of ``per`` steps: sum over the stretch's steps k of c_k = sum_{j >= k} eta_j beta^(j-k)."""
+    carried = [0.0] * len(step_rates)
     tail = 0.0
-    for k in range(len(rates) - 1, -1, -1):  # c_k = eta_k + beta c_{k+1}
-        tail = rates[k] + momentum * tail
+    for k in range(len(step_rates) - 1, -1, -1):  # c_k = eta_k + beta c_{k+1}
+        tail = step_rates[k] + momentum * tail
         carried[k] = tail
-    per = every * steps_per_epoch
     return [sum(carried[s:s + per]) for s in range(0, len(carried), per)]
 
 
@@ -64,14 +64,21 @@ class Trajectory:
 
 
 class TrajectoryRecorder:
-    """Collects the checkpoints of one ``fit_sgd`` run on ``model`` (its trainable parameters under
-    ``names``: the full model's names, also when the run fits a suffix module that shares them)."""
+    """Collects the checkpoints of one ``fit_sgd`` run of ``recipe`` on ``model``: every
+    ceil(epochs / ``recipe.trajectory_checkpoints``) epochs and the last, its trainable parameters under the full
+    model's names (also when the run fits a suffix module that shares them)."""
 
-    def __init__(self, model: nn.Module, names: dict[int, str], epochs: int, every: int | None = None) -> None:
+    def __init__(self, model: nn.Module, recipe: "Recipe") -> None:
+        from pipeline.target.replay import ReplaySchedule
+
+        if recipe.optimizer != "sgd" or recipe.trajectory_checkpoints < 1:
+            raise ValueError("a trajectory is recorded for an SGD recipe with trajectory_checkpoints >= 1")
         self.model = model
-        self.names = names
-        self.epochs = epochs
-        self.every = every or max(1, math.ceil(epochs / MAX_CHECKPOINTS))
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        self.epochs = recipe.epochs
+        self.every = max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints))
+        self.schedule = ReplaySchedule(recipe.epochs, recipe.lr, recipe.momentum, recipe.batch_size,
+                                       recipe.weight_decay)
         self.checkpoints: list[dict[str, Tensor]] = [self._snapshot()]
 
     def _snapshot(self) -> dict[str, Tensor]:
@@ -87,9 +94,20 @@ class TrajectoryRecorder:
                 self.checkpoints.append(self._snapshot())
         return after_epoch
 
-    def trajectory(self, epoch_rates: list[float], steps_per_epoch: int, momentum: float, n: int) -> Trajectory:
-        rates = stretch_rates(epoch_rates, steps_per_epoch, momentum, self.every)
-        return Trajectory(self.checkpoints, rates, n)
+    def trajectory(self, n: int) -> Trajectory:
+        """The record of the run on ``n`` samples (the fit's rates: ``ReplaySchedule.step_rates``)."""
+        steps = self.schedule.step_rates(n)
+        per = self.every * len(steps) // self.epochs
+        return Trajectory(self.checkpoints, stretch_rates(steps, self.schedule.momentum, per), n)
+
+
+def copy_trajectory(source_dir: str | Path, target_dir: str | Path) -> bool:
+    """Copy a model directory's recorded trajectory to a new version's directory (False: it has none)."""
+    source = Path(source_dir) / TRAJECTORY_FILE
+    if not source.exists():
+        return False
+    shutil.copyfile(source, Path(target_dir) / TRAJECTORY_FILE)
+    return True
 
 
 def save_trajectory(path: str | Path, trajectory: Trajectory) -> None:

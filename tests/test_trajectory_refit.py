@@ -26,7 +26,7 @@ from pipeline.methods.base import parse_settings
 from pipeline.methods.trajectory_refit import forget_pushes
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.param_block import ParamBlock
-from pipeline.recipe import sgd_epoch_rates, Recipe
+from pipeline.recipe import Recipe
 from pipeline.tasks import DenseInputTask
 from pipeline.trajectory import TrajectoryRecorder, stretch_rates
 from pipeline.training import fit_sgd
@@ -39,13 +39,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _recorded_fit(model: nn.Module, data: SampleSet, recipe: dict, seed: int):
-    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
-    recorder = TrajectoryRecorder(model, names, recipe["epochs"])
-    fit_sgd(model, TASK, data, recipe["weight_decay"], epochs=recipe["epochs"], lr=recipe["lr"],
-            batch_size=recipe["batch_size"], momentum=recipe["momentum"], seed=seed, callback=recorder.callback())
-    per_epoch = (len(data) + recipe["batch_size"] - 1) // recipe["batch_size"]
-    rates = sgd_epoch_rates(Recipe(**{k: v for k, v in recipe.items()}))
-    return recorder.trajectory(rates, per_epoch, recipe["momentum"], len(data))
+    spec = Recipe(**{"optimizer": "sgd", **recipe, "seed": seed})
+    recorder = TrajectoryRecorder(model, spec)
+    fit_sgd(model, TASK, data, spec.weight_decay, epochs=spec.epochs, lr=spec.lr, batch_size=spec.batch_size,
+            momentum=spec.momentum, seed=seed, callback=recorder.callback())
+    return recorder.trajectory(len(data))
 
 
 # -- (a) the rates --------------------------------------------------------------------------------------
@@ -53,15 +51,16 @@ def test_stretch_rates_are_the_heavy_ball_carry():
     epoch_rates, per, beta = [0.3, 0.2, 0.1, 0.05], 3, 0.8
     steps = [r for r in epoch_rates for _ in range(per)]
     carry = [sum(steps[j] * beta ** (j - k) for j in range(k, len(steps))) for k in range(len(steps))]
-    assert stretch_rates(epoch_rates, per, beta, 1) == pytest.approx([sum(carry[i:i + per]) for i in range(0, 12, per)])
-    assert stretch_rates(epoch_rates, per, beta, 2) == pytest.approx([sum(carry[:6]), sum(carry[6:])])
+    assert stretch_rates(steps, beta, per) == pytest.approx([sum(carry[i:i + per]) for i in range(0, 12, per)])
+    assert stretch_rates(steps, beta, 2 * per) == pytest.approx([sum(carry[:6]), sum(carry[6:])])
 
 
 def test_the_pushes_of_all_of_d_reproduce_the_run():
     data = load_source("digits", {"dtype": "float64"})["train"]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
-    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.0}
+    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.0,
+              "trajectory_checkpoints": 16}
     start = {k: v.clone() for k, v in model.state_dict().items()}
     trajectory = _recorded_fit(model, data, recipe, 0)
     problem = RemovalProblem(model, TASK, data, torch.arange(1, len(data)), 0.0, batch_size=4096)
@@ -215,12 +214,10 @@ def test_frozen_layers_refit_on_the_prepared_outputs_the_same_removal():
     for p in model[0].parameters():  # the first conv frozen: the recipe fits the rest over its outputs
         p.requires_grad_(False)
     recipe = Recipe(**{**RECIPE, "epochs": 3})
-    names = {id(p): k for k, p in model.named_parameters() if p.requires_grad}
-    recorder = TrajectoryRecorder(model, names, recipe.epochs)
+    recorder = TrajectoryRecorder(model, recipe)
     fit(model, TASK, train, recipe, recorder)
     model.eval()
-    per_epoch = (len(train) + recipe.batch_size - 1) // recipe.batch_size
-    trajectory = recorder.trajectory(sgd_epoch_rates(recipe), per_epoch, recipe.momentum, len(train))
+    trajectory = recorder.trajectory(len(train))
     assert "0.weight" not in trajectory.parameters and "2.weight" in trajectory.parameters
     forget = torch.nonzero(train.columns["y"] == 5).flatten()
     method, settings = get_method("trajectory-refit"), parse_settings("trajectory-refit", {})

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch import nn
 
 from pipeline import memory
 from pipeline.jsonio import write_json
-from pipeline.trajectory import TRAJECTORY_FILE
+from pipeline.trajectory import copy_trajectory
 from pipeline.methods.base import MethodRef, MethodSettings
 from pipeline.data import SampleSet, load_source
 from pipeline.evaluate.baselines import Baseline, FineTuneSettings, finetune, init_of, recipe_of, retrain
@@ -314,8 +313,7 @@ class Evaluation:
                              stage_hook=StageProgress(f"curve {spec.method}"))
                 nxt = Path(tmp) / f"step{len(list(Path(tmp).iterdir()))}"
                 write_model_dir(nxt, run.new_state, run.card)
-                if (current["dir"] / TRAJECTORY_FILE).exists():
-                    shutil.copyfile(current["dir"] / TRAJECTORY_FILE, nxt / TRAJECTORY_FILE)
+                copy_trajectory(current["dir"], nxt)
                 current["dir"] = nxt
                 return _with_state(self.model, run.new_state)
 
