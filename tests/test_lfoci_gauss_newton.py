@@ -136,6 +136,23 @@ def test_auto_keeps_the_exact_hessian_where_the_target_is_not_the_one_window_for
     assert out.record["curvature"]["how"] == "hessian"
 
 
+def test_a_part_of_a_network_trained_end_to_end_takes_the_one_window_form():
+    """The replay holds a small block of a model with frozen layers in front, the whole model, and nothing of a
+    network trained from its input layer on (pipeline.target.resolve_target)."""
+    from pipeline.methods.lfoci_newton import trained_from_input
+    from pipeline.target import resolve_target
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    assert trained_from_input(net)
+    net[0].requires_grad_(False)
+    assert not trained_from_input(net)
+    card = _sgd_card(100, 1e-3)
+    assert resolve_target("retrain", card, 1e-3, 27)[0] == "replay"
+    kind, schedule, why = resolve_target("retrain", card, 1e-3, 27, part_of_end_to_end=True)
+    assert kind == "budget_damped" and schedule is not None and "end to end" in why
+    assert resolve_target("minimiser", card, 1e-3, 27, part_of_end_to_end=True)[0] == "minimiser"
+
+
 # -- (b) nearer the same-recipe retrains than doing nothing on an end-to-end CNN --------------------------
 @pytest.fixture(scope="module")
 def digits_images():
@@ -147,9 +164,9 @@ def original(digits_images):
     return _fit(digits_images["train"], 0)
 
 
-# the defaults but for the probe's size (tests) and the replay's limit: the block L-FOCI picks on this small CNN
-# (a few thousand entries) is one the recipe replay could hold; at the sizes of the product's models it is not
-DEEP = {"perturbations": 128, "pass_size": 64, "replay_max_parameters": 256}
+# the defaults but for the probe's size (tests); the block L-FOCI picks on this small CNN (a few thousand entries)
+# is one the recipe replay could hold, but it is a part of a network trained end to end: the one-window form
+DEEP = {"perturbations": 128, "pass_size": 64}
 
 
 # the Gauss-Newton solve: the default's 10 PCG iterations preconditioned by K-FAC; 30 unpreconditioned ones
@@ -189,6 +206,7 @@ def test_default_serves_an_end_to_end_cnn_and_lands_nearer_the_retrains(scenario
           f"seconds {({k: round(v, 3) for k, v in rec['timings'].items()})}")
     assert rec["selection"]["strategy_used"] == "lfoci" and rec["curvature"]["how"] == "gauss-newton"
     assert rec["curvature"]["setting"] == "auto" and rec["target"]["how"] == "budget_damped"
+    assert "a part of a network trained end to end" in rec["target"]["why"]
     assert rec["release"]["guarantee"] == "none"
     trust = rec["trust_region"]
     assert trust["preconditioner"] == ("K-FAC" if solve == "default" else "none")

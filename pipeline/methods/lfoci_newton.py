@@ -14,7 +14,8 @@ Target (``target``, ``pipeline.target``): ``minimiser`` converges to the retrain
 (a = 0, grad_P L_{D\\U} = 0); ``retrain`` lands where the card's recipe run on D \\ U puts the block:
 the minimiser for a converging recipe; for SGD with a fixed budget the recipe replay on a block of at
 most ``replay_max_parameters`` entries (the block is set to it: w_replay for the whole model,
-w + replay(D \\ U) - replay(D) for a part of it), else the stationary point of
+w + replay(D \\ U) - replay(D) for a part of a model with frozen layers in front), else (a larger block, or a
+part of a network trained end to end) the stationary point of
 L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_start||^2, r0 = grad_P L_D(w_start), mu = 1/tau (the
 replay's one-window form; mu is added to the damping of every Newton system).
 
@@ -161,7 +162,8 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
                                "grad L_{D\\U} = 0 on the block")
     replay_max_parameters: int = Field(
         REPLAY_MAX_PARAMETERS, gt=0, description="retrain on an SGD recipe: the largest block the recipe replay holds "
-                                                 "P x P matrices for; larger blocks take the budget-damped step")
+                                                 "P x P matrices for; larger blocks, and parts of a network trained end to end "
+                                                 "(pipeline.target.resolve_target), take the budget-damped step")
     cache_frozen_prefix: bool = Field(
         True, description="a block after the model's first module (a Sequential, a Hugging Face encoder's upper "
                           "layers): compute the modules before it once and run every pass of the removal on the "
@@ -176,7 +178,8 @@ class LFociNewtonSettings(certify.PrivacySettings, MethodSettings):
         "auto", description="hessian: the exact block Hessian, converged Newton (the steps above); gauss-newton: one "
                             "Gauss-Newton step with a trust region and a bounded refit (the gauss_newton section), for "
                             "a block inside a non-convex network; auto: gauss-newton where the target takes the one-window "
-                            "form (an SGD recipe and a block too large to replay: a network trained end to end), else "
+                            "form (an SGD recipe and a block too large to replay, or a part of a network trained end to "
+                            "end), else "
                             "hessian (where the two differ only off an affine model's last layer)")
     gauss_newton: GaussNewtonStepSettings = Field(
         default_factory=GaussNewtonStepSettings, description="the Gauss-Newton path's step, trust region and refit")
@@ -223,7 +226,8 @@ class LFociNewton(RemovalMethod):
         saved = {part.name: params[part.name].detach().clone() for part in block.parts}
         w_start = block.gather({k: v.detach() for k, v in params.items()}).to("cpu", torch.float64)
         kind, schedule, why = resolve_target(settings.target, problem.card, lam, block.numel,
-                                             settings.replay_max_parameters)
+                                             settings.replay_max_parameters,
+                                             part_of_end_to_end=not full_block and trained_from_input(model))
         curvature, affine = settings.curvature, None
         if curvature == "auto":
             affine = _affine_in_block(model, problem.task, block) if kind == "budget_damped" else None
@@ -675,6 +679,13 @@ def _residual(g: torch.Tensor, anchor: torch.Tensor, mu: float, block: Any, mode
         return g - anchor
     w = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
     return g - anchor + mu * (w - w_start)
+
+
+def trained_from_input(model: nn.Module) -> bool:
+    """Whether the recipe trained the model's first parameterised layer (no frozen layers in front of the trainable
+    ones: a network trained end to end), read from ``requires_grad`` as the recipe left it."""
+    first = next(iter(model.parameters()), None)
+    return first is not None and first.requires_grad
 
 
 def _curvature_subsample(problem: RemovalProblem, n: int, count: int) -> torch.Tensor:

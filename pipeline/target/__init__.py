@@ -55,8 +55,14 @@ def budget_damping(schedule: ReplaySchedule | None, n_retained: int) -> float:
 
 
 def resolve_target(target: TargetKind, card: "ModelCard | None", weight_decay: float, block_numel: int,
-                   replay_max_parameters: int = REPLAY_MAX_PARAMETERS) -> tuple[str, ReplaySchedule | None, str]:
-    """(how the target is computed: "minimiser", "replay" or "budget_damped", the schedule, why)."""
+                   replay_max_parameters: int = REPLAY_MAX_PARAMETERS, *, part_of_end_to_end: bool = False
+                   ) -> tuple[str, ReplaySchedule | None, str]:
+    """(how the target is computed: "minimiser", "replay" or "budget_damped", the schedule, why).
+
+    ``part_of_end_to_end``: the block is a part of a network the recipe trained from its input layer on. Its
+    replay would rerun the recipe on the block alone with every other trained layer held where training left
+    it (not Retrain's recipe, which moves them all) at a recipe-length cost (per-sample curvature passes
+    through the layers above the block at every base): such a block takes the one-window form."""
     if target == "minimiser":
         return "minimiser", None, "target: minimiser"
     schedule = replay_schedule(card, weight_decay)
@@ -64,6 +70,9 @@ def resolve_target(target: TargetKind, card: "ModelCard | None", weight_decay: f
         why = "no model card: Retrain's recipe is unknown" if card is None else \
             "the recipe converges (not SGD with a fixed budget): Retrain lands on the minimiser"
         return "minimiser", None, why
+    if part_of_end_to_end:
+        return "budget_damped", schedule, ("SGD recipe, a part of a network trained end to end: the replay's "
+                                           "one-window form (training-budget damped step)")
     if block_numel <= replay_max_parameters:
         return "replay", schedule, f"SGD recipe, block of {block_numel} <= {replay_max_parameters} entries: recipe replay"
     return "budget_damped", schedule, (f"SGD recipe, block of {block_numel} > {replay_max_parameters} entries: the "
