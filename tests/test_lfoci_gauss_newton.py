@@ -137,8 +137,8 @@ def test_auto_keeps_the_exact_hessian_where_the_target_is_not_the_one_window_for
 
 
 def test_a_part_of_a_network_trained_end_to_end_takes_the_one_window_form():
-    """The replay holds a small block of a model with frozen layers in front, the whole model, and nothing of a
-    network trained from its input layer on (pipeline.target.resolve_target)."""
+    """The replay holds a small block of a model with frozen layers in front, and no part of a network trained from
+    its input layer on (pipeline.target.resolve_target; the whole model keeps it: test_target_retrain's MLP)."""
     from pipeline.methods.lfoci_newton import trained_from_input
     from pipeline.target import resolve_target
 
