@@ -172,7 +172,54 @@ def test_a_class_is_forgotten_as_the_retrains_forget_it():
     assert _accuracy(model, xf, yf) <= 0.02
     assert after[0] < 0.5 * before[0] and after[1] < before[1]
     assert _accuracy(model, xt[kept], yt[kept]) >= min(retrain_acc) - 0.03
-    assert record["refit"]["steps"] > 0 and set(record["timings"]) == {"forget_pushes", "refit"}
+    assert record["refit"]["steps"] > 0 and set(record["timings"]) == {"forget_pushes", "refit", "guard"}
+    guard = record["guard"]
+    assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"] == pytest.approx(
+        1.25 * guard["original_probe_loss"])
+    assert record["scale"] == 0.1 and record["refit"]["rounds"] == len(guard["tried"]) >= 2  # refits, no backtrack
+
+
+def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_serves():
+    """scale 1 with no refit pushes the retained data far off (its loss many times the original's): the guard
+    puts the model back and retries at scale x 0.3 until the retained probe's loss is within the slack; with
+    no backtrack left it refuses (RemovalNotServed), the model exactly as it was."""
+    from pipeline.errors import RemovalNotServed
+
+    images = load_source("digits", {"flatten": False})
+    train = images["train"]
+    original = _cnn()
+    trajectory = _recorded_fit(original, train, RECIPE, 0)
+    original.eval()
+    forget = torch.nonzero(train.columns["y"] == 3).flatten()
+    kept = {k: v.clone() for k, v in original.state_dict().items()}
+
+    def run(settings: dict):
+        model = copy.deepcopy(original)
+        problem = RemovalProblem(model, TASK, train, forget, RECIPE["weight_decay"], seed=0, batch_size=512,
+                                 card=_card(len(train)), trajectory=trajectory)
+        return model, get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", settings))
+
+    base = {"scale": 1.0, "refit_epochs": 0.0, "backtrack_factor": 0.1, "probe_samples": None}
+    model, out = run({**base, "backtracks": 4})
+    tried = out.record["guard"]["tried"]
+    print(f"\ntried {tried}; original probe loss {out.record['guard']['original_probe_loss']:.4f}")
+    assert tried[0]["scale"] == 1.0 and tried[0]["retained_probe_loss"] > 2 * out.record["guard"]["ceiling"]
+    assert len(tried) >= 2 and [t["scale"] for t in tried] == pytest.approx([0.1 ** i for i in range(len(tried))])
+    assert all(t["retained_probe_loss"] > out.record["guard"]["ceiling"] for t in tried[:-1])
+    assert tried[-1]["retained_probe_loss"] <= out.record["guard"]["ceiling"]
+    assert out.record["scale"] == pytest.approx(tried[-1]["scale"])
+    retain = train.without(forget)
+    with torch.no_grad():  # the published model is the accepted one, not a rejected try
+        from pipeline.training import mean_loss
+        assert float(mean_loss(model, TASK, retain)) <= 1.25 * float(mean_loss(original, TASK, retain)) + 1e-6
+
+    refused, _ = None, None
+    with pytest.raises(RemovalNotServed, match="over-forgetting") as caught:
+        refused, _ = run({**base, "backtracks": 0})
+    assert len(caught.value.diagnostics["tried"]) == 1
+    assert all(torch.equal(kept[k], v) for k, v in original.state_dict().items())
+    unguarded, out = run({**base, "retained_loss_slack": None})
+    assert out.record["guard"] is None and out.record["scale"] == 1.0
 
 
 # -- (d) through unlearn train and unlearn forget's path ----------------------------------------------------

@@ -17,11 +17,22 @@ prepared once per model version and carried to the next (``pipeline.methods.pref
 What delta leaves out: the retained data's restoring force. Pushes along directions R's curvature
 trains (stiff modes) are undone by the rest of the run, pushes along flat ones (a class or an identity
 only U ever taught) stay; scale = 1 (all of them, unfiltered) over-forgets and the refit restores the stiff
-part. ``scale`` is chosen on tuning forget sets. First order in m / n around the recorded run; a removal
-from a version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
+part. ``scale`` is chosen on tuning forget sets.
+
+Retained-loss guard. Retrain minimises L_R, so at an optimum L_R(Retrain) <= L_R(original): a removal that
+leaves the retained data worse fitted than the original model did has over-forgotten (the correction pushed
+along directions R trains, further than the refit restores). After the refit the mean loss on a seeded probe
+of R (``probe_samples``) is compared with the original's on the same probe; above (1 + ``retained_loss_slack``)
+times it (the slack: a recipe not run to its optimum, the probe's noise), the refit runs again (another
+``refit_epochs``, its cosine restarted), at most ``refit_rounds`` refits in all; still above, the model is put
+back, the scale multiplied by ``backtrack_factor`` and correction and refits run again (the pushes are kept),
+at most ``backtracks`` times; then the request is refused (``RemovalNotServed``: the model as it was). Every tried
+scale and its probe loss are in the record. First order in m / n around the recorded run; a removal from a
+version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -30,23 +41,39 @@ from pydantic import Field
 from torch import nn
 
 from pipeline.curvature.hessian import block_gradient
+from pipeline.errors import RemovalNotServed
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
-from pipeline.methods.trust_region import refit_block
+from pipeline.methods.base import stream_seed
+from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import TRAJECTORY_FILE, Trajectory
+from pipeline.training import mean_loss
 
 __all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "forget_pushes"]
+
+PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
+REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
 
 class TrajectoryRefitSettings(MethodSettings):
     scale: float = Field(0.1, gt=0, le=1, description="share of U's recorded pushes taken back (1 = all)")
     refit_epochs: float = Field(1.0, ge=0, description="epochs of the recipe's SGD on D \\ U after the correction")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this")
+    probe_samples: int | None = Field(2048, gt=0, description="the retained-loss guard's seeded probe of D \\ U "
+                                                              "(null: all of it)")
+    retained_loss_slack: float | None = Field(
+        0.25, ge=0, description="accept when the probe's mean loss after the removal <= (1 + this) x the "
+                                "original's (null: no guard)")
+    refit_rounds: int = Field(4, ge=1, description="refits of refit_epochs each until the probe's loss is within the "
+                                                   "slack; then the scale backtracks")
+    backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
+    backtracks: int = Field(2, ge=0, description="rejections retried at a smaller scale; then the request is refused "
+                                                 "(needs_retrain)")
 
 
 def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
@@ -112,17 +139,51 @@ class TrajectoryRefit(RemovalMethod):
         work, task, data = (model, problem.task, problem.train) if held is None else (held.suffix, held.task, held.train)
         block = ParamBlock.all_parameters(work)
         forget, retain = data.take(problem.forget_positions), data.without(problem.forget_positions)
+        recipe = recipe_of(problem.card) if problem.card is not None else None
+        guarded = settings.retained_loss_slack is not None
+        probe = draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None
+        tried: list[dict[str, float]] = []
         try:
             with problem.stage("forget_pushes", timings):
                 pushes = forget_pushes(model, trajectory, lambda: block_gradient(
                     work, task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
                 if not bool(torch.isfinite(pushes).all()):
                     raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
-                block.add_to_model(work, settings.scale * pushes)
-            recipe = recipe_of(problem.card) if problem.card is not None else None
-            with problem.stage("refit", timings):
-                refit = refit_block(work, task, block, retain, recipe, problem.weight_decay, epochs=settings.refit_epochs,
-                                    lr_scale=settings.refit_lr_scale, seed=problem.seed)
+            if probe is not None:
+                with problem.stage("guard", timings), torch.no_grad():
+                    before = float(mean_loss(work, task, probe, problem.batch_size))
+                ceiling = (1.0 + settings.retained_loss_slack) * before
+            scale, refit = settings.scale, {}
+            while True:
+                block.add_to_model(work, scale * pushes)
+                accepted = False
+                for _ in range(settings.refit_rounds if probe is not None else 1):
+                    with problem.stage("refit", timings):
+                        refit = refit_block(work, task, block, retain, recipe, problem.weight_decay,
+                                            epochs=settings.refit_epochs, lr_scale=settings.refit_lr_scale,
+                                            seed=problem.seed if not tried else stream_seed(
+                                                problem.seed, REFIT_ROUND_STREAM + len(tried)))
+                    if probe is None:
+                        accepted = True
+                        break
+                    with problem.stage("guard", timings), torch.no_grad():
+                        after = float(mean_loss(work, task, probe, problem.batch_size))
+                    tried.append({"scale": scale, "retained_probe_loss": after})
+                    if math.isfinite(after) and after <= ceiling:
+                        accepted = True
+                        break
+                    if "skipped" in refit:
+                        break
+                if accepted:
+                    break
+                model.load_state_dict(saved)
+                if len({t["scale"] for t in tried}) > settings.backtracks:
+                    raise RemovalNotServed(
+                        f"the retained probe's loss after the removal exceeds (1 + {settings.retained_loss_slack}) x "
+                        f"the original's ({before:.4g}) at every tried scale and refit round: over-forgetting",
+                        {"original_probe_loss": before, "tried": tried})
+                scale *= settings.backtrack_factor
+            refit["rounds"] = sum(1 for t in tried if t["scale"] == scale) if probe is not None else 1
             if held is not None:
                 refit["frozen_prefix"] = f"the suffix from module {held.start} over the prepared outputs"
         except BaseException:
@@ -132,7 +193,9 @@ class TrajectoryRefit(RemovalMethod):
         record: dict[str, Any] = {
             "trajectory": {"checkpoints": len(trajectory.checkpoints), "n": trajectory.n,
                            "rates": [round(r, 6) for r in trajectory.rates]},
-            "correction_norm": settings.scale * float(pushes.norm()),
+            "scale": scale, "correction_norm": scale * float(pushes.norm()),
+            "guard": None if probe is None else {"probe_samples": len(probe), "original_probe_loss": before,
+                                                 "ceiling": ceiling, "tried": tried},
             "refit": refit, "parameters": len(names), "block_numel": block.numel, "timings": timings,
             "seconds": time.perf_counter() - started,
         }
