@@ -14,7 +14,6 @@ strict JSON: a non-finite number such as an infinite epsilon is written as null)
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys

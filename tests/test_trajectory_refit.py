@@ -193,8 +193,8 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
     forget = torch.nonzero(train.columns["y"] == 3).flatten()
     kept = {k: v.clone() for k, v in original.state_dict().items()}
 
-    def run(settings: dict):
-        model = copy.deepcopy(original)
+    def run(settings: dict, model: nn.Module | None = None):
+        model = copy.deepcopy(original) if model is None else model
         problem = RemovalProblem(model, TASK, train, forget, RECIPE["weight_decay"], seed=0, batch_size=512,
                                  card=_card(len(train)), trajectory=trajectory)
         return model, get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", settings))
@@ -213,11 +213,11 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
         from pipeline.training import mean_loss
         assert float(mean_loss(model, TASK, retain)) <= 1.25 * float(mean_loss(original, TASK, retain)) + 1e-6
 
-    refused, _ = None, None
+    refused = copy.deepcopy(original)
     with pytest.raises(RemovalNotServed, match="over-forgetting") as caught:
-        refused, _ = run({**base, "backtracks": 0})
+        run({**base, "backtracks": 0}, refused)
     assert len(caught.value.diagnostics["tried"]) == 1
-    assert all(torch.equal(kept[k], v) for k, v in original.state_dict().items())
+    assert all(torch.equal(kept[k], v) for k, v in refused.state_dict().items())  # put back as it was
     unguarded, out = run({**base, "retained_loss_slack": None})
     assert out.record["guard"] is None and out.record["scale"] == 1.0
 

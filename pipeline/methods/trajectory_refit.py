@@ -43,10 +43,9 @@ from torch import nn
 from pipeline.curvature.hessian import block_gradient
 from pipeline.errors import RemovalNotServed
 from pipeline.methods.base import (
-    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
-from pipeline.methods.base import stream_seed
 from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
