@@ -181,7 +181,7 @@ def test_a_class_is_forgotten_as_the_retrains_forget_it():
 
 def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_serves():
     """scale 1 with no refit pushes the retained data far off (its loss many times the original's): the guard
-    puts the model back and retries at scale x 0.3 until the retained probe's loss is within the slack; with
+    puts the model back and retries at scale x backtrack_factor (0.1 here) until the retained probe's loss is within the slack; with
     no backtrack left it refuses (RemovalNotServed), the model exactly as it was."""
     from pipeline.errors import RemovalNotServed
 
@@ -218,7 +218,7 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
         run({**base, "backtracks": 0}, refused)
     assert len(caught.value.diagnostics["tried"]) == 1
     assert all(torch.equal(kept[k], v) for k, v in refused.state_dict().items())  # put back as it was
-    unguarded, out = run({**base, "retained_loss_slack": None})
+    _, out = run({**base, "retained_loss_slack": None})
     assert out.record["guard"] is None and out.record["scale"] == 1.0
 
 

@@ -142,47 +142,51 @@ class TrajectoryRefit(RemovalMethod):
         guarded = settings.retained_loss_slack is not None
         probe = draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None
         tried: list[dict[str, float]] = []
+
+        def refit_once() -> dict[str, Any]:
+            """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream."""
+            with problem.stage("refit", timings):
+                return refit_block(work, task, block, retain, recipe, problem.weight_decay, epochs=settings.refit_epochs,
+                                   lr_scale=settings.refit_lr_scale, seed=problem.seed if not tried else stream_seed(
+                                       problem.seed, REFIT_ROUND_STREAM + len(tried)))
+
+        def probe_loss() -> float:
+            with problem.stage("guard", timings), torch.no_grad():
+                return float(mean_loss(work, task, probe, problem.batch_size))
+
         try:
             with problem.stage("forget_pushes", timings):
                 pushes = forget_pushes(model, trajectory, lambda: block_gradient(
                     work, task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
                 if not bool(torch.isfinite(pushes).all()):
                     raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
-            if probe is not None:
-                with problem.stage("guard", timings), torch.no_grad():
-                    before = float(mean_loss(work, task, probe, problem.batch_size))
-                ceiling = (1.0 + settings.retained_loss_slack) * before
-            scale, refit = settings.scale, {}
-            while True:
+            scale = settings.scale
+            if probe is None:
                 block.add_to_model(work, scale * pushes)
-                accepted = False
-                for _ in range(settings.refit_rounds if probe is not None else 1):
-                    with problem.stage("refit", timings):
-                        refit = refit_block(work, task, block, retain, recipe, problem.weight_decay,
-                                            epochs=settings.refit_epochs, lr_scale=settings.refit_lr_scale,
-                                            seed=problem.seed if not tried else stream_seed(
-                                                problem.seed, REFIT_ROUND_STREAM + len(tried)))
-                    if probe is None:
-                        accepted = True
+                refit = refit_once()
+                refit["rounds"] = 1
+            else:
+                before = probe_loss()
+                ceiling = (1.0 + settings.retained_loss_slack) * before
+                while True:
+                    block.add_to_model(work, scale * pushes)
+                    for _ in range(settings.refit_rounds):
+                        refit = refit_once()
+                        after = probe_loss()
+                        tried.append({"scale": scale, "retained_probe_loss": after})
+                        within = math.isfinite(after) and after <= ceiling
+                        if within or "skipped" in refit:
+                            break
+                    if within:
                         break
-                    with problem.stage("guard", timings), torch.no_grad():
-                        after = float(mean_loss(work, task, probe, problem.batch_size))
-                    tried.append({"scale": scale, "retained_probe_loss": after})
-                    if math.isfinite(after) and after <= ceiling:
-                        accepted = True
-                        break
-                    if "skipped" in refit:
-                        break
-                if accepted:
-                    break
-                model.load_state_dict(saved)
-                if len({t["scale"] for t in tried}) > settings.backtracks:
-                    raise RemovalNotServed(
-                        f"the retained probe's loss after the removal exceeds (1 + {settings.retained_loss_slack}) x "
-                        f"the original's ({before:.4g}) at every tried scale and refit round: over-forgetting",
-                        {"original_probe_loss": before, "tried": tried})
-                scale *= settings.backtrack_factor
-            refit["rounds"] = sum(1 for t in tried if t["scale"] == scale) if probe is not None else 1
+                    model.load_state_dict(saved)
+                    if len({t["scale"] for t in tried}) > settings.backtracks:
+                        raise RemovalNotServed(
+                            f"the retained probe's loss after the removal exceeds (1 + {settings.retained_loss_slack}) "
+                            f"x the original's ({before:.4g}) at every tried scale and refit round: over-forgetting",
+                            {"original_probe_loss": before, "tried": tried})
+                    scale *= settings.backtrack_factor
+                refit["rounds"] = sum(1 for t in tried if t["scale"] == scale)
             if held is not None:
                 refit["frozen_prefix"] = f"the suffix from module {held.start} over the prepared outputs"
         except BaseException:
