@@ -24,7 +24,8 @@ leaves the retained data worse fitted than the original model did has over-forgo
 along directions R trains, further than the refit restores). After the refit the mean loss on a seeded probe
 of R (``probe_samples``) is compared with the original's on the same probe; above (1 + ``retained_loss_slack``)
 times it (the slack: a recipe not run to its optimum, the probe's noise), the refit runs again (another
-``refit_epochs``, its cosine restarted), at most ``refit_rounds`` refits in all; still above, the model is put
+``refit_epochs``, its cosine restarted), at most ``refit_rounds`` refits in all, fewer where the last round's drop
+carried over the rounds left cannot reach the ceiling; still above, the model is put
 back, the scale multiplied by ``backtrack_factor`` and correction and refits run again (the pushes are kept),
 at most ``backtracks`` times; then the request is refused (``RemovalNotServed``: the model as it was). Every tried
 scale and its probe loss are in the record. First order in m / n around the recorded run; a removal from a
@@ -63,7 +64,7 @@ class TrajectoryRefitSettings(MethodSettings):
     scale: float = Field(0.1, gt=0, le=1, description="share of U's recorded pushes taken back (1 = all)")
     refit_epochs: float = Field(1.0, ge=0, description="epochs of the recipe's SGD on D \\ U after the correction")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this")
-    probe_samples: int | None = Field(2048, gt=0, description="the retained-loss guard's seeded probe of D \\ U "
+    probe_samples: int | None = Field(1024, gt=0, description="the retained-loss guard's seeded probe of D \\ U "
                                                               "(null: all of it)")
     retained_loss_slack: float | None = Field(
         0.25, ge=0, description="accept when the probe's mean loss after the removal <= (1 + this) x the "
@@ -73,6 +74,19 @@ class TrajectoryRefitSettings(MethodSettings):
     backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
     backtracks: int = Field(2, ge=0, description="rejections retried at a smaller scale; then the request is refused "
                                                  "(needs_retrain)")
+
+
+def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: int) -> bool:
+    """Whether the refit rounds left cannot bring the probe's loss to the ceiling at the last round's drop:
+    after - rounds_left * (previous - after) > ceiling. Where the rounds' drops shrink (each refit starts nearer
+    the retained optimum) the linear projection is an optimistic one, and ending there gives up no round that
+    would have been accepted; a round that did not lower the loss (or a non-finite loss) ends the rounds."""
+    if not math.isfinite(after):
+        return True
+    drop = previous - after
+    if not math.isfinite(drop):
+        return rounds_left == 0
+    return after - rounds_left * max(drop, 0.0) > ceiling
 
 
 def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
@@ -170,13 +184,16 @@ class TrajectoryRefit(RemovalMethod):
                 ceiling = (1.0 + settings.retained_loss_slack) * before
                 while True:
                     block.add_to_model(work, scale * pushes)
-                    for _ in range(settings.refit_rounds):
+                    previous = math.inf
+                    for round_ in range(1, settings.refit_rounds + 1):
                         refit = refit_once()
                         after = probe_loss()
                         tried.append({"scale": scale, "retained_probe_loss": after})
                         within = math.isfinite(after) and after <= ceiling
-                        if within or "skipped" in refit:
+                        if within or "skipped" in refit or _out_of_reach(
+                                previous, after, ceiling, settings.refit_rounds - round_):
                             break
+                        previous = after
                     if within:
                         break
                     model.load_state_dict(saved)
