@@ -196,6 +196,36 @@ def test_refit_rounds_end_where_the_last_drop_cannot_reach_the_ceiling(previous,
     assert _out_of_reach(previous, after, 0.044, rounds_left) is out
 
 
+def test_a_scale_whose_rounds_cannot_reach_the_ceiling_backtracks_before_its_last_round():
+    """scale 1 with a quarter-epoch refit: the retained loss stays ~80 x the ceiling and drops by ~7 % a round,
+    so the rounds at that scale end after two (of four); at 0.1 the third round's drop cannot carry it there
+    in the one round left; 0.01 is accepted. Every cut scale's last two losses are out of reach, by the rule."""
+    images = load_source("digits", {"flatten": False})
+    train = images["train"]
+    original = _cnn()
+    trajectory = _recorded_fit(original, train, RECIPE, 0)
+    original.eval()
+    forget = torch.nonzero(train.columns["y"] == 3).flatten()
+    problem = RemovalProblem(copy.deepcopy(original), TASK, train, forget, RECIPE["weight_decay"], seed=0,
+                             batch_size=512, card=_card(len(train)), trajectory=trajectory)
+    out = get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", {
+        "scale": 1.0, "refit_epochs": 0.25, "backtrack_factor": 0.1, "backtracks": 3, "probe_samples": None}))
+    guard = out.record["guard"]
+    print(f"\nceiling {guard['ceiling']:.4f}; tried {guard['tried']}")
+    by_scale: dict[float, list[float]] = {}
+    for t in guard["tried"]:
+        by_scale.setdefault(t["scale"], []).append(t["retained_probe_loss"])
+    scales = list(by_scale)
+    assert scales[0] == 1.0 and len(by_scale[1.0]) == 2  # two of the four rounds
+    assert sum(len(v) for v in by_scale.values()) < 4 * (len(scales) - 1) + 1
+    for scale in scales[:-1]:  # every rejected scale: above the ceiling, cut only where out of reach
+        losses = by_scale[scale]
+        assert losses[-1] > guard["ceiling"]
+        if len(losses) < 4:
+            assert _out_of_reach(losses[-2], losses[-1], guard["ceiling"], 4 - len(losses))
+    assert by_scale[scales[-1]][-1] <= guard["ceiling"] and out.record["scale"] == pytest.approx(scales[-1])
+
+
 def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_serves():
     """scale 1 with no refit pushes the retained data far off (its loss many times the original's): the guard
     puts the model back and retries at scale x backtrack_factor (0.1 here) until the retained probe's loss is within the slack; with
