@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import Recipe
 from pipeline.tasks import DenseInputTask
-from pipeline.trajectory import TrajectoryRecorder, stretch_rates
+from pipeline.trajectory import Trajectory, TrajectoryRecorder, stretch_rates
 from pipeline.training import fit_sgd
 
 TASK = DenseInputTask(loss="cross_entropy")
@@ -131,14 +132,37 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).double().mean())
 
 
-def test_a_class_is_forgotten_as_the_retrains_forget_it():
+@dataclass(frozen=True)
+class ClassFit:
+    """The digits CNN fitted by the recipe with its trajectory recorded, and class 3 as the forget set."""
+    train: SampleSet
+    test: SampleSet
+    forget: torch.Tensor
+    original: nn.Module  # eval mode; removals run on copies
+    trajectory: Trajectory
+
+
+@pytest.fixture(scope="module")
+def class_3() -> ClassFit:
     images = load_source("digits", {"flatten": False})
-    train, test = images["train"], images["test"]
-    y = train.columns["y"]
-    forget = torch.nonzero(y == 3).flatten()
+    train = images["train"]
     original = _cnn()
     trajectory = _recorded_fit(original, train, RECIPE, 0)
-    original.eval()
+    return ClassFit(train, images["test"], torch.nonzero(train.columns["y"] == 3).flatten(), original.eval(),
+                    trajectory)
+
+
+def _remove(fit: ClassFit, settings: dict, model: nn.Module | None = None):
+    """trajectory-refit of class 3 with ``settings`` on ``model`` (a copy of the original by default)."""
+    model = copy.deepcopy(fit.original) if model is None else model
+    problem = RemovalProblem(model, TASK, fit.train, fit.forget, RECIPE["weight_decay"], seed=0, batch_size=512,
+                             card=_card(len(fit.train)), trajectory=fit.trajectory)
+    return model, get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", settings))
+
+
+def test_a_class_is_forgotten_as_the_retrains_forget_it(class_3):
+    train, test, forget, original = class_3.train, class_3.test, class_3.forget, class_3.original
+    y = train.columns["y"]
     retain = train.without(forget)
     retrains = []
     for s in range(1, 4):
@@ -154,11 +178,7 @@ def test_a_class_is_forgotten_as_the_retrains_forget_it():
         # the guard on all of the 1,300 retained digits (a 1,024 probe of them reads ~5 % either side), and six
         # rounds: scale 0.1 is within the slack after four (0.0416 against 0.0440), a margin float drift could
         # take; a fifth round (0.039) keeps the same scale, so the assertions hold either way
-        model = copy.deepcopy(original)
-        problem = RemovalProblem(model, TASK, train, forget, RECIPE["weight_decay"], seed=0, batch_size=512,
-                                 card=_card(len(train)), trajectory=trajectory)
-        out = get_method("trajectory-refit").run(problem, parse_settings(
-            "trajectory-refit", {"scale": scale, "probe_samples": None, "refit_rounds": 6}))
+        model, out = _remove(class_3, {"scale": scale, "probe_samples": None, "refit_rounds": 6})
         return model, out.record
 
     model, record = run(0.1)
@@ -196,20 +216,12 @@ def test_refit_rounds_end_where_the_last_drop_cannot_reach_the_ceiling(previous,
     assert _out_of_reach(previous, after, 0.044, rounds_left) is out
 
 
-def test_a_scale_whose_rounds_cannot_reach_the_ceiling_backtracks_before_its_last_round():
+def test_a_scale_whose_rounds_cannot_reach_the_ceiling_backtracks_before_its_last_round(class_3):
     """scale 1 with a quarter-epoch refit: the retained loss stays ~80 x the ceiling and drops by ~7 % a round,
     so the rounds at that scale end after two (of four); at 0.1 the third round's drop cannot carry it there
     in the one round left; 0.01 is accepted. Every cut scale's last two losses are out of reach, by the rule."""
-    images = load_source("digits", {"flatten": False})
-    train = images["train"]
-    original = _cnn()
-    trajectory = _recorded_fit(original, train, RECIPE, 0)
-    original.eval()
-    forget = torch.nonzero(train.columns["y"] == 3).flatten()
-    problem = RemovalProblem(copy.deepcopy(original), TASK, train, forget, RECIPE["weight_decay"], seed=0,
-                             batch_size=512, card=_card(len(train)), trajectory=trajectory)
-    out = get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", {
-        "scale": 1.0, "refit_epochs": 0.25, "backtrack_factor": 0.1, "backtracks": 3, "probe_samples": None}))
+    _, out = _remove(class_3, {"scale": 1.0, "refit_epochs": 0.25, "backtrack_factor": 0.1, "backtracks": 3,
+                               "probe_samples": None})
     guard = out.record["guard"]
     print(f"\nceiling {guard['ceiling']:.4f}; tried {guard['tried']}")
     by_scale: dict[float, list[float]] = {}
@@ -226,28 +238,17 @@ def test_a_scale_whose_rounds_cannot_reach_the_ceiling_backtracks_before_its_las
     assert by_scale[scales[-1]][-1] <= guard["ceiling"] and out.record["scale"] == pytest.approx(scales[-1])
 
 
-def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_serves():
+def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_serves(class_3):
     """scale 1 with no refit pushes the retained data far off (its loss many times the original's): the guard
     puts the model back and retries at scale x backtrack_factor (0.1 here) until the retained probe's loss is within the slack; with
     no backtrack left it refuses (RemovalNotServed), the model exactly as it was."""
     from pipeline.errors import RemovalNotServed
 
-    images = load_source("digits", {"flatten": False})
-    train = images["train"]
-    original = _cnn()
-    trajectory = _recorded_fit(original, train, RECIPE, 0)
-    original.eval()
-    forget = torch.nonzero(train.columns["y"] == 3).flatten()
+    train, forget, original = class_3.train, class_3.forget, class_3.original
     kept = {k: v.clone() for k, v in original.state_dict().items()}
 
-    def run(settings: dict, model: nn.Module | None = None):
-        model = copy.deepcopy(original) if model is None else model
-        problem = RemovalProblem(model, TASK, train, forget, RECIPE["weight_decay"], seed=0, batch_size=512,
-                                 card=_card(len(train)), trajectory=trajectory)
-        return model, get_method("trajectory-refit").run(problem, parse_settings("trajectory-refit", settings))
-
     base = {"scale": 1.0, "refit_epochs": 0.0, "backtrack_factor": 0.1, "probe_samples": None}
-    model, out = run({**base, "backtracks": 4})
+    model, out = _remove(class_3, {**base, "backtracks": 4})
     tried = out.record["guard"]["tried"]
     print(f"\ntried {tried}; original probe loss {out.record['guard']['original_probe_loss']:.4f}")
     assert tried[0]["scale"] == 1.0 and tried[0]["retained_probe_loss"] > 2 * out.record["guard"]["ceiling"]
@@ -262,10 +263,10 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
 
     refused = copy.deepcopy(original)
     with pytest.raises(RemovalNotServed, match="over-forgetting") as caught:
-        run({**base, "backtracks": 0}, refused)
+        _remove(class_3, {**base, "backtracks": 0}, refused)
     assert len(caught.value.diagnostics["tried"]) == 1
     assert all(torch.equal(kept[k], v) for k, v in refused.state_dict().items())  # put back as it was
-    _, out = run({**base, "retained_loss_slack": None})
+    _, out = _remove(class_3, {**base, "retained_loss_slack": None})
     assert out.record["guard"] is None and out.record["scale"] == 1.0
 
 

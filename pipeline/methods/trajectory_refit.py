@@ -203,7 +203,7 @@ class TrajectoryRefit(RemovalMethod):
                             f"x the original's ({before:.4g}) at every tried scale and refit round: over-forgetting",
                             {"original_probe_loss": before, "tried": tried})
                     scale *= settings.backtrack_factor
-                refit["rounds"] = sum(1 for t in tried if t["scale"] == scale)
+                refit["rounds"] = round_
             if held is not None:
                 refit["frozen_prefix"] = f"the suffix from module {held.start} over the prepared outputs"
         except BaseException:
