@@ -4,7 +4,10 @@
   (a) the stretch rates are the heavy-ball carry c_k = sum_{j >= k} eta_j beta^(j-k) summed per stretch
       (direct sum), and on U = D they reproduce the run: (1/n) sum_e C_e G_D ~ w_0 - w_K for full-batch
       SGD with momentum and no weight decay (a wrong sign, a missing 1/n or a rate off by 1/(1-beta) fails);
-  (b) forget_pushes equals the formula computed by hand (autograd at every checkpoint, float64);
+  (b) forget_pushes equals the formula computed by hand (autograd at every checkpoint, float64); read at fewer
+      checkpoints it equals the formula with the left-out checkpoints' gradients interpolated by hand, the
+      weights are exact where the gradient is linear along the run; the sampled G_U is unbiased (its mean over
+      seeds is G_U, a missing |U| / k fails) and a removal with the sampled variant forgets the class;
   (c) on a small CNN trained end to end by SGD, a class removal forgets the class as the same-recipe
       retrains do (training accuracy on the class 0 like theirs), lands nearer the retrains than doing
       nothing in KL on the forget and test sets, and a refit alone (scale ~ 0) keeps the class;
@@ -25,7 +28,9 @@ from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet, load_source
 from pipeline.methods import RemovalProblem, get_method
 from pipeline.methods.base import parse_settings
-from pipeline.methods.trajectory_refit import _out_of_reach, forget_pushes
+from pipeline.methods.trajectory_refit import (
+    _out_of_reach, checkpoint_weights, forget_pushes, forget_sample, kept_checkpoints,
+)
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import Recipe
@@ -99,6 +104,77 @@ def test_forget_pushes_is_the_formula():
     expected = sum(r * 0.5 * (grads[e] + grads[e + 1]) for e, r in enumerate(trajectory.rates)) / len(data)
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
     assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())  # the model as it was
+
+
+@pytest.mark.parametrize("count, wanted, kept", [
+    (17, 5, [0, 4, 8, 12, 16]), (5, None, [0, 1, 2, 3, 4]), (5, 9, [0, 1, 2, 3, 4]), (2, 2, [0, 1]),
+    (13, 4, [0, 4, 8, 12]), (5, 3, [0, 2, 4]),
+])
+def test_kept_checkpoints_are_evenly_spaced_with_both_ends(count, wanted, kept):
+    assert kept_checkpoints(count, wanted) == kept
+
+
+def test_checkpoint_weights_are_the_trapezium_and_exact_for_a_linear_gradient():
+    rates = [5.0, 3.5, 2.0, 1.2, 0.6, 0.2]  # decreasing, as a decayed schedule's are
+    trapezium = lambda g: sum(r * 0.5 * (g[e] + g[e + 1]) for e, r in enumerate(rates))  # noqa: E731
+    everything = checkpoint_weights(rates, list(range(7)))
+    assert everything == pytest.approx({k: 0.5 * ((rates[k - 1] if k else 0) + (rates[k] if k < 6 else 0))
+                                        for k in range(7)})
+    linear, curved = [2.0 - 0.7 * k for k in range(7)], [(k - 2.0) ** 2 for k in range(7)]
+    for kept in ([0, 6], [0, 3, 6], [0, 1, 4, 6]):
+        weights = checkpoint_weights(rates, kept)
+        assert sum(weights.values()) == pytest.approx(sum(rates))
+        assert sum(w * linear[k] for k, w in weights.items()) == pytest.approx(trapezium(linear), rel=1e-12)
+        assert abs(sum(w * curved[k] for k, w in weights.items()) - trapezium(curved)) > 0.1  # only linear is exact
+    with pytest.raises(ValueError, match="rise from 0 to 6"):
+        checkpoint_weights(rates, [1, 6])
+
+
+def test_forget_pushes_at_fewer_checkpoints_interpolate_the_left_out_gradients():
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    trajectory = _recorded_fit(model, data, {"epochs": 6, "lr": 0.05, "batch_size": 128, "momentum": 0.9,
+                                             "weight_decay": 1e-3}, 2)
+    forget = data.take(torch.arange(0, 300, 5))
+    block = ParamBlock.from_rows(model, {k: None for k, _ in model.named_parameters()})
+    gradient = lambda: block_gradient(model, TASK, forget, block, 0.0, batch_size=64)  # noqa: E731
+    # G_U at every checkpoint, read the same way: (1 / 2) x 2 (G_U(c) + G_U(c)) / 2
+    grads = [forget_pushes(model, Trajectory([c, c], [2.0], 2), gradient) for c in trajectory.checkpoints]
+    kept = kept_checkpoints(len(grads), 3)
+    assert kept == [0, 3, 6]
+    interpolated = []
+    for e in range(len(grads)):
+        a = max(k for k in kept if k <= e)
+        b = min(k for k in kept if k >= e)
+        interpolated.append(grads[a] if a == b else ((b - e) * grads[a] + (e - a) * grads[b]) / (b - a))
+    expected = sum(r * 0.5 * (interpolated[e] + interpolated[e + 1]) for e, r in enumerate(trajectory.rates))
+    full = sum(r * 0.5 * (grads[e] + grads[e + 1]) for e, r in enumerate(trajectory.rates))
+    got = forget_pushes(model, trajectory, gradient, 3)
+    assert torch.allclose(got, expected / len(data), rtol=1e-10, atol=1e-13)
+    assert torch.allclose(forget_pushes(model, trajectory, gradient), full / len(data), rtol=1e-10, atol=1e-13)
+    assert float((got - full / len(data)).norm()) > 1e-6 * float(full.norm() / len(data))  # it is not the full sum
+
+
+def test_the_sampled_forget_gradient_is_unbiased():
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    forget = data.take(torch.nonzero(data.columns["y"] == 7).flatten())  # 140-odd images of one digit
+    block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": None})
+    exact = block_gradient(model, TASK, forget, block, 0.0)
+    whole, share = forget_sample(forget, None, 0)
+    assert whole is forget and share == 1.0 and forget_sample(forget, 10_000, 0)[1] == 1.0
+    estimates = []
+    for seed in range(200):
+        sample, share = forget_sample(forget, 16, seed)
+        assert len(sample) == 16 and share == len(forget) / 16
+        estimates.append(share * block_gradient(model, TASK, sample, block, 0.0))
+    stack = torch.stack(estimates)
+    standard_error = stack.std(0) / math.sqrt(len(estimates))
+    assert float(((stack.mean(0) - exact).abs() / (standard_error + 1e-12)).max()) < 5.0  # unbiased
+    assert float(((stack.mean(0) * 16 / len(forget) - exact).abs()).max()) > 0.5 * float(exact.abs().max())
+    assert forget_sample(forget, 16, 0)[0].columns["y"].tolist() == forget_sample(forget, 16, 0)[0].columns["y"].tolist()
 
 
 # -- (c) forgetting a class as Retrain does --------------------------------------------------------------
@@ -202,6 +278,25 @@ def test_a_class_is_forgotten_as_the_retrains_forget_it(class_3):
     assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"] == pytest.approx(
         1.25 * guard["original_probe_loss"])
     assert record["scale"] == 0.1 and record["refit"]["rounds"] == len(guard["tried"]) >= 2  # refits, no backtrack
+
+
+def test_the_sampled_variant_forgets_the_class_from_fewer_gradients(class_3):
+    """configs/methods/trajectory-refit-sampled.yaml (5 of the 13 checkpoints) with 32 of the class's 135 images
+    (the file's 256 would be all of them here)."""
+    from pipeline.methods.base import MethodRef
+
+    ref = MethodRef.model_validate({"name": "trajectory-refit-sampled",
+                                    "settings": {"forget_samples": 32, "probe_samples": None, "refit_rounds": 6}})
+    assert ref.method == "trajectory-refit" and ref.settings.checkpoints == 5
+    x, y = class_3.train.columns["x"][class_3.forget], class_3.train.columns["y"][class_3.forget]
+    model, out = _remove(class_3, ref.settings.model_dump())
+    record = out.record
+    assert record["trajectory"]["read"] == [0, 3, 6, 9, 12] and record["trajectory"]["checkpoints"] == 13
+    assert record["forget_gradient"] == {"samples": 32, "of": len(class_3.forget)}
+    assert _accuracy(class_3.original, x, y) > 0.95 and _accuracy(model, x, y) <= 0.02
+    guard = record["guard"]
+    assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
+    print(f"\nsampled variant: scale {record['scale']}, tries {guard['tried']}, {record['timings']}")
 
 
 @pytest.mark.parametrize("previous, after, rounds_left, out", [

@@ -19,6 +19,15 @@ trains (stiff modes) are undone by the rest of the run, pushes along flat ones (
 only U ever taught) stay; scale = 1 (all of them, unfiltered) over-forgets and the refit restores the stiff
 part. ``scale`` is chosen on tuning forget sets.
 
+Cheaper pushes (settings, off by default; the variant ``configs/methods/trajectory-refit-sampled.yaml``). The pushes
+are the sum over the checkpoints k of W_k G_U(c_k), W_k = (C_{k-1} + C_k) / 2 (the trapezium's weights,
+C_{-1} = C_E = 0). ``checkpoints``: only that many of them, evenly spaced (the first and the last kept), each
+left-out checkpoint's G_U taken as the linear interpolation of its kept neighbours' (in the checkpoint index),
+so its weight is shared between them (``checkpoint_weights``; all kept: the formula above; exact where G_U is
+linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the summed gradient over a seeded
+sample of k of U's samples, the same sample at every checkpoint (unbiased; its error shrinks as
+sqrt((1 - k / |U|) / k)); a class of thousands of samples is mostly gradients that point one way.
+
 Retained-loss guard. Retrain minimises L_R, so at an optimum L_R(Retrain) <= L_R(original): a removal that
 leaves the retained data worse fitted than the original model did has over-forgotten (the correction pushed
 along directions R trains, further than the refit restores). After the refit the mean loss on a seeded probe
@@ -42,6 +51,7 @@ from pydantic import Field
 from torch import nn
 
 from pipeline.curvature.hessian import block_gradient
+from pipeline.data import SampleSet
 from pipeline.errors import RemovalNotServed
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
@@ -54,9 +64,10 @@ from pipeline.recipe import recipe_of
 from pipeline.trajectory import TRAJECTORY_FILE, Trajectory
 from pipeline.training import mean_loss
 
-__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "forget_pushes"]
+__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "forget_pushes", "forget_sample", "kept_checkpoints"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
+FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
 
@@ -74,6 +85,10 @@ class TrajectoryRefitSettings(MethodSettings):
     backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
     backtracks: int = Field(2, ge=0, description="rejections retried at a smaller scale; then the request is refused "
                                                  "(needs_retrain)")
+    checkpoints: int | None = Field(None, ge=2, description="recorded checkpoints the pushes read, evenly spaced, first "
+                                                            "and last kept, the others interpolated (null: all)")
+    forget_samples: int | None = Field(None, gt=0, description="G_U from a seeded sample of this many of U's samples, "
+                                                               "times |U| / k (null: all of U)")
 
 
 def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: int) -> bool:
@@ -98,21 +113,56 @@ def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
             target.copy_(value.to(target.device, target.dtype))
 
 
-def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """(1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2 (CPU float64), ``forget_gradient()`` giving G_U (summed over
-    U, no weight decay) at the weights ``model`` holds; each checkpoint is loaded into ``model`` in turn and its
-    parameters and buffers are as they were when it returns."""
+def kept_checkpoints(count: int, wanted: int | None) -> list[int]:
+    """Indices of ``wanted`` of ``count`` checkpoints, evenly spaced, the first and the last among them (all: None
+    or ``wanted`` >= ``count``)."""
+    if wanted is None or wanted >= count:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (wanted - 1)) for i in range(wanted)})
+
+
+def checkpoint_weights(rates: list[float], kept: list[int]) -> dict[int, float]:
+    """W_k of sum_k W_k G_U(c_k) over the ``kept`` checkpoints: the trapezium's (C_{k-1} + C_k) / 2, a left-out
+    checkpoint's share split between its kept neighbours a < k < b as (b - k) / (b - a) and (k - a) / (b - a)
+    (its G_U the linear interpolation of theirs). All kept: the trapezium's weights themselves."""
+    last = len(rates)
+    if not kept or kept[0] != 0 or kept[-1] != last or sorted(set(kept)) != kept:
+        raise ValueError(f"the kept checkpoints must rise from 0 to {last} (got {kept})")
+    full = [0.5 * ((rates[k - 1] if k > 0 else 0.0) + (rates[k] if k < last else 0.0)) for k in range(last + 1)]
+    weights = {k: 0.0 for k in kept}
+    for a, b in zip(kept, kept[1:]):
+        weights[a] += full[a]
+        for k in range(a + 1, b):
+            weights[a] += full[k] * (b - k) / (b - a)
+            weights[b] += full[k] * (k - a) / (b - a)
+    weights[last] += full[last]
+    return weights
+
+
+def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
+    """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
+    unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
+    sample = draw(forget, count, stream_seed(seed, FORGET_SAMPLE_STREAM))
+    return sample, len(forget) / len(sample)
+
+
+def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Callable[[], torch.Tensor],
+                  checkpoints: int | None = None) -> torch.Tensor:
+    """(1 / n) sum_k W_k G_U(c_k) (CPU float64; ``checkpoint_weights`` over ``kept_checkpoints``; all of them:
+    (1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2), ``forget_gradient()`` giving G_U (summed over U, no weight
+    decay) at the weights ``model`` holds; each checkpoint is loaded into ``model`` in turn and its parameters and
+    buffers are as they were when it returns."""
+    weights = checkpoint_weights(trajectory.rates, kept_checkpoints(len(trajectory.checkpoints), checkpoints))
     kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    total: torch.Tensor | None = None
     try:
-        grads = []
-        for checkpoint in trajectory.checkpoints:
-            _load(model, checkpoint)
-            grads.append(forget_gradient())
+        for k, weight in weights.items():
+            _load(model, trajectory.checkpoints[k])
+            term = weight * forget_gradient()
+            total = term if total is None else total + term
     finally:
         model.load_state_dict(kept)
-    total = torch.zeros_like(grads[0])
-    for e, rate in enumerate(trajectory.rates):
-        total += rate * 0.5 * (grads[e] + grads[e + 1])
+    assert total is not None
     return total / trajectory.n
 
 
@@ -170,8 +220,10 @@ class TrajectoryRefit(RemovalMethod):
 
         try:
             with problem.stage("forget_pushes", timings):
-                pushes = forget_pushes(model, trajectory, lambda: block_gradient(
-                    work, task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
+                sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
+                pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(
+                    work, task, sample, block, 0.0, reduction="sum", batch_size=problem.batch_size),
+                    settings.checkpoints)
                 if not bool(torch.isfinite(pushes).all()):
                     raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
             scale = settings.scale
@@ -212,7 +264,9 @@ class TrajectoryRefit(RemovalMethod):
         params = dict(model.named_parameters())
         record: dict[str, Any] = {
             "trajectory": {"checkpoints": len(trajectory.checkpoints), "n": trajectory.n,
-                           "rates": [round(r, 6) for r in trajectory.rates]},
+                           "rates": [round(r, 6) for r in trajectory.rates],
+                           "read": kept_checkpoints(len(trajectory.checkpoints), settings.checkpoints)},
+            "forget_gradient": {"samples": len(sample), "of": len(forget)},
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {"probe_samples": len(probe), "original_probe_loss": before,
                                                  "ceiling": ceiling, "tried": tried},
