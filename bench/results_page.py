@@ -4,8 +4,8 @@
     python -m bench.results_page --out /tmp/R.md      # elsewhere (the test does this)
     python -m bench.results_page --results DIR        # from another results folder
 
-The default run also rewrites README.md's short results table (``readme_table``: at most ten rows,
-between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) from the same JSON;
+The default run also rewrites README.md's short results table (``readme_table``: at most ten rows, the
+end-to-end benchmark's cells, and its U-LiRA games where they were played; between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) from the same JSON;
 ``--readme PATH`` rewrites that file's table even with ``--out`` or ``--results`` given.
 
 One section per benchmark script, one subsection per JSON file: the command that produced it
@@ -33,11 +33,14 @@ RESULTS_DIR = ROOT / "bench" / "results"
 DEFAULT_OUT = ROOT / "docs" / "RESULTS.md"
 README = ROOT / "README.md"
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
-# README's short table: these rows of these forgetting benchmark files, in these scenarios
-README_FILES = ("forgetting_fmnist.json", "forgetting_r8.json")
-README_SCENARIOS = ("random_1pct", "class")
-README_ROWS = ("original", "retrain-reseed", "newton-head", "newton-head-gn", "fisher", "ntk", "lfoci-newton",
-               "finetune", "salun")
+# README's short table: the end-to-end benchmark's cells (file, scenario) and these rows of them
+README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_r8-minilm_partial_class.json", "class"),
+                ("deep_identities_partial_identity.json", "identity"),
+                ("deep_identities_partial_random_1pct-subject.json", "random_1pct"),
+                ("deep_identities_partial_random_1pct-subject.json", "subject"))
+README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
+               "finetune", "neggrad-plus")
+README_DEFAULT = "lfoci-newton"
 COMMAND = "python -m bench.results_page"
 
 
@@ -247,38 +250,92 @@ def build(results_dir: Path = RESULTS_DIR) -> str:
 
 
 def readme_cell(agg: dict[str, Any] | None) -> str:
-    """Avg. Gap to Retrain (mean) and Retrain s / removal s, or why there is none."""
-    from bench.forgetting import _cell
+    """Avg. Gap to Retrain (mean) and Retrain's seconds over the removal's, cold / per request, and the share
+    of requests served where any was refused; or why there is none."""
+    from bench.deep_forgetting import _fmt
 
     if not agg:
         return "-"
     if "AvgGap" not in agg:
         return "needs retrain" if "needs_retrain" in agg else "failed" if "errors" in agg else "-"
     text = f"{agg['AvgGap']['mean']:.1f}"
-    if "ratio" in agg:
-        prep = f" / {_cell(agg, 'ratio_with_preparation')}" if "ratio_with_preparation" in agg else ""
-        text += f" ({_cell(agg, 'ratio')}{prep})"
-    if "needs_retrain" in agg:
-        text += f" [{len(agg['needs_retrain'])} needs retrain]"
+    if "cold_x" in agg:
+        text += f" ({_fmt(agg, 'cold_x')} / {_fmt(agg, 'request_x')})"
+    served = (agg.get("served") or {}).get("mean")
+    if served is not None and served < 100:
+        text += f" [{served:.0f} % served]"
     return text
 
 
+def _cell_title(d: dict[str, Any], scenario: str) -> str:
+    title = f"{d['dataset_title'].split(',')[0]}, {scenario.replace('_', ' ').replace('pct', ' %')}"
+    return title + (" (cannot discriminate)" if d["scenarios"][scenario].get("cannot_discriminate") else "")
+
+
+def _counts(cells: list[tuple[str, dict[str, Any] | None, str]]) -> tuple[str, str]:
+    """The reported forget sets and the campaign's requests of the cells, as one figure or a range."""
+    def span(values: list[int]) -> str:
+        return f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
+    blocks = [d["scenarios"][sc] for _, d, sc in cells if d is not None]
+    return (span([len(b.get("runs", [])) for b in blocks] or [0]),
+            span([int(b.get("campaign", {}).get("requests", 0)) for b in blocks] or [0]))
+
+
+def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]]) -> list[str]:
+    """One line per README cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row."""
+    from bench.deep_forgetting import ULIRA_ATTACKABLE
+
+    lines = []
+    for _, d, sc in cells:
+        game = d["scenarios"][sc].get("ulira") if d is not None else None
+        if not game:
+            continue
+        rows = game.get("rows", {})
+        parts = [f"{row} {rows[row]['accuracy']:.1f} [{rows[row]['ci95'][0]:.1f}, {rows[row]['ci95'][1]:.1f}]"
+                 for row in README_ROWS if isinstance(rows.get(row), dict) and "accuracy" in rows[row]]
+        parts += [f"{row} not played ({', '.join(sorted(k for k in rows[row] if k != 'shadow'))} at shadow "
+                  f"{rows[row].get('shadow')})" for row in README_ROWS
+                  if isinstance(rows.get(row), dict) and "accuracy" not in rows[row]]
+        read = ("read: the original scores at least " if game.get("attackable") else
+                "not read: the original scores under ") + f"{ULIRA_ATTACKABLE:g}"
+        lines.append(f"- {_cell_title(d, sc)}, {game['shadows']} shadow pairs ({read}): " + ", ".join(parts) + ".")
+    if lines:
+        lines = ["", "U-LiRA on the first reported forget set of a cell (the attack's accuracy in %, its 95 % "
+                     "interval; 50: it cannot tell the removal from Retrain):", ""] + lines
+    return lines
+
+
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
-    """README.md's short results table (at most ten rows) from the forgetting benchmark's JSON."""
-    results = [json.loads((results_dir / name).read_text()) for name in README_FILES]
-    titles = [f"{d['dataset_title'].split(' (')[0]}, {sc.replace('_', ' ').replace('pct', '%')}"
-              for d in results for sc in README_SCENARIOS]
-    lines = ["Avg. Gap to Retrain in points (lower is better; mean over the forget sets) and, in brackets, "
-             "Retrain's seconds over the removal's (/ over the removal's and its once-per-version preparation's, "
-             "where it prepares anything); from "
-             + " and ".join(f"[{name}](bench/results/{name})" for name in README_FILES)
-             + ". Every table, with the command and the machine of each run: [docs/RESULTS.md](docs/RESULTS.md) "
-             f"(this table and that page are generated by `{COMMAND}`).", "",
-             "| method | " + " | ".join(titles) + " |", "|---|" + "---|" * len(titles)]
+    """README.md's short results table (at most ten rows): the end-to-end benchmark's cells; a file or scenario
+    that cannot be read gets its column marked, never a crash."""
+    loaded: dict[str, dict[str, Any] | None] = {}
+    for name in dict.fromkeys(n for n, _ in README_CELLS):
+        try:
+            loaded[name] = json.loads((results_dir / name).read_text())
+        except (OSError, ValueError):
+            loaded[name] = None
+    cells: list[tuple[str, dict[str, Any] | None, str]] = []
+    for name, sc in README_CELLS:
+        d = loaded[name]
+        ok = isinstance(d, dict) and "dataset_title" in d and "summary" in d.get("scenarios", {}).get(sc, {})
+        cells.append((name, d if ok else None, sc))
+    sets, requests = _counts(cells)
+    lines = ["Networks trained end to end (every layer the recipe trains saw the data). Avg. Gap to Retrain in "
+             f"points (SalUn's; lower is better; mean over {sets} reported forget sets, settings chosen on disjoint "
+             "tuning sets) and, in brackets, Retrain's seconds over the removal's: cold (everything the request "
+             f"needs, its preparation included) / per request over a campaign of {requests} requests; `-`: not run "
+             f"in that cell. {README_DEFAULT} is the default. From "
+             + ", ".join(f"[{name}](bench/results/{name})" for name in loaded)
+             + ". Every table (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with the command and the machine of "
+             f"each run: [docs/RESULTS.md](docs/RESULTS.md) (this table and that page are generated by `{COMMAND}`).",
+             "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"
+                                            for name, d, sc in cells) + " |",
+             "|---|" + "---|" * len(cells)]
     for row in README_ROWS:
-        cells = [readme_cell(d["scenarios"][sc]["summary"].get(row)) for d in results for sc in README_SCENARIOS]
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        label = f"{row} (default)" if row == README_DEFAULT else row
+        lines.append(f"| {label} | " + " | ".join(readme_cell(d["scenarios"][sc]["summary"].get(row))
+                                                  if d is not None else "-" for _, d, sc in cells) + " |")
+    return "\n".join(lines + readme_ulira(cells)) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

@@ -75,9 +75,19 @@ def test_readme_table_is_the_generated_one() -> None:
     assert between == "\n" + readme_table(), "README's results table is stale: run python -m bench.results_page"
     rows = [line for line in between.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert 3 <= len(rows) <= 10
-    fmnist = json.loads((RESULTS / "forgetting_fmnist.json").read_text())
-    cell = readme_cell(fmnist["scenarios"]["random_1pct"]["summary"]["newton-head"])
-    assert f"| newton-head | {cell} |" in between
+    fmnist = json.loads((RESULTS / "deep_fmnist-cnn_partial_class.json").read_text())
+    for row in ("trajectory-refit", "salun"):
+        cell = readme_cell(fmnist["scenarios"]["class"]["summary"][row])
+        assert cell[0].isdigit() and "x / " in cell and f"| {row} | {cell} |" in between
+    assert "| lfoci-newton (default) | " in between  # the default is named as such
+
+
+def test_readme_cell_reads_cost_and_refusals() -> None:
+    agg = {"AvgGap": {"mean": 2.44}, "cold_x": {"mean": 2.7}, "request_x": {"mean": 12.4}, "served": {"mean": 90.0}}
+    assert readme_cell(agg) == "2.4 (2.7x / 12x) [90 % served]"
+    assert readme_cell({**agg, "served": {"mean": 100.0}}) == "2.4 (2.7x / 12x)"
+    assert readme_cell({"AvgGap": {"mean": 43.14}}) == "43.1"  # original, retrain-reseed: no cost
+    assert readme_cell({"needs_retrain": [1]}) == "needs retrain" and readme_cell(None) == "-"
 
 
 def test_readme_option_rewrites_only_the_table(tmp_path: Path) -> None:
@@ -88,3 +98,26 @@ def test_readme_option_rewrites_only_the_table(tmp_path: Path) -> None:
     first = readme.read_text()
     assert first == f"# title\n\n{README_START}\n{readme_table()}{README_END}\n\ntail\n"
     assert main(args) == 0 and readme.read_text() == first
+
+
+def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path) -> None:
+    from bench.results_page import README_CELLS
+
+    for name in {n for n, _ in README_CELLS}:
+        (tmp_path / name).write_text((RESULTS / name).read_text())
+    identity = json.loads((tmp_path / "deep_identities_partial_identity.json").read_text())
+    identity["scenarios"]["identity"]["ulira"] = {
+        "shadows": 16, "attackable": True, "rows": {
+            "original": {"accuracy": 97.25, "ci95": [94.0, 99.5]},
+            "trajectory-refit": {"accuracy": 53.5, "ci95": [47.25, 60.0]},
+            "salun": {"needs_retrain": "refused", "shadow": 3}}}
+    (tmp_path / "deep_identities_partial_identity.json").write_text(json.dumps(identity))
+    (tmp_path / "deep_r8-minilm_partial_class.json").unlink()
+    table = readme_table(tmp_path)
+    header = next(x for x in table.splitlines() if x.startswith("| method |"))
+    assert "| deep_r8-minilm_partial_class.json: class (missing) |" in header
+    line = next(x for x in table.splitlines() if x.startswith("- Identities, identity"))
+    assert "16 shadow pairs (read: the original scores at least 60)" in line
+    assert "original 97.2 [94.0, 99.5], trajectory-refit 53.5 [47.2, 60.0]" in line
+    assert "salun not played (needs_retrain at shadow 3)" in line
+    assert readme_table(tmp_path).count("- Identities") == 1  # the other cells hold no game

@@ -139,8 +139,12 @@ def test_forget_pushes_at_fewer_checkpoints_interpolate_the_left_out_gradients()
     forget = data.take(torch.arange(0, 300, 5))
     block = ParamBlock.from_rows(model, {k: None for k, _ in model.named_parameters()})
     gradient = lambda: block_gradient(model, TASK, forget, block, 0.0, batch_size=64)  # noqa: E731
-    # G_U at every checkpoint, read the same way: (1 / 2) x 2 (G_U(c) + G_U(c)) / 2
-    grads = [forget_pushes(model, Trajectory([c, c], [2.0], 2), gradient) for c in trajectory.checkpoints]
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = []
+    for c in trajectory.checkpoints:  # G_U at every checkpoint, by hand
+        model.load_state_dict(c)
+        grads.append(gradient())
+    model.load_state_dict(trained)
     kept = kept_checkpoints(len(grads), 3)
     assert kept == [0, 3, 6]
     interpolated = []
@@ -174,7 +178,8 @@ def test_the_sampled_forget_gradient_is_unbiased():
     standard_error = stack.std(0) / math.sqrt(len(estimates))
     assert float(((stack.mean(0) - exact).abs() / (standard_error + 1e-12)).max()) < 5.0  # unbiased
     assert float(((stack.mean(0) * 16 / len(forget) - exact).abs()).max()) > 0.5 * float(exact.abs().max())
-    assert forget_sample(forget, 16, 0)[0].columns["y"].tolist() == forget_sample(forget, 16, 0)[0].columns["y"].tolist()
+    assert torch.equal(forget_sample(forget, 16, 0)[0].sample_ids, forget_sample(forget, 16, 0)[0].sample_ids)
+    assert not torch.equal(forget_sample(forget, 16, 0)[0].sample_ids, forget_sample(forget, 16, 1)[0].sample_ids)
 
 
 # -- (c) forgetting a class as Retrain does --------------------------------------------------------------
@@ -296,6 +301,16 @@ def test_the_sampled_variant_forgets_the_class_from_fewer_gradients(class_3):
     assert _accuracy(class_3.original, x, y) > 0.95 and _accuracy(model, x, y) <= 0.02
     guard = record["guard"]
     assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
+    # the correction is scale x the pushes of the seeded sample at the 5 checkpoints, |U| / 32 times its gradient
+    sample, share = forget_sample(class_3.train.take(class_3.forget), 32, 0)
+    work = copy.deepcopy(class_3.original)
+    block = ParamBlock.all_parameters(work)
+    pushes = {k: forget_pushes(work, class_3.trajectory, lambda: s * block_gradient(work, TASK, u, block, 0.0), 5)
+              for k, (u, s) in {"sampled": (sample, share), "all of U": (class_3.train.take(class_3.forget), 1.0),
+                                "no share": (sample, 1.0)}.items()}
+    assert record["correction_norm"] == pytest.approx(record["scale"] * float(pushes["sampled"].norm()), rel=1e-6)
+    for other in ("all of U", "no share"):  # the record tells these apart: all of U's norm is 0.90 of the sample's
+        assert abs(float(pushes[other].norm()) / float(pushes["sampled"].norm()) - 1) > 0.02, other
     print(f"\nsampled variant: scale {record['scale']}, tries {guard['tried']}, {record['timings']}")
 
 

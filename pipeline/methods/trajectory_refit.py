@@ -25,8 +25,8 @@ C_{-1} = C_E = 0). ``checkpoints``: only that many of them, evenly spaced (the f
 left-out checkpoint's G_U taken as the linear interpolation of its kept neighbours' (in the checkpoint index),
 so its weight is shared between them (``checkpoint_weights``; all kept: the formula above; exact where G_U is
 linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the summed gradient over a seeded
-sample of k of U's samples, the same sample at every checkpoint (unbiased; its error shrinks as
-sqrt((1 - k / |U|) / k)); a class of thousands of samples is mostly gradients that point one way.
+sample of k of U's samples, the same sample at every checkpoint (unbiased; its relative error shrinks as
+sqrt((1 - k / |U|) / k) times the per-sample gradients' spread over their mean).
 
 Retained-loss guard. Retrain minimises L_R, so at an optimum L_R(Retrain) <= L_R(original): a removal that
 leaves the retained data worse fitted than the original model did has over-forgotten (the correction pushed
@@ -64,7 +64,8 @@ from pipeline.recipe import recipe_of
 from pipeline.trajectory import TRAJECTORY_FILE, Trajectory
 from pipeline.training import mean_loss
 
-__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "forget_pushes", "forget_sample", "kept_checkpoints"]
+__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "forget_pushes", "forget_sample",
+           "kept_checkpoints"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
@@ -114,8 +115,8 @@ def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
 
 
 def kept_checkpoints(count: int, wanted: int | None) -> list[int]:
-    """Indices of ``wanted`` of ``count`` checkpoints, evenly spaced, the first and the last among them (all: None
-    or ``wanted`` >= ``count``)."""
+    """Indices of ``wanted`` of ``count`` checkpoints, as evenly spaced as rounding i (count - 1) / (wanted - 1) to
+    the nearest index allows, the first and the last among them (all: None or ``wanted`` >= ``count``)."""
     if wanted is None or wanted >= count:
         return list(range(count))
     return sorted({round(i * (count - 1) / (wanted - 1)) for i in range(wanted)})
@@ -142,6 +143,8 @@ def checkpoint_weights(rates: list[float], kept: list[int]) -> dict[int, float]:
 def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
     """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
     unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
+    if len(forget) == 0:
+        raise ValueError("the forget set is empty: nothing to remove")
     sample = draw(forget, count, stream_seed(seed, FORGET_SAMPLE_STREAM))
     return sample, len(forget) / len(sample)
 
