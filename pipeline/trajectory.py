@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -99,6 +100,15 @@ class TrajectoryRecorder:
         steps = self.schedule.step_rates(n)
         per = self.every * len(steps) // self.epochs
         return Trajectory(self.checkpoints, stretch_rates(steps, self.schedule.momentum, per), n)
+
+
+def load_checkpoint(model: nn.Module, checkpoint: dict[str, Tensor]) -> None:
+    """A checkpoint's parameters and buffers into ``model`` (names as the recorder keeps them), in place."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in checkpoint.items():
+            target = buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
+            target.copy_(value.to(target.device, target.dtype))
 
 
 def copy_trajectory(source_dir: str | Path, target_dir: str | Path) -> bool:

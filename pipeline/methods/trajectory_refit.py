@@ -28,6 +28,14 @@ linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the
 sample of k of U's samples, the same sample at every checkpoint (unbiased; its relative error shrinks as
 sqrt((1 - k / |U|) / k) times the per-sample gradients' spread over their mean).
 
+Emptied classes (``emptied_classes``). A class every training sample of which is in U (a whole identity) is one no
+retained sample trains: Retrain's decision-layer row for it only decays and is pushed down by the other samples'
+softmax early in training. The correction leaves that row where training's up-pushes put it, less the share taken
+back, and the class's logit on its own inputs away from Retrain's (on the identities benchmark -4.6 at scale 0.1
+against Retrain's -0.1 / 0.1: a membership attack tells them apart). Under ``replayed`` (the default) the row is
+replayed from the recipe's initial row along the recorded run (``pipeline.target.emptied_classes``: one forward
+pass of a seeded sample of D \\ U per checkpoint) and set with every correction, before the refit.
+
 Retained-loss guard. Retrain minimises L_R, so at an optimum L_R(Retrain) <= L_R(original): a removal that
 leaves the retained data worse fitted than the original model did has over-forgotten (the correction pushed
 along directions R trains, further than the refit restores). After the refit the mean loss on a seeded probe
@@ -44,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field
@@ -61,13 +69,17 @@ from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.recipe import recipe_of
-from pipeline.trajectory import TRAJECTORY_FILE, Trajectory
+from pipeline.target.emptied_classes import (
+    emptied_classes, emptied_rows_record, output_layer_names, replayed_rows, reset_emptied_rows,
+)
+from pipeline.trajectory import TRAJECTORY_FILE, Trajectory, load_checkpoint
 from pipeline.training import mean_loss
 
 __all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "forget_pushes", "forget_sample",
            "kept_checkpoints"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
+EMPTIED_STREAM = 36  # the emptied classes' replay sample of D \ U
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
@@ -90,6 +102,13 @@ class TrajectoryRefitSettings(MethodSettings):
                                                             "and last kept, the others interpolated (null: all)")
     forget_samples: int | None = Field(None, gt=0, description="G_U from a seeded sample of this many of U's samples, "
                                                                "times |U| / k (null: all of U)")
+    emptied_classes: Literal["replayed", "corrected"] = Field(
+        "replayed", description="the decision layer's rows of a class U empties (no retained sample has it): replayed: "
+                                "Retrain's, from the recipe's initial rows along the recorded run under the weight "
+                                "decay and the retained samples' softmax pushes (pipeline/target/emptied_classes.py); "
+                                "corrected: left to the correction and the refit like every other weight")
+    emptied_class_samples: int = Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass "
+                                                                "of it per recorded checkpoint)")
 
 
 def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: int) -> bool:
@@ -103,15 +122,6 @@ def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: in
     if not math.isfinite(drop):
         return rounds_left == 0
     return after - rounds_left * max(drop, 0.0) > ceiling
-
-
-def _load(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
-    """A checkpoint's parameters and buffers into ``model`` (names as ``pipeline.trajectory`` keeps them)."""
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in checkpoint.items():
-            target = buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
-            target.copy_(value.to(target.device, target.dtype))
 
 
 def kept_checkpoints(count: int, wanted: int | None) -> list[int]:
@@ -160,13 +170,43 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
     total: torch.Tensor | None = None
     try:
         for k, weight in weights.items():
-            _load(model, trajectory.checkpoints[k])
+            load_checkpoint(model, trajectory.checkpoints[k])
             term = weight * forget_gradient()
             total = term if total is None else total + term
     finally:
         model.load_state_dict(kept)
     assert total is not None
     return total / trajectory.n
+
+
+def _emptied_rows(problem: RemovalProblem, settings: TrajectoryRefitSettings, trajectory: Trajectory,
+                  timings: dict[str, float]) -> dict[str, Any]:
+    """The classes U empties and, under ``replayed``, their decision-layer rows as Retrain leaves them (``_rows``, not
+    recorded; the whole model over a sample of D \\ U, the trajectory's names being the model's); where the rows are
+    not set, the record says why."""
+    labels = problem.train.columns.get("y")
+    if settings.emptied_classes == "corrected":
+        return {"classes": [], "applied": False, "why": "emptied_classes: corrected"}
+    if problem.task.loss != "cross_entropy" or labels is None or labels.dim() != 1:
+        return {"classes": [], "applied": False, "why": "not a single-label cross-entropy classifier"}
+    classes = emptied_classes(labels, problem.forget_positions)
+    if not classes:
+        return {"classes": [], "applied": False, "why": "every class of U keeps retained samples"}
+    try:
+        names = output_layer_names(problem.model)
+    except ValueError as err:
+        return {"classes": [], "applied": False, "why": f"no decision layer found: {err}"}
+    if any(n is not None and n not in trajectory.checkpoints[0] for n in names):
+        return {"classes": [], "applied": False, "why": "the recorded trajectory lacks the decision layer"}
+    recipe = recipe_of(problem.card) if problem.card is not None else None
+    steps = 1 if recipe is None else max(1, math.ceil(trajectory.n / recipe.batch_size) * recipe.epochs
+                                          // max(1, len(trajectory.rates)))
+    retain = problem.train.without(problem.forget_positions)
+    sample = draw(retain, settings.emptied_class_samples, stream_seed(problem.seed, EMPTIED_STREAM))
+    with problem.stage("emptied_classes", timings):
+        rows, how = replayed_rows(problem.model, problem.task, sample, trajectory, names, classes,
+                                  problem.weight_decay, steps, problem.batch_size)
+    return {**emptied_rows_record(classes, names), **how, "applied": True, "_rows": rows}
 
 
 @register_method
@@ -210,6 +250,12 @@ class TrajectoryRefit(RemovalMethod):
         probe = draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None
         tried: list[dict[str, float]] = []
 
+        def correct(scale: float) -> None:
+            """U's pushes taken back at ``scale``; the emptied classes' rows set to Retrain's."""
+            block.add_to_model(work, scale * pushes)
+            if emptied.get("classes"):
+                reset_emptied_rows(model, emptied["_rows"], emptied["classes"])
+
         def refit_once() -> dict[str, Any]:
             """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream."""
             with problem.stage("refit", timings):
@@ -222,6 +268,7 @@ class TrajectoryRefit(RemovalMethod):
                 return float(mean_loss(work, task, probe, problem.batch_size))
 
         try:
+            emptied = _emptied_rows(problem, settings, trajectory, timings)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
                 pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(
@@ -231,14 +278,14 @@ class TrajectoryRefit(RemovalMethod):
                     raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
             scale = settings.scale
             if probe is None:
-                block.add_to_model(work, scale * pushes)
+                correct(scale)
                 refit = refit_once()
                 refit["rounds"] = 1
             else:
                 before = probe_loss()
                 ceiling = (1.0 + settings.retained_loss_slack) * before
                 while True:
-                    block.add_to_model(work, scale * pushes)
+                    correct(scale)
                     previous = math.inf
                     for round_ in range(1, settings.refit_rounds + 1):
                         refit = refit_once()
@@ -270,6 +317,7 @@ class TrajectoryRefit(RemovalMethod):
                            "rates": [round(r, 6) for r in trajectory.rates],
                            "read": kept_checkpoints(len(trajectory.checkpoints), settings.checkpoints)},
             "forget_gradient": {"samples": len(sample), "of": len(forget)},
+            "emptied_classes": {k: v for k, v in emptied.items() if not k.startswith("_")},
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {"probe_samples": len(probe), "original_probe_loss": before,
                                                  "ceiling": ceiling, "tried": tried},

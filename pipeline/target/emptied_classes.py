@@ -1,0 +1,153 @@
+"""The part of Retrain's target a request that empties a class fixes: the decision layer's rows of that class.
+
+A request that removes every training sample of a class c (a whole identity, a whole class) leaves D \\ U
+without a sample of c. Retrain never pushes the decision layer's row theta_c = (w_c, b_c) towards c's inputs: its
+only forces are the weight decay and the push every retained sample x gives it through the softmax,
+
+    d theta_c / dt = - [ mean_{x in R} (p_c(x) - s / K) (h(x), 1) + lambda theta_c ],
+
+p_c(x) the model's probability of c, s the label smoothing, K the classes, h(x) the decision layer's input, t the
+recipe's carried rate (heavy-ball SGD: c_k = sum_{j >= k} eta_j beta^(j - k) per step, summed per stretch between
+recorded checkpoints, ``pipeline.trajectory``). The push-down is an early-training force: while the network is
+unsure, p_c(x) ~ 1 / K for every x; once it is sure of the other classes p_c ~ 0 and only the decay is left (on the
+digits CNN of the tests the retrains' bias of the emptied class ends at -0.95 from an initial 0.09; with final
+features the push is already ~0). So this module integrates the row's equation along the recorded run itself:
+h(x) and the other classes' logits at each checkpoint of the original's trajectory on a seeded sample S of D \\ U
+(the original's run differs from Retrain's by U's pushes, which the row replaces), linearly interpolated inside a
+stretch, explicit Euler sub-steps of the stretch's rate (at least the recipe's steps, more where the row loss's
+curvature needs them for stability: at most 1 / L each, L = (1/4) lambda_max(mean (h,1)(h,1)^T) + lambda for one row;
+``max_substeps`` in all), from the recorded initial row.
+
+A removal that moves the trained weights by a correction (``pipeline.methods.trajectory_refit``) leaves row c
+where training's up-pushes put it less the share taken back, and the class's logit on its own inputs far from
+Retrain's (docs/NOTES.md). What the replay leaves out: Retrain's own features differ from the original's run
+(the class's images drive the shared layers there); S is a sample (its error on a mean of per-sample pushes).
+Single-label cross-entropy only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.decision_layer import decision_layer_block
+from pipeline.trajectory import load_checkpoint
+
+__all__ = ["emptied_classes", "emptied_rows_record", "output_layer_names", "replayed_rows", "reset_emptied_rows"]
+
+
+def emptied_classes(labels: Tensor, forget_positions: Tensor | list[int]) -> list[int]:
+    """The classes every training sample of which is in U (sorted): in U's labels, absent from D \\ U's."""
+    labels = torch.as_tensor(labels).reshape(-1).long()
+    positions = torch.as_tensor(forget_positions, dtype=torch.long).reshape(-1)
+    keep = torch.ones(labels.numel(), dtype=torch.bool)
+    keep[positions] = False
+    in_forget = set(labels[positions].tolist())
+    in_retain = set(labels[keep].tolist())
+    return sorted(in_forget - in_retain)
+
+
+def output_layer_names(model: nn.Module) -> tuple[str, str | None]:
+    """(weight, bias or None) of the decision layer (``pipeline.decision_layer.decision_layer_block``: a Sequential's
+    last Linear, or a classifier's Linear ``classifier``); ``ValueError`` where there is none."""
+    block = decision_layer_block(model, [])
+    params = dict(model.named_parameters())
+    names = [part.name for part in block.parts]
+    weight = [n for n in names if params[n].dim() == 2]
+    bias = [n for n in names if params[n].dim() == 1]
+    if len(weight) != 1 or len(bias) > 1:
+        raise ValueError(f"the decision layer's parameters {names} are not one weight and at most one bias")
+    return weight[0], (bias[0] if bias else None)
+
+
+def _checkpoint_view(model: nn.Module, task: Any, sample: Any, layer: nn.Linear, batch_size: int
+                     ) -> tuple[Tensor, Tensor]:
+    """(h, z) on ``sample`` at the weights ``model`` holds: the decision layer's inputs (float64, with a column of
+    ones) and the logits (float64)."""
+    feats: list[Tensor] = []
+    handle = layer.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach()))
+    logits: list[Tensor] = []
+    try:
+        with torch.no_grad():
+            for batch in sample.batches(batch_size):
+                logits.append(task.forward(model, batch).detach())
+    finally:
+        handle.remove()
+    h = torch.cat(feats).double().cpu()
+    return torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype)], 1), torch.cat(logits).double().cpu()
+
+
+def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, names: tuple[str, str | None],
+                  classes: list[int], weight_decay: float, steps_per_stretch: int, batch_size: int = 512,
+                  max_substeps: int = 20000) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Retrain's rows of ``classes`` by the row equation above along ``trajectory`` (its checkpoints loaded into
+    ``model`` in turn, its own weights put back); ({name: rows}, what the record says)."""
+    layer = _layer_of(model, dict(model.named_parameters())[names[0]])
+    index = torch.as_tensor(classes, dtype=torch.long)
+    first = trajectory.checkpoints[0]
+    theta = first[names[0]].index_select(0, index).double()
+    bias0 = first[names[1]].index_select(0, index).double() if names[1] is not None else \
+        torch.zeros(len(classes), dtype=torch.float64)
+    theta = torch.cat([theta, bias0[:, None]], 1)  # (|C|, d + 1)
+    has_bias = names[1] is not None
+    others = torch.ones(len(layer.weight), dtype=torch.bool)
+    others[index] = False
+    kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    views: list[tuple[Tensor, Tensor]] = []
+    try:
+        for checkpoint in trajectory.checkpoints:
+            load_checkpoint(model, checkpoint)
+            h, z = _checkpoint_view(model, task, sample, layer, batch_size)
+            views.append((h, torch.logsumexp(z[:, others], 1)))
+    finally:
+        model.load_state_dict(kept)
+    if not has_bias:  # no bias: its column of (h, 1) off, so theta's last entry stays 0
+        views = [(torch.cat([h[:, :-1], torch.zeros_like(h[:, -1:])], 1), o) for h, o in views]
+    smooth = float(task.loss_options.get("label_smoothing", 0.0)) / len(layer.weight)  # the smoothed target's s / K
+    # the row loss's gradient is Lipschitz with L <= c lambda_max(mean h h^T) + lambda, c = 1/4 for one row
+    # (p (1 - p) <= 1/4), 1/2 for several (the softmax Jacobian's largest eigenvalue): steps of at most 1 / L
+    curvature = 0.25 if len(classes) == 1 else 0.5
+    lipschitz = [curvature * float(torch.linalg.eigvalsh(h.T @ h / h.shape[0])[-1]) + weight_decay for h, _ in views]
+    substeps_total = 0
+    for e, rate in enumerate(trajectory.rates):
+        (h0, o0), (h1, o1) = views[e], views[e + 1]
+        count = max(int(steps_per_stretch), math.ceil(rate * max(lipschitz[e], lipschitz[e + 1])))
+        count = min(count, max(1, max_substeps // max(1, len(trajectory.rates))))
+        step = rate / count
+        for k in range(count):
+            a = (k + 0.5) / count
+            h, other = torch.lerp(h0, h1, a), torch.lerp(o0, o1, a)
+            zc = h @ theta.T
+            p = torch.exp(zc - torch.logaddexp(other, torch.logsumexp(zc, 1))[:, None])  # (|S|, |C|)
+            theta = theta - step * ((p - smooth).T @ h / h.shape[0] + weight_decay * theta)
+        substeps_total += count
+    out = {names[0]: theta[:, :-1].to(layer.weight.dtype)}
+    if has_bias:
+        out[names[1]] = theta[:, -1].to(layer.weight.dtype)
+    return out, {"samples": len(sample), "substeps": substeps_total, "checkpoints": len(views)}
+
+
+def _layer_of(model: nn.Module, weight: Tensor) -> nn.Linear:
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight is weight:
+            return module
+    raise ValueError("the decision layer's weight is not a Linear module's of this model")
+
+
+def reset_emptied_rows(model: nn.Module, rows: dict[str, Tensor], classes: list[int]) -> None:
+    """Write ``rows`` (``replayed_rows``) into the model's decision layer, in place."""
+    params = dict(model.named_parameters())
+    index = torch.as_tensor(classes, dtype=torch.long)
+    with torch.no_grad():
+        for name, value in rows.items():
+            target = params[name]
+            target.index_copy_(0, index.to(target.device), value.to(target.device, target.dtype))
+
+
+def emptied_rows_record(classes: list[int], names: tuple[str, str | None]) -> dict[str, Any]:
+    """What the record says of the rows set."""
+    return {"classes": classes, "parameters": [n for n in names if n is not None],
+            "rows": "replayed from the recipe's initial rows along the recorded run (weight decay and the retained "
+                    "samples' softmax pushes)"}
