@@ -584,3 +584,36 @@ def test_the_recipe_bounds_the_checkpoints_kept():
     assert kept is not None and len(kept.checkpoints) == 3 and len(kept.rates) == 2  # epochs 3 and 5, and the start
     assert train("linear", {}, data, recipe.model_copy(update={"trajectory_checkpoints": 0})).trajectory is None
     assert train("linear", {}, data, recipe.model_copy(update={"optimizer": "lbfgs"})).trajectory is None
+
+
+def test_lfoci_newton_sets_the_emptied_class_rows_where_its_block_holds_them(class_3, class_3_retrains):
+    """The default's Gauss-Newton path on the digits CNN (the whole model, the one-window target): its step barely
+    moves what the whole run taught class 3; with the recorded trajectory it sets row 3 to the replayed one (near the
+    retrains' rows), and the class is no longer recognised. A block without the decision layer leaves it, and says so."""
+    x, y = class_3.train.columns["x"][class_3.forget], class_3.train.columns["y"][class_3.forget]
+
+    def run(gauss_newton: dict, **settings):
+        model = copy.deepcopy(class_3.original)
+        problem = RemovalProblem(model, TASK, class_3.train, class_3.forget, RECIPE["weight_decay"], seed=0,
+                                 batch_size=512, card=_card(len(class_3.train)), trajectory=class_3.trajectory)
+        raw = {"selection": "all", "curvature": "gauss-newton", "target": "retrain",
+               "gauss_newton": {"curvature_samples": 512, "probe_samples": 512, **gauss_newton}, **settings}
+        return model, get_method("lfoci-newton").run(problem, parse_settings("lfoci-newton", raw)).record
+
+    def row(m: nn.Module) -> torch.Tensor:
+        return torch.cat([m[8].weight[3], m[8].bias[3:4]]).detach().double()
+
+    centre = torch.stack([row(r) for r in class_3_retrains]).mean(0)
+    replayed, record = run({})
+    step_only, record_c = run({"emptied_classes": "corrected"})
+    assert record["emptied_classes"]["applied"] and record["emptied_classes"]["classes"] == [3]
+    assert record_c["emptied_classes"]["why"] == "emptied_classes: corrected"
+    mine, theirs = float((row(replayed) - centre).norm()), float((row(step_only) - centre).norm())
+    print(f"\nlfoci-newton, class 3: forget accuracy step only {_accuracy(step_only, x, y):.3f}, with the replayed row "
+          f"{_accuracy(replayed, x, y):.3f}; row 3 from the retrains' mean {theirs:.3f} -> {mine:.3f}; "
+          f"{record['timings']}")
+    assert _accuracy(step_only, x, y) > 0.5 and _accuracy(replayed, x, y) <= 0.02
+    assert mine < 0.4 * theirs
+    _, record_p = run({}, selection="parameters", parameters=["6.weight", "6.bias"])
+    assert record_p["emptied_classes"] == {"classes": [3], "applied": False,
+                                           "why": "the block does not hold the rows [3] of 8.weight"}

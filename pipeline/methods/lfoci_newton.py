@@ -20,7 +20,9 @@ L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_start||^2, r0 = grad_P L_D(w_start), m
 replay's one-window form; mu is added to the damping of every Newton system).
 
 Curvature (``curvature``): ``hessian`` takes the converged exact-Newton steps described here; ``gauss-newton``
-one Gauss-Newton step accepted by a trust region, then an optional refit (``_gauss_newton_removal``);
+one Gauss-Newton step accepted by a trust region, then an optional refit (``_gauss_newton_removal``), and for a class
+the request empties, Retrain's decision-layer rows replayed along the recorded run where the block holds them
+(``pipeline.methods.emptied_rows``: the one-window step cannot take back what the whole run taught the class);
 ``auto`` the latter where the target takes the one-window form and the logits are not affine in the block
 (a block inside a network trained end to end), else the former.
 
@@ -68,6 +70,7 @@ from pipeline.methods.base import (
 )
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget, prepare_frozen_prefix
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
+from pipeline.methods.emptied_rows import EmptiedMode, EmptiedRows, plan_emptied_rows
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
@@ -106,6 +109,13 @@ class GaussNewtonStepSettings(BaseModel):
     refit_epochs: float = Field(0.0, ge=0, description="epochs of the recipe's SGD on D \\ U over the block after the "
                                                        "step (0: none)")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this (cosine decay)")
+    emptied_classes: EmptiedMode = Field(
+        "replayed", description="the decision layer's rows of a class U empties (no retained sample has it), where the "
+                                "block holds them and the model has a recorded trajectory: replayed: Retrain's, from the "
+                                "recipe's initial rows along the recorded run (pipeline/target/emptied_classes.py), set "
+                                "after the step and the refit; corrected: left to the step")
+    emptied_class_samples: int = Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass "
+                                                                "of it per recorded checkpoint)")
 
     def trust_region(self) -> TrustRegion:
         return TrustRegion(curvature_samples=self.curvature_samples, probe_samples=self.probe_samples,
@@ -526,6 +536,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
     noised = noise_cal.sigma > 0
+    emptied = _emptied_in_block(problem, gn, block, timings)
     try:
         with problem.stage("curvature_and_solve", timings):
             step, trust = gauss_newton_trust_step(passes.model, passes.task, block, passes.retain, rhs, mu, lam,
@@ -545,6 +556,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
         with problem.stage("refit", timings):
             refit = refit_block(model, task, block, problem.retain, recipe, lam, epochs=gn.refit_epochs,
                                 lr_scale=gn.refit_lr_scale, seed=problem.seed)
+        emptied.apply(model)
         accepted = next(t for t in trust["trials"] if t["accepted"]) if trust["trials"] else {"damping": lam + mu}
         release = certify.release(
             model, task, lam, settings, noise_cal, full_block=full_block, steps=1, damping_used=accepted["damping"],
@@ -567,7 +579,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
         "curvature": {"how": "gauss-newton", "setting": settings.curvature, "operator": "BlockGaussNewton",
                       "data": (f"seeded subsample of {trust['curvature_samples']} retained samples"
                                if "curvature_samples" in trust else "none: g_R = g_D, nothing to move")},
-        "trust_region": trust, "refit": refit,
+        "trust_region": trust, "refit": refit, "emptied_classes": emptied.record,
         "gradient_norms": {
             "forget_sum_block": _norm(g_forget), "data_mean_block_start": _norm(g_data),
             "retain_mean_block_before": _norm(g_retain), "residual_before": before,
@@ -583,6 +595,22 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
         "step_norm": _norm(w - w_start),
     })
     return RemovalOutcome(new_parameters, record, release)
+
+
+def _emptied_in_block(problem: RemovalProblem, gn: GaussNewtonStepSettings, block: Any,
+                      timings: dict[str, float]) -> EmptiedRows:
+    """The emptied classes' replayed rows (``pipeline.methods.emptied_rows``), where the block holds them whole: a
+    row outside the block is not the removal's to move."""
+    emptied = plan_emptied_rows(problem, gn.emptied_classes, gn.emptied_class_samples, timings)
+    if not emptied.rows:
+        return emptied
+    parts = {part.name: part.rows for part in block.parts}
+    for name in emptied.rows:
+        rows = parts.get(name, ())
+        if name not in parts or (rows is not None and not set(emptied.classes) <= set(rows.tolist())):
+            return EmptiedRows({"classes": emptied.classes, "applied": False,
+                                "why": f"the block does not hold the rows {emptied.classes} of {name}"})
+    return emptied
 
 
 def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings, *, dense: bool,

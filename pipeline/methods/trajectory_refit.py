@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 from pydantic import Field
@@ -64,14 +64,12 @@ from pipeline.errors import RemovalNotServed
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
+from pipeline.methods.emptied_rows import EmptiedMode, plan_emptied_rows
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
 from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.recipe import recipe_of
-from pipeline.target.emptied_classes import (
-    emptied_classes, emptied_rows_record, output_layer_names, replayed_rows, reset_emptied_rows,
-)
 from pipeline.trajectory import TRAJECTORY_FILE, Trajectory, load_checkpoint
 from pipeline.training import mean_loss
 
@@ -79,7 +77,6 @@ __all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "
            "kept_checkpoints"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
-EMPTIED_STREAM = 36  # the emptied classes' replay sample of D \ U
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
@@ -102,7 +99,7 @@ class TrajectoryRefitSettings(MethodSettings):
                                                             "and last kept, the others interpolated (null: all)")
     forget_samples: int | None = Field(None, gt=0, description="G_U from a seeded sample of this many of U's samples, "
                                                                "times |U| / k (null: all of U)")
-    emptied_classes: Literal["replayed", "corrected"] = Field(
+    emptied_classes: EmptiedMode = Field(
         "replayed", description="the decision layer's rows of a class U empties (no retained sample has it): replayed: "
                                 "Retrain's, from the recipe's initial rows along the recorded run under the weight "
                                 "decay and the retained samples' softmax pushes (pipeline/target/emptied_classes.py); "
@@ -179,36 +176,6 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
     return total / trajectory.n
 
 
-def _emptied_rows(problem: RemovalProblem, settings: TrajectoryRefitSettings, trajectory: Trajectory,
-                  timings: dict[str, float]) -> dict[str, Any]:
-    """The classes U empties and, under ``replayed``, their decision-layer rows as Retrain leaves them (``_rows``, not
-    recorded; the whole model over a sample of D \\ U, the trajectory's names being the model's); where the rows are
-    not set, the record says why."""
-    labels = problem.train.columns.get("y")
-    if settings.emptied_classes == "corrected":
-        return {"classes": [], "applied": False, "why": "emptied_classes: corrected"}
-    if problem.task.loss != "cross_entropy" or labels is None or labels.dim() != 1:
-        return {"classes": [], "applied": False, "why": "not a single-label cross-entropy classifier"}
-    classes = emptied_classes(labels, problem.forget_positions)
-    if not classes:
-        return {"classes": [], "applied": False, "why": "every class of U keeps retained samples"}
-    try:
-        names = output_layer_names(problem.model)
-    except ValueError as err:
-        return {"classes": [], "applied": False, "why": f"no decision layer found: {err}"}
-    if any(n is not None and n not in trajectory.checkpoints[0] for n in names):
-        return {"classes": [], "applied": False, "why": "the recorded trajectory lacks the decision layer"}
-    recipe = recipe_of(problem.card) if problem.card is not None else None
-    steps = 1 if recipe is None else max(1, math.ceil(trajectory.n / recipe.batch_size) * recipe.epochs
-                                          // max(1, len(trajectory.rates)))
-    retain = problem.train.without(problem.forget_positions)
-    sample = draw(retain, settings.emptied_class_samples, stream_seed(problem.seed, EMPTIED_STREAM))
-    with problem.stage("emptied_classes", timings):
-        rows, how = replayed_rows(problem.model, problem.task, sample, trajectory, names, classes,
-                                  problem.weight_decay, steps, problem.batch_size)
-    return {**emptied_rows_record(classes, names), **how, "applied": True, "_rows": rows}
-
-
 @register_method
 class TrajectoryRefit(RemovalMethod):
     name = "trajectory-refit"
@@ -253,8 +220,7 @@ class TrajectoryRefit(RemovalMethod):
         def correct(scale: float) -> None:
             """U's pushes taken back at ``scale``; the emptied classes' rows set to Retrain's."""
             block.add_to_model(work, scale * pushes)
-            if emptied.get("classes"):
-                reset_emptied_rows(model, emptied["_rows"], emptied["classes"])
+            emptied.apply(model)
 
         def refit_once() -> dict[str, Any]:
             """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream."""
@@ -268,7 +234,7 @@ class TrajectoryRefit(RemovalMethod):
                 return float(mean_loss(work, task, probe, problem.batch_size))
 
         try:
-            emptied = _emptied_rows(problem, settings, trajectory, timings)
+            emptied = plan_emptied_rows(problem, settings.emptied_classes, settings.emptied_class_samples, timings)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
                 pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(
@@ -317,7 +283,7 @@ class TrajectoryRefit(RemovalMethod):
                            "rates": [round(r, 6) for r in trajectory.rates],
                            "read": kept_checkpoints(len(trajectory.checkpoints), settings.checkpoints)},
             "forget_gradient": {"samples": len(sample), "of": len(forget)},
-            "emptied_classes": {k: v for k, v in emptied.items() if not k.startswith("_")},
+            "emptied_classes": emptied.record,
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {"probe_samples": len(probe), "original_probe_loss": before,
                                                  "ceiling": ceiling, "tried": tried},
