@@ -617,3 +617,12 @@ def test_lfoci_newton_sets_the_emptied_class_rows_where_its_block_holds_them(cla
     _, record_p = run({}, selection="parameters", parameters=["6.weight", "6.bias"])
     assert record_p["emptied_classes"] == {"classes": [3], "applied": False,
                                            "why": "the block does not hold the rows [3] of 8.weight"}
+
+
+def test_the_replay_s_step_bound_reads_the_smaller_gram_matrix():
+    from pipeline.target.emptied_classes import _largest_eigenvalue
+
+    torch.manual_seed(1)
+    for shape in ((20, 7), (7, 20)):
+        h = torch.randn(*shape, dtype=torch.float64)
+        assert _largest_eigenvalue(h) == pytest.approx(float(torch.linalg.eigvalsh(h.T @ h)[-1]), rel=1e-10)
