@@ -102,6 +102,23 @@ class TrajectoryRecorder:
         return Trajectory(self.checkpoints, stretch_rates(steps, self.schedule.momentum, per), n)
 
 
+def retrain_rates(trajectory: Trajectory, recipe: "Recipe", n: int) -> list[float]:
+    """The stretch rates C_e of the same recipe run on ``n`` samples (Retrain on D \\ U: ceil(n / B) steps an epoch
+    instead of ceil(trajectory.n / B)), over the trajectory's stretches (every ceil(epochs / trajectory_checkpoints)
+    epochs, the last one possibly shorter); each recorded rate scaled by the two runs' total ratio where the
+    stretches do not line up (a trajectory recorded under another setting)."""
+    from pipeline.target.replay import ReplaySchedule
+
+    schedule = ReplaySchedule(recipe.epochs, recipe.lr, recipe.momentum, recipe.batch_size, recipe.weight_decay)
+    steps = schedule.step_rates(n)
+    every = max(1, math.ceil(recipe.epochs / max(1, recipe.trajectory_checkpoints)))
+    rates = stretch_rates(steps, schedule.momentum, every * len(steps) // recipe.epochs)
+    if len(rates) == len(trajectory.rates):
+        return rates
+    recorded = sum(stretch_rates(schedule.step_rates(trajectory.n), schedule.momentum, 1))
+    return [r * sum(rates) / recorded for r in trajectory.rates]
+
+
 def load_checkpoint(model: nn.Module, checkpoint: dict[str, Tensor]) -> None:
     """A checkpoint's parameters and buffers into ``model`` (names as the recorder keeps them), in place."""
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())

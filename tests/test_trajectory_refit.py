@@ -360,7 +360,9 @@ def test_the_row_replay_is_gradient_flow_on_the_rows_loss(bias, smoothing):
     trajectory = Trajectory([initial, initial, initial], [2.0, 3.0], 40)
     wd, count = 0.01, 300
     rows, how = replayed_rows(layer, task, sample, trajectory, names, [3, 4], wd, steps_per_stretch=count)
-    assert how == {"samples": 40, "substeps": 2 * count, "checkpoints": 3}
+    assert {k: how[k] for k in ("samples", "substeps", "checkpoints")} == {"samples": 40, "substeps": 2 * count,
+                                                                          "checkpoints": 3}
+    assert 0 < how["step_times_lipschitz"] <= 1.0
     ref = copy.deepcopy(layer)
     with torch.no_grad():
         for k, v in ref.named_parameters():
@@ -380,6 +382,133 @@ def test_the_row_replay_is_gradient_flow_on_the_rows_loss(bias, smoothing):
     else:
         assert set(rows) == {"0.weight"}
     assert not torch.allclose(rows["0.weight"], initial["0.weight"][3:], atol=1e-3)  # it moved
+
+
+def test_the_replay_interpolates_the_other_classes_between_checkpoints_in_order():
+    """Checkpoints whose other rows differ (a lone Linear layer: h fixed, the other classes' log-sum-exp moving): the
+    replay's sub-step k of stretch e reads LSE_others = lerp(LSE(c_e), LSE(c_{e+1}), (k + 1/2) / count). Reference:
+    autograd on the cross-entropy of [the others as one logit, the emptied rows' logits] with the smoothed target
+    (the others' mass 1 - |C| s / K), LSE_others computed from each checkpoint by hand (a reversed or frozen
+    interpolation fails)."""
+    from pipeline.target.emptied_classes import replayed_rows
+
+    torch.manual_seed(3)
+    task = DenseInputTask(loss="cross_entropy", loss_options={"label_smoothing": 0.1})
+    model = nn.Sequential(nn.Linear(4, 5)).double()
+    x = torch.randn(30, 4, dtype=torch.float64)
+    sample = SampleSet({"x": x, "y": torch.randint(0, 3, (30,))}, torch.arange(30))
+    checkpoints = []
+    for scale in (0.0, 1.0, 3.0):  # the other rows grow along the run: p_c falls
+        state = {k: v.detach().clone() for k, v in model.named_parameters()}
+        state["0.weight"][:3] *= scale
+        state["0.bias"][:3] += scale
+        checkpoints.append(state)
+    trajectory = Trajectory(checkpoints, [4.0, 4.0], 30)
+    wd, count, classes = 0.001, 200, [3, 4]
+    rows, _ = replayed_rows(model, task, sample, trajectory, ("0.weight", "0.bias"), classes, wd,
+                            steps_per_stretch=count)
+    lse = [torch.logsumexp(x @ c["0.weight"][:3].T + c["0.bias"][:3], 1) for c in checkpoints]
+    theta = torch.cat([checkpoints[0]["0.weight"][3:], checkpoints[0]["0.bias"][3:, None]], 1).clone()
+    theta.requires_grad_(True)
+    xb = torch.cat([x, torch.ones(30, 1, dtype=x.dtype)], 1)
+    target = torch.tensor([1 - 2 * 0.1 / 5, 0.1 / 5, 0.1 / 5], dtype=torch.float64)
+    for e, rate in enumerate(trajectory.rates):
+        for k in range(count):
+            other = torch.lerp(lse[e], lse[e + 1], (k + 0.5) / count)
+            logits = torch.cat([other[:, None], xb @ theta.T], 1)
+            loss = -(target * logits.log_softmax(1)).sum(1).mean() + 0.5 * wd * theta.pow(2).sum()
+            (grad,) = torch.autograd.grad(loss, theta)
+            with torch.no_grad():
+                theta -= (rate / count) * grad
+    assert torch.allclose(rows["0.weight"], theta[:, :-1].detach(), rtol=1e-9, atol=1e-12)
+    assert torch.allclose(rows["0.bias"], theta[:, -1].detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_the_replay_puts_back_weights_buffers_and_modes_also_on_failure():
+    """The replay reads every checkpoint through the model (batch normalisation on the batch's statistics): the
+    model's parameters, running statistics and modes are as they were afterwards, and after a failure midway."""
+    from pipeline.target.emptied_classes import replayed_rows
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 3)).double().eval()
+    model[2].train()  # a mixed mode, to be put back as it was
+    x = torch.randn(32, 4, dtype=torch.float64) + 2.0
+    sample = SampleSet({"x": x, "y": torch.zeros(32, dtype=torch.long)}, torch.arange(32))
+    first = {k: v.detach().clone() for k, v in model.named_parameters()}
+    first["buffer:1.running_mean"] = torch.zeros(6, dtype=torch.float64)
+    first["buffer:1.running_var"] = torch.ones(6, dtype=torch.float64)
+    later = {k: v + 0.1 for k, v in first.items()}
+    trajectory = Trajectory([first, later], [1.0], 32)
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    replayed_rows(model, TASK, sample, trajectory, ("3.weight", "3.bias"), [2], 1e-3, steps_per_stretch=10)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+
+    class Failing(DenseInputTask):
+        calls = 0
+
+        def forward(self, m, batch):
+            Failing.calls += 1
+            if Failing.calls == 2:
+                raise RuntimeError("boom")
+            return super().forward(m, batch)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        replayed_rows(model, Failing(loss="cross_entropy"), sample, trajectory, ("3.weight", "3.bias"), [2], 1e-3,
+                      steps_per_stretch=10)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+
+
+def test_the_replay_reads_batch_statistics_at_the_first_checkpoint():
+    """At the first checkpoint the running statistics are the initial 0 / 1; training normalised each batch by its
+    own. The replay's features are the batch-normalised ones: the rows equal a replay over a model whose batch
+    normalisation is replaced by the batch's own standardisation (eval-mode features would differ: the inputs have
+    mean 2)."""
+    from pipeline.target.emptied_classes import replayed_rows
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.Linear(6, 3)).double().eval()
+    x = torch.randn(64, 4, dtype=torch.float64) + 2.0
+    sample = SampleSet({"x": x, "y": torch.zeros(64, dtype=torch.long)}, torch.arange(64))
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state["buffer:1.running_mean"] = torch.zeros(6, dtype=torch.float64)
+    state["buffer:1.running_var"] = torch.ones(6, dtype=torch.float64)
+    trajectory = Trajectory([state, state], [2.0], 64)
+    rows, _ = replayed_rows(model, TASK, sample, trajectory, ("2.weight", "2.bias"), [2], 1e-3, steps_per_stretch=50,
+                            batch_size=64)
+
+    class Standardise(nn.Module):
+        def forward(self, h):
+            return (h - h.mean(0)) / torch.sqrt(h.var(0, unbiased=False) + 1e-5)
+
+    plain = nn.Sequential(model[0], Standardise(), model[2])
+    weights = {k: v for k, v in state.items() if not k.startswith("buffer:")}
+    expected, _ = replayed_rows(plain, TASK, sample, Trajectory([weights, weights], [2.0], 64), ("2.weight", "2.bias"),
+                                [2], 1e-3, steps_per_stretch=50, batch_size=64)
+    assert torch.allclose(rows["2.weight"], expected["2.weight"], rtol=1e-9, atol=1e-12)
+    eval_mode = nn.Sequential(model[0], nn.Identity(), model[2])  # the initial running statistics: no normalisation
+    unnormalised, _ = replayed_rows(eval_mode, TASK, sample, Trajectory([weights, weights], [2.0], 64),
+                                    ("2.weight", "2.bias"), [2], 1e-3, steps_per_stretch=50, batch_size=64)
+    assert not torch.allclose(rows["2.weight"], unnormalised["2.weight"], atol=1e-3)
+
+
+def test_retrain_rates_are_the_recipe_on_the_retained_samples():
+    """The recorded rates are the recipe on n samples; Retrain's on n - m take fewer steps an epoch."""
+    from pipeline.target.replay import ReplaySchedule
+    from pipeline.trajectory import retrain_rates
+
+    spec = Recipe(**{"optimizer": "sgd", **RECIPE, "seed": 0})
+    schedule = ReplaySchedule(spec.epochs, spec.lr, spec.momentum, spec.batch_size, spec.weight_decay)
+    recorded = stretch_rates(schedule.step_rates(1300), spec.momentum, math.ceil(1300 / 64))
+    same = retrain_rates(Trajectory([{}] * (len(recorded) + 1), recorded, 1300), spec, 1300)
+    assert same == pytest.approx(recorded, rel=1e-12)
+    fewer = retrain_rates(Trajectory([{}] * (len(recorded) + 1), recorded, 1300), spec, 1165)
+    assert fewer == pytest.approx(stretch_rates(schedule.step_rates(1165), spec.momentum, math.ceil(1165 / 64)))
+    assert sum(fewer) / sum(recorded) == pytest.approx(math.ceil(1165 / 64) / math.ceil(1300 / 64), rel=1e-2)
 
 
 def test_the_sampled_variant_forgets_the_class_from_fewer_gradients(class_3):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from pipeline.methods.base import RemovalProblem, stream_seed
 from pipeline.methods.trust_region import draw
 from pipeline.recipe import recipe_of
+from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
     emptied_classes, emptied_rows_record, output_layer_names, replayed_rows, reset_emptied_rows,
 )
@@ -69,11 +70,15 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int,
     if any(n is not None and n not in trajectory.checkpoints[0] for n in names):
         return _not_set("the recorded trajectory lacks the decision layer")
     recipe = recipe_of(problem.card) if problem.card is not None else None
-    steps = 1 if recipe is None else max(1, math.ceil(trajectory.n / recipe.batch_size) * recipe.epochs
-                                          // max(1, len(trajectory.rates)))
     retain = problem.train.without(problem.forget_positions)
+    # Retrain's clock: the recipe on D \ U (fewer steps an epoch than the recorded run on the original D)
+    rates = None if recipe is None else retrain_rates(trajectory, recipe, len(retain))
+    steps = 1 if recipe is None else max(1, math.ceil(len(retain) / recipe.batch_size) * recipe.epochs
+                                          // max(1, len(trajectory.rates)))
     sample = draw(retain, samples, stream_seed(problem.seed, EMPTIED_STREAM))
     with problem.stage("emptied_classes", timings):
         rows, how = replayed_rows(problem.model, problem.task, sample, trajectory, names, classes,
-                                  problem.weight_decay, steps, problem.batch_size)
+                                  problem.weight_decay, steps, problem.batch_size, rates=rates)
+    how["clock"] = (f"Retrain's: the recipe on the {len(retain)} retained samples" if rates is not None else
+                    "the recorded run's (no card: the recipe is unknown)")
     return EmptiedRows({**emptied_rows_record(classes, names), **how, "applied": True}, rows)

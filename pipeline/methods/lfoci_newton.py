@@ -536,7 +536,6 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
     noised = noise_cal.sigma > 0
-    emptied = _emptied_in_block(problem, gn, block, timings)
     try:
         with problem.stage("curvature_and_solve", timings):
             step, trust = gauss_newton_trust_step(passes.model, passes.task, block, passes.retain, rhs, mu, lam,
@@ -552,6 +551,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                 f"tries (best ratio {best:.3g}, needs {gn.min_ratio}): the quadratic model does not describe this "
                 "removal; retrain", {**record, "trust_region": trust, "timings": timings})
         block.add_to_model(model, step.to(torch.float64))
+        emptied = _emptied_in_block(problem, gn, block, timings)  # reads the recorded run; the model kept as it is
         recipe = recipe_of(problem.card) if problem.card is not None else None
         with problem.stage("refit", timings):
             refit = refit_block(model, task, block, problem.retain, recipe, lam, epochs=gn.refit_epochs,
@@ -562,7 +562,9 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
             model, task, lam, settings, noise_cal, full_block=full_block, steps=1, damping_used=accepted["damping"],
             subsampled=True, shortened=False, start_gradient_norm=_norm(g_data), final_gradient_norm=math.inf,
             other_reasons=["one Gauss-Newton step with a trust region and a refit (curvature: gauss-newton): the "
-                           "bound covers an exact Newton step on a convex model"],
+                           "bound covers an exact Newton step on a convex model"] + (
+                ["the emptied classes' decision-layer rows replayed along the recorded run, outside the Newton step"]
+                if emptied.rows else []),
             bounds=certify.data_bounds(model, task, problem.train) if noised else None)
         block.add_to_model(model, secret_gaussian_noise(block.numel, noise_cal.sigma))
         with problem.stage("verify", timings):  # at the published weights, on the step's samples

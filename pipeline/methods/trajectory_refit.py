@@ -34,7 +34,7 @@ softmax early in training. The correction leaves that row where training's up-pu
 back, and the class's logit on its own inputs away from Retrain's (on the identities benchmark -4.6 at scale 0.1
 against Retrain's -0.1 / 0.1: a membership attack tells them apart). Under ``replayed`` (the default) the row is
 replayed from the recipe's initial row along the recorded run (``pipeline.target.emptied_classes``: one forward
-pass of a seeded sample of D \\ U per checkpoint) and set with every correction, before the refit.
+pass of a seeded sample of D \\ U per checkpoint, on Retrain's clock) and set after every refit round.
 
 Retained-loss guard. Retrain minimises L_R, so at an optimum L_R(Retrain) <= L_R(original): a removal that
 leaves the retained data worse fitted than the original model did has over-forgotten (the correction pushed
@@ -218,16 +218,19 @@ class TrajectoryRefit(RemovalMethod):
         tried: list[dict[str, float]] = []
 
         def correct(scale: float) -> None:
-            """U's pushes taken back at ``scale``; the emptied classes' rows set to Retrain's."""
+            """U's pushes taken back at ``scale``."""
             block.add_to_model(work, scale * pushes)
-            emptied.apply(model)
 
         def refit_once() -> dict[str, Any]:
-            """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream."""
+            """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream; then
+            the emptied classes' rows set to Retrain's (the refit's own pushes on them are not Retrain's)."""
             with problem.stage("refit", timings):
-                return refit_block(work, task, block, retain, recipe, problem.weight_decay, epochs=settings.refit_epochs,
-                                   lr_scale=settings.refit_lr_scale, seed=problem.seed if not tried else stream_seed(
-                                       problem.seed, REFIT_ROUND_STREAM + len(tried)))
+                refit = refit_block(work, task, block, retain, recipe, problem.weight_decay,
+                                    epochs=settings.refit_epochs, lr_scale=settings.refit_lr_scale,
+                                    seed=problem.seed if not tried else stream_seed(problem.seed,
+                                                                                    REFIT_ROUND_STREAM + len(tried)))
+            emptied.apply(model)
+            return refit
 
         def probe_loss() -> float:
             with problem.stage("guard", timings), torch.no_grad():

@@ -18,10 +18,17 @@ stretch, explicit Euler sub-steps of the stretch's rate (at least the recipe's s
 curvature needs them for stability: at most 1 / L each, L = (1/4) lambda_max(mean (h,1)(h,1)^T) + lambda for one row;
 ``max_substeps`` in all), from the recorded initial row.
 
+The time is Retrain's: the recipe on D \\ U takes ceil((n - m) / B) steps an epoch, not ceil(n / B)
+(``pipeline.trajectory.retrain_rates``; a Fashion-MNIST class is a tenth of D). Features are read as training
+computed them: batch normalisation on the batch's statistics (the first checkpoint's running statistics are the
+initial 0 / 1), dropout off.
+
 A removal that moves the trained weights by a correction (``pipeline.methods.trajectory_refit``) leaves row c
 where training's up-pushes put it less the share taken back, and the class's logit on its own inputs far from
 Retrain's (docs/NOTES.md). What the replay leaves out: Retrain's own features differ from the original's run
-(the class's images drive the shared layers there); S is a sample (its error on a mean of per-sample pushes).
+(the class's images drive the shared layers there); the checkpoints are the recipe's epochs, and the push-down
+happens within the first of them, so its linear interpolation keeps p_c high for longer than a run does; a class
+an earlier request emptied enters the other classes' log-sum-exp with the original run's logits; S is a sample.
 Single-label cross-entropy only.
 """
 from __future__ import annotations
@@ -64,26 +71,38 @@ def output_layer_names(model: nn.Module) -> tuple[str, str | None]:
 
 def _checkpoint_view(model: nn.Module, task: Any, sample: Any, layer: nn.Linear, batch_size: int
                      ) -> tuple[Tensor, Tensor]:
-    """(h, z) on ``sample`` at the weights ``model`` holds: the decision layer's inputs (float64, with a column of
-    ones) and the logits (float64)."""
+    """(h, z) on ``sample`` at the weights ``model`` holds, as training computed them: batch normalisation on the
+    batch's statistics (a checkpoint's running statistics lag the batches', and the first checkpoint's are the
+    initial 0 / 1), dropout off; the decision layer's inputs (float64, with a column of ones) and the logits
+    (float64). Every module's mode is put back (the caller puts back the running statistics)."""
+    modes = {module: module.training for module in model.modules()}
     feats: list[Tensor] = []
     handle = layer.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach()))
     logits: list[Tensor] = []
     try:
+        model.eval()
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.train()
         with torch.no_grad():
             for batch in sample.batches(batch_size):
                 logits.append(task.forward(model, batch).detach())
     finally:
         handle.remove()
+        for module, mode in modes.items():
+            module.training = mode
     h = torch.cat(feats).double().cpu()
     return torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype)], 1), torch.cat(logits).double().cpu()
 
 
 def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, names: tuple[str, str | None],
                   classes: list[int], weight_decay: float, steps_per_stretch: int, batch_size: int = 512,
-                  max_substeps: int = 20000) -> tuple[dict[str, Tensor], dict[str, Any]]:
+                  rates: list[float] | None = None, max_substeps: int = 50000
+                  ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Retrain's rows of ``classes`` by the row equation above along ``trajectory`` (its checkpoints loaded into
-    ``model`` in turn, its own weights put back); ({name: rows}, what the record says)."""
+    ``model`` in turn, its own weights and buffers put back), over ``rates`` (Retrain's stretch rates,
+    ``pipeline.trajectory.retrain_rates``; the recorded ones when None); ({name: rows}, what the record says: the
+    sample, the sub-steps, and the largest step x L, above 1 only where ``max_substeps`` capped a stretch)."""
     layer = _layer_of(model, dict(model.named_parameters())[names[0]])
     index = torch.as_tensor(classes, dtype=torch.long)
     first = trajectory.checkpoints[0]
@@ -110,12 +129,16 @@ def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, nam
     # (p (1 - p) <= 1/4), 1/2 for several (the softmax Jacobian's largest eigenvalue): steps of at most 1 / L
     curvature = 0.25 if len(classes) == 1 else 0.5
     lipschitz = [curvature * _largest_eigenvalue(h) / h.shape[0] + weight_decay for h, _ in views]
-    substeps_total = 0
-    for e, rate in enumerate(trajectory.rates):
+    substeps_total, worst = 0, 0.0
+    rates = list(trajectory.rates) if rates is None else list(rates)
+    if len(rates) != len(trajectory.rates):
+        raise ValueError(f"{len(rates)} stretch rates for a trajectory of {len(trajectory.rates)} stretches")
+    for e, rate in enumerate(rates):
         (h0, o0), (h1, o1) = views[e], views[e + 1]
         count = max(int(steps_per_stretch), math.ceil(rate * max(lipschitz[e], lipschitz[e + 1])))
-        count = min(count, max(1, max_substeps // max(1, len(trajectory.rates))))
+        count = min(count, max(1, max_substeps // max(1, len(rates))))
         step = rate / count
+        worst = max(worst, step * max(lipschitz[e], lipschitz[e + 1]))
         for k in range(count):
             a = (k + 0.5) / count
             h, other = torch.lerp(h0, h1, a), torch.lerp(o0, o1, a)
@@ -126,7 +149,8 @@ def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, nam
     out = {names[0]: theta[:, :-1].to(layer.weight.dtype)}
     if has_bias:
         out[names[1]] = theta[:, -1].to(layer.weight.dtype)
-    return out, {"samples": len(sample), "substeps": substeps_total, "checkpoints": len(views)}
+    return out, {"samples": len(sample), "substeps": substeps_total, "checkpoints": len(views),
+                 "step_times_lipschitz": worst}
 
 
 def _largest_eigenvalue(h: Tensor) -> float:
