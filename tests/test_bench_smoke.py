@@ -122,7 +122,11 @@ def test_fmnist_smoke(fmnist: dict) -> None:
             # target takes its one-window form on the Gauss-Newton path (trust-region step, then its refit)
             record = sc["method_records"]["lfoci-newton"]
             assert record["target"]["how"] == "budget_damped" and record["curvature"]["how"] == "gauss-newton"
-            assert set(sc["stage_timings"]["lfoci-newton"]) - {"prefix_cache", "refit"} == LFOCI_STAGES
+            # + emptied_classes where the request empties a class (class_1: every sample of it) and the model's
+            # recorded trajectory lets the decision-layer row be replayed (pipeline/methods/emptied_rows.py)
+            emptied = record["emptied_classes"]
+            assert emptied["applied"] == ("emptied_classes" in sc["stage_timings"]["lfoci-newton"]), (name, emptied)
+            assert set(sc["stage_timings"]["lfoci-newton"]) - {"prefix_cache", "refit", "emptied_classes"} == LFOCI_STAGES
             # served: the trust region accepted the step, its actual decrease of the one-window objective at least
             # min_ratio (0.25) of the Gauss-Newton model's prediction
             trust = record["trust_region"]
