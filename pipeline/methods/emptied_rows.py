@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import Field
+
 from torch import Tensor, nn
 
 from pipeline.methods.base import RemovalProblem, stream_seed
@@ -21,10 +23,27 @@ from pipeline.target.emptied_classes import (
     emptied_classes, emptied_rows_record, output_layer_names, replayed_rows, reset_emptied_rows,
 )
 
-__all__ = ["EMPTIED_STREAM", "EmptiedRows", "EmptiedMode", "plan_emptied_rows"]
+__all__ = ["EMPTIED_STREAM", "EmptiedRows", "EmptiedMode", "emptied_classes_field", "emptied_class_samples_field",
+           "plan_emptied_rows"]
 
 EMPTIED_STREAM = 36  # the replay's sample of D \ U (hashed with the removal seed)
 EmptiedMode = Literal["replayed", "corrected"]
+
+
+def emptied_classes_field() -> Any:
+    """The ``emptied_classes`` setting of every method that takes this step (one definition, a field per class)."""
+    return Field("replayed", description="the decision layer's rows of a class U empties (no retained sample has it), "
+                                         "where the method's step holds them and the model has a recorded trajectory: "
+                                         "replayed: Retrain's, from the recipe's initial rows along the recorded run "
+                                         "under the weight decay and the retained samples' softmax pushes "
+                                         "(pipeline/target/emptied_classes.py), set after the method's step and refit; "
+                                         "corrected: left to the method's own step like every other weight")
+
+
+def emptied_class_samples_field() -> Any:
+    """The ``emptied_class_samples`` setting (see ``emptied_classes_field``)."""
+    return Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass of it per recorded "
+                                        "checkpoint)")
 
 
 @dataclass

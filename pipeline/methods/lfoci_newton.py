@@ -70,7 +70,9 @@ from pipeline.methods.base import (
 )
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget, prepare_frozen_prefix
 from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient_rows, trainable_numel
-from pipeline.methods.emptied_rows import EmptiedMode, EmptiedRows, plan_emptied_rows
+from pipeline.methods.emptied_rows import (
+    EmptiedMode, EmptiedRows, emptied_class_samples_field, emptied_classes_field, plan_emptied_rows,
+)
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
@@ -109,13 +111,8 @@ class GaussNewtonStepSettings(BaseModel):
     refit_epochs: float = Field(0.0, ge=0, description="epochs of the recipe's SGD on D \\ U over the block after the "
                                                        "step (0: none)")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this (cosine decay)")
-    emptied_classes: EmptiedMode = Field(
-        "replayed", description="the decision layer's rows of a class U empties (no retained sample has it), where the "
-                                "block holds them and the model has a recorded trajectory: replayed: Retrain's, from the "
-                                "recipe's initial rows along the recorded run (pipeline/target/emptied_classes.py), set "
-                                "after the step and the refit; corrected: left to the step")
-    emptied_class_samples: int = Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass "
-                                                                "of it per recorded checkpoint)")
+    emptied_classes: EmptiedMode = emptied_classes_field()
+    emptied_class_samples: int = emptied_class_samples_field()
 
     def trust_region(self) -> TrustRegion:
         return TrustRegion(curvature_samples=self.curvature_samples, probe_samples=self.probe_samples,

@@ -64,7 +64,9 @@ from pipeline.errors import RemovalNotServed
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
-from pipeline.methods.emptied_rows import EmptiedMode, plan_emptied_rows
+from pipeline.methods.emptied_rows import (
+    EmptiedMode, emptied_class_samples_field, emptied_classes_field, plan_emptied_rows,
+)
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
 from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
@@ -99,13 +101,8 @@ class TrajectoryRefitSettings(MethodSettings):
                                                             "and last kept, the others interpolated (null: all)")
     forget_samples: int | None = Field(None, gt=0, description="G_U from a seeded sample of this many of U's samples, "
                                                                "times |U| / k (null: all of U)")
-    emptied_classes: EmptiedMode = Field(
-        "replayed", description="the decision layer's rows of a class U empties (no retained sample has it): replayed: "
-                                "Retrain's, from the recipe's initial rows along the recorded run under the weight "
-                                "decay and the retained samples' softmax pushes (pipeline/target/emptied_classes.py); "
-                                "corrected: left to the correction and the refit like every other weight")
-    emptied_class_samples: int = Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass "
-                                                                "of it per recorded checkpoint)")
+    emptied_classes: EmptiedMode = emptied_classes_field()
+    emptied_class_samples: int = emptied_class_samples_field()
 
 
 def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: int) -> bool:
@@ -217,10 +214,6 @@ class TrajectoryRefit(RemovalMethod):
         probe = draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None
         tried: list[dict[str, float]] = []
 
-        def correct(scale: float) -> None:
-            """U's pushes taken back at ``scale``."""
-            block.add_to_model(work, scale * pushes)
-
         def refit_once() -> dict[str, Any]:
             """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream; then
             the emptied classes' rows set to Retrain's (the refit's own pushes on them are not Retrain's)."""
@@ -247,14 +240,14 @@ class TrajectoryRefit(RemovalMethod):
                     raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
             scale = settings.scale
             if probe is None:
-                correct(scale)
+                block.add_to_model(work, scale * pushes)
                 refit = refit_once()
                 refit["rounds"] = 1
             else:
                 before = probe_loss()
                 ceiling = (1.0 + settings.retained_loss_slack) * before
                 while True:
-                    correct(scale)
+                    block.add_to_model(work, scale * pushes)
                     previous = math.inf
                     for round_ in range(1, settings.refit_rounds + 1):
                         refit = refit_once()

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.decision_layer import decision_layer_block
+from pipeline.eval_mode import eval_mode_restored
 from pipeline.trajectory import load_checkpoint
 
 __all__ = ["emptied_classes", "emptied_rows_record", "output_layer_names", "replayed_rows", "reset_emptied_rows"]
@@ -74,23 +75,20 @@ def _checkpoint_view(model: nn.Module, task: Any, sample: Any, layer: nn.Linear,
     """(h, z) on ``sample`` at the weights ``model`` holds, as training computed them: batch normalisation on the
     batch's statistics (a checkpoint's running statistics lag the batches', and the first checkpoint's are the
     initial 0 / 1), dropout off; the decision layer's inputs (float64, with a column of ones) and the logits
-    (float64). Every module's mode is put back (the caller puts back the running statistics)."""
-    modes = {module: module.training for module in model.modules()}
+    (float64). Every module's mode and buffer is put back (``pipeline.eval_mode.eval_mode_restored``)."""
     feats: list[Tensor] = []
-    handle = layer.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach()))
     logits: list[Tensor] = []
-    try:
-        model.eval()
+    with eval_mode_restored(model):
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.train()
-        with torch.no_grad():
-            for batch in sample.batches(batch_size):
-                logits.append(task.forward(model, batch).detach())
-    finally:
-        handle.remove()
-        for module, mode in modes.items():
-            module.training = mode
+        handle = layer.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach()))
+        try:
+            with torch.no_grad():
+                for batch in sample.batches(batch_size):
+                    logits.append(task.forward(model, batch).detach())
+        finally:
+            handle.remove()
     h = torch.cat(feats).double().cpu()
     return torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype)], 1), torch.cat(logits).double().cpu()
 
