@@ -560,7 +560,8 @@ class Context:
                     state, _ = prepare(impl, trained, ref.settings)
                     self.prepared[key] = state
                 stage = "removal"
-                run = remove(work, fs.ids, method=ref, prepared=self.prepared[key], seed=seed,
+                # as prepared: what an earlier set's removal computed into the state on first use is not this one's
+                run = remove(work, fs.ids, method=ref, prepared=self.prepared[key].fresh_copy(), seed=seed,
                              batch_size=self.batch_size)
         except RemovalNotServed as refused:
             return {"needs_retrain": getattr(refused, "reason", str(refused)),
@@ -976,6 +977,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                     prepared, _ = prepare(impl, trained, ref.settings)
                     ctx.prepared[key] = prepared
             preparation = float(prepared.seconds)
+            prepared = prepared.fresh_copy()  # the campaign's first request computes what the reported sets' did
         except Exception as err:  # noqa: BLE001
             out["rows"][row] = {"error": f"preparation: {type(err).__name__}: {err}"}
             continue

@@ -92,6 +92,11 @@ class Prepared:
     def describe(self) -> dict[str, Any]:
         return {"what": self.what, "seconds": self.seconds, **self.details}
 
+    def fresh_copy(self) -> "Prepared":
+        """The state as ``prepare`` built it, without what removals computed into it on first use (a measurement of
+        a cold request must not read another request's work); the state itself where nothing is computed so."""
+        return self
+
     def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         """The state of the version a removal made (``trained``: that version, its model holding the
         new weights and its training set D \\ U; ``removed``: the positions of U in the old D;

@@ -324,11 +324,92 @@ def test_the_emptied_class_row_is_replayed_where_the_retrains_put_it(class_3, cl
           f"images retrains {retrains} replayed {_log_odds(model, x, 3).mean().item():.2f} corrected "
           f"{_log_odds(corrected, x, 3).mean().item():.2f}; {emptied}")
     assert emptied["applied"] and emptied["classes"] == [3] and emptied["parameters"] == ["8.weight", "8.bias"]
-    assert emptied["checkpoints"] == len(class_3.trajectory.checkpoints) and emptied["samples"] == 256
+    # the replay's fixed sample S of D, class 3's members dropped (about a tenth of 256)
+    assert emptied["checkpoints"] == len(class_3.trajectory.checkpoints) and 200 < emptied["samples"] < 256
+    assert f"S, 256 samples of D, {emptied['samples']} of them retained" in emptied["views"]
     assert out_c.record["emptied_classes"] == {"classes": [], "applied": False, "why": "emptied_classes: corrected"}
     assert mine < 0.4 * theirs and mine < 0.5 * float(centre.norm())
     assert abs(float(model[8].bias[3]) - float(centre[-1])) < 0.2  # the early push-down: a decay alone stays at ~0.09
     assert _accuracy(model, x, class_3.train.columns["y"][class_3.forget]) <= 0.02
+
+
+def _emptied_plan(fit: ClassFit, train: SampleSet, forget: torch.Tensor, prepared, model: nn.Module | None = None,
+                  seed: int = 0):
+    """plan_emptied_rows for U = ``forget`` (positions in ``train``) on ``model`` (the original by default)."""
+    from pipeline.methods.emptied_rows import plan_emptied_rows
+
+    problem = RemovalProblem(copy.deepcopy(fit.original) if model is None else model, TASK, train, forget,
+                             RECIPE["weight_decay"], seed=seed, batch_size=512, card=_card(len(train)),
+                             trajectory=fit.trajectory)
+    return plan_emptied_rows(problem, "replayed", 256, {}, prepared)
+
+
+def _views_state(fit: ClassFit, train: SampleSet):
+    from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
+    from pipeline.prepared import Binding
+
+    return FrozenPrefixPrepared(Binding.of(fit.original, TASK, train, RECIPE["weight_decay"], "trajectory-refit", {}))
+
+
+def test_the_replay_views_are_computed_once_and_carried_to_later_versions(class_3, monkeypatch):
+    """The checkpoint views of the replay's sample S of D do not depend on U or on the weights: the first request that
+    empties a class computes them into the prepared state; a later request on the same version, and one on the
+    version a removal made (``after_removal``), reads them with its own U's rows dropped and gives the rows a fresh
+    computation over the same retained members of S gives (bit for bit), without a pass over a checkpoint."""
+    import pipeline.methods.emptied_rows as emptied_rows
+    from pipeline.methods.base import TrainedModel
+
+    train, y = class_3.train, class_3.train.columns["y"]
+    state = _views_state(class_3, train)
+    first = _emptied_plan(class_3, train, class_3.forget, state)
+    assert first.classes == [3] and first.record["views"].startswith("computed for this request, kept")
+    (views,) = state.checkpoint_views.values()
+    cold = state.fresh_copy()  # what a cold request's measurement starts from: the state as prepare built it
+    assert cold.checkpoint_views == {} and cold.binding == state.binding and len(state.checkpoint_views) == 1
+    assert len(views) == 256 and len(views.features) == len(class_3.trajectory.checkpoints)
+    class_4 = torch.nonzero(y == 4).flatten()
+    fresh = _emptied_plan(class_3, train, class_4, None)  # nothing to keep them in: computed for this request only
+    assert fresh.record["views"].startswith("computed for this request: S")
+
+    calls = []
+    real = emptied_rows.checkpoint_views
+    monkeypatch.setattr(emptied_rows, "checkpoint_views", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = _emptied_plan(class_3, train, class_4, state)
+    assert calls == [] and again.record["views"].startswith("kept from an earlier request")
+    assert again.record["samples"] == fresh.record["samples"] == 256 - int(torch.isin(views.sample_ids, train.sample_ids[class_4]).sum())
+    assert all(torch.equal(again.rows[k], fresh.rows[k]) for k in fresh.rows)
+
+    # the version that removed class 3: D minus class 3, other weights; the views carried, class 3's members of S gone too
+    after = train.without(class_3.forget)
+    moved = copy.deepcopy(class_3.original)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.01)
+    method = get_method("trajectory-refit")
+    settings = parse_settings("trajectory-refit", {})
+    trained = TrainedModel(moved, TASK, after, RECIPE["weight_decay"], trajectory=class_3.trajectory)
+    carried = state.after_removal(trained, class_3.forget, None, method.binding(trained, settings))
+    assert carried is not None and carried.checkpoint_views is state.checkpoint_views
+    later = _emptied_plan(class_3, after, torch.nonzero(after.columns["y"] == 4).flatten(), carried, model=moved)
+    gone = torch.isin(views.sample_ids, train.sample_ids[torch.cat([class_3.forget, class_4])])
+    assert calls == [] and later.classes == [4] and later.record["samples"] == 256 - int(gone.sum())
+    expected = real(class_3.original, TASK, train.take(train.positions_of(views.sample_ids[~gone])), class_3.trajectory,
+                    "8.weight", 512)
+    kept = views.take(~gone)  # what the later request read: the carried views' rows (no batch normalisation here)
+    assert all(torch.equal(a, b) for a, b in zip(expected.features + expected.logits, kept.features + kept.logits))
+
+
+def test_the_replay_draws_per_request_where_u_holds_most_of_its_sample(class_3):
+    """A request that removes more than half of S (six of the ten digits) replays over a sample of D \\ U of the
+    removal's seed instead, computed for that request (the rows of S left would be too few), and says so."""
+    train, y = class_3.train, class_3.train.columns["y"]
+    state = _views_state(class_3, train)
+    forget = torch.nonzero(y < 6).flatten()
+    plan = _emptied_plan(class_3, train, forget, state, seed=5)
+    retained = len(train) - len(forget)
+    assert plan.classes == [0, 1, 2, 3, 4, 5] and plan.record["views"].startswith("per request: only ")
+    assert plan.record["samples"] == min(256, retained)
+    assert set(plan.rows) == {"8.weight", "8.bias"} and plan.rows["8.weight"].shape[0] == 6
 
 
 def test_emptied_classes_are_those_no_retained_sample_has():

@@ -2,31 +2,37 @@
 its decision-layer rows set to Retrain's, replayed along the recorded run (``pipeline.target.emptied_classes``).
 
 ``plan_emptied_rows`` finds the classes U empties and replays their rows (before the method moves anything: the
-replay reads the recorded checkpoints, not the model's weights); ``EmptiedRows.apply`` writes them into the model;
+replay reads the recorded checkpoints, not the model's weights; their views of the replay's sample are kept in the
+method's prepared state by the first request that computes them); ``EmptiedRows.apply`` writes them into the model;
 ``EmptiedRows.record`` is what the removal's record says (the classes, the rows' parameters, the replay's sample
 and sub-steps, or why nothing was set)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
+import torch
 from pydantic import Field
-
 from torch import Tensor, nn
 
+from pipeline.data import SampleSet
 from pipeline.methods.base import RemovalProblem, stream_seed
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
 from pipeline.methods.trust_region import draw
+from pipeline.prepared import Prepared
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
-    emptied_classes, emptied_rows_record, output_layer_names, replayed_rows, reset_emptied_rows,
+    CheckpointViews, checkpoint_views, emptied_classes, emptied_rows_record, integrate_rows, output_layer_names,
+    reset_emptied_rows,
 )
 
 __all__ = ["EMPTIED_STREAM", "EmptiedRows", "EmptiedMode", "emptied_classes_field", "emptied_class_samples_field",
            "plan_emptied_rows"]
 
-EMPTIED_STREAM = 36  # the replay's sample of D \ U (hashed with the removal seed)
+EMPTIED_STREAM = 36  # the replay's per-request sample of D \ U (hashed with the removal seed)
+VIEWS_SEED = stream_seed(0, EMPTIED_STREAM)  # the replay's sample S of D, the same for every request on a model
 EmptiedMode = Literal["replayed", "corrected"]
 
 
@@ -42,8 +48,9 @@ def emptied_classes_field() -> Any:
 
 def emptied_class_samples_field() -> Any:
     """The ``emptied_class_samples`` setting (see ``emptied_classes_field``)."""
-    return Field(256, gt=0, description="the replay's seeded sample of D \\ U (one forward pass of it per recorded "
-                                        "checkpoint)")
+    return Field(256, gt=0, description="the replay's fixed seeded sample of D, U's members dropped (one forward pass of "
+                                        "it per recorded checkpoint, by the first request that needs it; kept in the "
+                                        "method's prepared state for later requests and versions)")
 
 
 @dataclass
@@ -67,10 +74,15 @@ def _not_set(why: str) -> EmptiedRows:
     return EmptiedRows({"classes": [], "applied": False, "why": why})
 
 
-def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int,
-                      timings: dict[str, float]) -> EmptiedRows:
-    """The classes U empties and, under ``replayed``, their rows as Retrain leaves them: the whole model over a seeded
-    sample of ``samples`` of D \\ U at each of the recorded checkpoints (whose names are the model's)."""
+def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, timings: dict[str, float],
+                      prepared: Prepared | None = None,
+                      admits: Callable[[list[int], tuple[str, str | None]], str | None] | None = None) -> EmptiedRows:
+    """The classes U empties and, under ``replayed``, their rows as Retrain leaves them, from the recorded run's views
+    (``checkpoint_views``) of a fixed seeded sample S of D, U's members dropped: computed by the first request that
+    needs them and kept in ``prepared`` (a ``FrozenPrefixPrepared``: through the suffix over its prepared outputs
+    where the model has frozen layers) for every later request and version; per request, on a sample of D \\ U of
+    the removal's seed, where fewer than half of S are retained (or nothing can keep them). ``admits(classes,
+    names)``: why the method's step cannot take these rows (None: it can), asked before the replay runs."""
     if mode == "corrected":
         return _not_set("emptied_classes: corrected")
     trajectory = problem.trajectory
@@ -88,16 +100,52 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int,
         return _not_set(f"no decision layer found: {err}")
     if any(n is not None and n not in trajectory.checkpoints[0] for n in names):
         return _not_set("the recorded trajectory lacks the decision layer")
+    if admits is not None and (why := admits(classes, names)) is not None:
+        return EmptiedRows({"classes": classes, "applied": False, "why": why})
     recipe = recipe_of(problem.card) if problem.card is not None else None
     retain = problem.train.without(problem.forget_positions)
     # Retrain's clock: the recipe on D \ U (fewer steps an epoch than the recorded run on the original D)
     rates = None if recipe is None else retrain_rates(trajectory, recipe, len(retain))
     steps = 1 if recipe is None else max(1, math.ceil(len(retain) / recipe.batch_size) * recipe.epochs
                                           // max(1, len(trajectory.rates)))
-    sample = draw(retain, samples, stream_seed(problem.seed, EMPTIED_STREAM))
     with problem.stage("emptied_classes", timings):
-        rows, how = replayed_rows(problem.model, problem.task, sample, trajectory, names, classes,
-                                  problem.weight_decay, steps, problem.batch_size, rates=rates)
+        views, source = _views(problem, retain, names[0], samples, prepared)
+        rows, how = integrate_rows(views, trajectory, names, classes, problem.weight_decay, steps,
+                                   float(problem.task.loss_options.get("label_smoothing", 0.0)), rates=rates)
+    how["views"] = source
     how["clock"] = (f"Retrain's: the recipe on the {len(retain)} retained samples" if rates is not None else
                     "the recorded run's (no card: the recipe is unknown)")
     return EmptiedRows({**emptied_rows_record(classes, names), **how, "applied": True}, rows)
+
+
+def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int, prepared: Prepared | None
+           ) -> tuple[CheckpointViews, str]:
+    """The checkpoint views of the replay's sample of D \\ U and where they came from (see ``plan_emptied_rows``)."""
+    keeper = prepared if isinstance(prepared, FrozenPrefixPrepared) else None
+    held = keeper.cache(problem.model) if keeper is not None else None
+    data = problem.train if held is None else held.train  # the same rows, the prefix's outputs in place of the inputs
+    work, task = (None, problem.task) if held is None else (held.suffix, held.task)
+
+    def read(sample: SampleSet) -> CheckpointViews:
+        return checkpoint_views(problem.model, task, sample, problem.trajectory, weight, problem.batch_size, work)
+
+    whole = keeper.checkpoint_views.get(samples) if keeper is not None else None
+    source = "kept from an earlier request on this model (the recorded run's views of S)"
+    if whole is None:
+        whole = read(draw(data, samples, VIEWS_SEED))
+        source = "computed for this request"
+        if keeper is not None:
+            too_large = over_half_budget(problem.model, whole.nbytes, "the replay's checkpoint views")
+            if too_large is None:
+                keeper.checkpoint_views[samples] = whole
+                source += ", kept for later requests on this model and its later versions"
+            else:
+                source += f", not kept: {too_large}"
+    views = whole.take(torch.isin(whole.sample_ids, torch.as_tensor(retain.sample_ids)))
+    if 2 * len(views) >= min(samples, len(retain)):
+        return views, f"{source}: S, {len(whole)} samples of D, {len(views)} of them retained"
+    positions = problem.train.positions_of(
+        draw(retain, samples, stream_seed(problem.seed, EMPTIED_STREAM)).sample_ids, field="emptied class sample")
+    return read(data.take(positions)), (f"per request: only {len(views)} of the {len(whole)} samples of S are "
+                                        f"retained; a sample of {min(samples, len(retain))} of D \\ U of the removal's "
+                                        "seed")

@@ -548,7 +548,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                 f"tries (best ratio {best:.3g}, needs {gn.min_ratio}): the quadratic model does not describe this "
                 "removal; retrain", {**record, "trust_region": trust, "timings": timings})
         block.add_to_model(model, step.to(torch.float64))
-        emptied = _emptied_in_block(problem, gn, block, timings)  # reads the recorded run; the model kept as it is
+        emptied = _emptied_in_block(problem, gn, block, timings, prepared)  # reads the recorded run; the model kept as it is
         recipe = recipe_of(problem.card) if problem.card is not None else None
         with problem.stage("refit", timings):
             refit = refit_block(model, task, block, problem.retain, recipe, lam, epochs=gn.refit_epochs,
@@ -597,19 +597,19 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
 
 
 def _emptied_in_block(problem: RemovalProblem, gn: GaussNewtonStepSettings, block: Any,
-                      timings: dict[str, float]) -> EmptiedRows:
+                      timings: dict[str, float], prepared: Prepared) -> EmptiedRows:
     """The emptied classes' replayed rows (``pipeline.methods.emptied_rows``), where the block holds them whole: a
-    row outside the block is not the removal's to move."""
-    emptied = plan_emptied_rows(problem, gn.emptied_classes, gn.emptied_class_samples, timings)
-    if not emptied.rows:
-        return emptied
+    row outside the block is not the removal's to move (checked before the replay runs)."""
     parts = {part.name: part.rows for part in block.parts}
-    for name in emptied.rows:
-        rows = parts.get(name, ())
-        if name not in parts or (rows is not None and not set(emptied.classes) <= set(rows.tolist())):
-            return EmptiedRows({"classes": emptied.classes, "applied": False,
-                                "why": f"the block does not hold the rows {emptied.classes} of {name}"})
-    return emptied
+
+    def admits(classes: list[int], names: tuple[str, str | None]) -> str | None:
+        for name in (n for n in names if n is not None):
+            rows = parts.get(name, ())
+            if name not in parts or (rows is not None and not set(classes) <= set(rows.tolist())):
+                return f"the block does not hold the rows {classes} of {name}"
+        return None
+
+    return plan_emptied_rows(problem, gn.emptied_classes, gn.emptied_class_samples, timings, prepared, admits)
 
 
 def _newton_direction(op: Any, rhs: torch.Tensor, settings: LFociNewtonSettings, *, dense: bool,

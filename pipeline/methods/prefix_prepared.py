@@ -5,7 +5,7 @@ U's rows (the prefix's digest checked unchanged). ``lfoci-newton`` and ``traject
 (``pipeline.frozen_prefix`` does the caching)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from pipeline.frozen_prefix import PrefixCache, Split, cache_frozen_prefix, cach
 from pipeline.methods.base import TrainedModel
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
+from pipeline.target.emptied_classes import CheckpointViews
 
 __all__ = ["FrozenPrefixPrepared", "over_half_budget", "prepare_frozen_prefix"]
 
@@ -26,11 +27,14 @@ class FrozenPrefixPrepared(Prepared):
     """The frozen prefix's outputs on D, where the model has layers before its first trainable parameter (the
     split of ``pipeline.frozen_prefix`` whose suffix holds every trainable parameter). ``split`` None: nothing
     to prepare (every layer trains, caching turned off, or the outputs would not fit the memory budget;
-    ``details`` says which)."""
+    ``details`` says which). ``checkpoint_views``: the emptied-class replay's views of the recorded run on a fixed
+    sample of D, by sample count (``pipeline.methods.emptied_rows``): computed by the first request that needs them,
+    carried to every later version (they read the recorded run, not the weights; a request drops U's rows)."""
 
     split: Split | None = None
     features: SampleSet | None = None
     prefix: str | None = None
+    checkpoint_views: dict[int, CheckpointViews] = field(default_factory=dict)
 
     what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
 
@@ -40,13 +44,17 @@ class FrozenPrefixPrepared(Prepared):
             return None
         return PrefixCache(self.split, self.split.suffix_of(model), self.features, 0.0)
 
+    def fresh_copy(self) -> "FrozenPrefixPrepared":
+        return replace(self, checkpoint_views={})
+
     def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         if self.split is None or self.features is None:
-            return type(self)(binding, 0.0, dict(self.details))
+            return type(self)(binding, 0.0, dict(self.details), checkpoint_views=self.checkpoint_views)
         if prefix_digest(self.split, trained.model) != self.prefix:
             return None
         return type(self)(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
-                          split=self.split, features=self.features.without(removed), prefix=self.prefix)
+                          split=self.split, features=self.features.without(removed), prefix=self.prefix,
+                          checkpoint_views=self.checkpoint_views)
 
 
 def over_half_budget(model: nn.Module, held: int, what: str) -> str | None:

@@ -230,7 +230,8 @@ class TrajectoryRefit(RemovalMethod):
                 return float(mean_loss(work, task, probe, problem.batch_size))
 
         try:
-            emptied = plan_emptied_rows(problem, settings.emptied_classes, settings.emptied_class_samples, timings)
+            emptied = plan_emptied_rows(problem, settings.emptied_classes, settings.emptied_class_samples, timings,
+                                        prepared)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
                 pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(

@@ -13,7 +13,9 @@ unsure, p_c(x) ~ 1 / K for every x; once it is sure of the other classes p_c ~ 0
 digits CNN of the tests the retrains' bias of the emptied class ends at -0.95 from an initial 0.09; with final
 features the push is already ~0). So this module integrates the row's equation along the recorded run itself:
 h(x) and the other classes' logits at each checkpoint of the original's trajectory on a seeded sample S of D \\ U
-(the original's run differs from Retrain's by U's pushes, which the row replaces), linearly interpolated inside a
+(``checkpoint_views``: they read the recorded run, not the weights, so a caller keeps them for later requests and
+drops U's rows with ``CheckpointViews.take``; the original's run differs from Retrain's by U's pushes, which the row
+replaces), linearly interpolated inside a
 stretch, explicit Euler sub-steps of the stretch's rate (at least the recipe's steps, more where the row loss's
 curvature needs them for stability: at most 1 / L each, L = (1/4) lambda_max(mean (h,1)(h,1)^T) + lambda for one row;
 ``max_substeps`` in all), from the recorded initial row.
@@ -34,6 +36,7 @@ Single-label cross-entropy only.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +46,8 @@ from pipeline.decision_layer import decision_layer_block
 from pipeline.eval_mode import eval_mode_restored
 from pipeline.trajectory import load_checkpoint
 
-__all__ = ["emptied_classes", "emptied_rows_record", "output_layer_names", "replayed_rows", "reset_emptied_rows"]
+__all__ = ["CheckpointViews", "checkpoint_views", "emptied_classes", "emptied_rows_record", "integrate_rows",
+           "output_layer_names", "replayed_rows", "reset_emptied_rows"]
 
 
 def emptied_classes(labels: Tensor, forget_positions: Tensor | list[int]) -> list[int]:
@@ -93,46 +97,99 @@ def _checkpoint_view(model: nn.Module, task: Any, sample: Any, layer: nn.Linear,
     return torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype)], 1), torch.cat(logits).double().cpu()
 
 
+@dataclass
+class CheckpointViews:
+    """What the replay reads of the recorded run on a sample S: at each checkpoint the decision layer's inputs h
+    (float64, a column of ones appended) and the logits z (float64), rows in S's order; ``sample_ids`` S's ids.
+    Independent of U and of the model's current weights: computed once per model (a removal drops U's rows with
+    ``take``)."""
+
+    sample_ids: Tensor
+    features: list[Tensor]
+    logits: list[Tensor]
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.features, *self.logits))
+
+    def take(self, rows: Tensor) -> "CheckpointViews":
+        """The views of S's ``rows`` (a bool mask or positions)."""
+        return CheckpointViews(self.sample_ids[rows], [h[rows] for h in self.features], [z[rows] for z in self.logits])
+
+
+def checkpoint_views(model: nn.Module, task: Any, sample: Any, trajectory: Any, weight: str, batch_size: int = 512,
+                     work: nn.Module | None = None) -> CheckpointViews:
+    """(h, z) of ``sample`` at every checkpoint of ``trajectory`` (loaded into ``model`` in turn; its own weights and
+    buffers put back, also on failure), read as training computed them (``_checkpoint_view``). ``weight``: the
+    decision layer's weight name. ``work``: the module the passes run through (``model`` itself, or its suffix over
+    a frozen prefix's outputs, ``sample`` then holding those outputs; the suffix shares ``model``'s parameters)."""
+    work = model if work is None else work
+    layer = _layer_of(work, dict(model.named_parameters())[weight])
+    kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    features: list[Tensor] = []
+    logits: list[Tensor] = []
+    try:
+        for checkpoint in trajectory.checkpoints:
+            load_checkpoint(model, checkpoint)
+            h, z = _checkpoint_view(work, task, sample, layer, batch_size)
+            features.append(h)
+            logits.append(z)
+    finally:
+        model.load_state_dict(kept)
+    return CheckpointViews(torch.as_tensor(sample.sample_ids).clone(), features, logits)
+
+
 def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, names: tuple[str, str | None],
                   classes: list[int], weight_decay: float, steps_per_stretch: int, batch_size: int = 512,
                   rates: list[float] | None = None, max_substeps: int = 50000
                   ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Retrain's rows of ``classes`` by the row equation above along ``trajectory`` (its checkpoints loaded into
-    ``model`` in turn, its own weights and buffers put back), over ``rates`` (Retrain's stretch rates,
-    ``pipeline.trajectory.retrain_rates``; the recorded ones when None); ({name: rows}, what the record says: the
-    sample, the sub-steps, and the largest step x L, above 1 only where ``max_substeps`` capped a stretch)."""
-    layer = _layer_of(model, dict(model.named_parameters())[names[0]])
+    ``model`` in turn, its own weights and buffers put back): ``integrate_rows`` over ``checkpoint_views``."""
+    views = checkpoint_views(model, task, sample, trajectory, names[0], batch_size)
+    return integrate_rows(views, trajectory, names, classes, weight_decay, steps_per_stretch,
+                          float(task.loss_options.get("label_smoothing", 0.0)), rates=rates, max_substeps=max_substeps)
+
+
+def integrate_rows(views: CheckpointViews, trajectory: Any, names: tuple[str, str | None], classes: list[int],
+                   weight_decay: float, steps_per_stretch: int, label_smoothing: float = 0.0,
+                   rates: list[float] | None = None, max_substeps: int = 50000
+                   ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Retrain's rows of ``classes`` by the row equation above over the checkpoint ``views`` of ``trajectory``, over
+    ``rates`` (Retrain's stretch rates, ``pipeline.trajectory.retrain_rates``; the recorded ones when None), from the
+    recorded initial rows; ({name: rows}, what the record says: the sample, the sub-steps, and the largest step x L,
+    above 1 only where ``max_substeps`` capped a stretch)."""
+    if len(views.features) != len(trajectory.checkpoints):
+        raise ValueError(f"{len(views.features)} checkpoint views for a trajectory of {len(trajectory.checkpoints)} "
+                         "checkpoints")
+    if len(views) == 0:
+        raise ValueError("the replay's sample is empty")
     index = torch.as_tensor(classes, dtype=torch.long)
     first = trajectory.checkpoints[0]
     theta = first[names[0]].index_select(0, index).double()
+    n_classes = int(first[names[0]].shape[0])
     bias0 = first[names[1]].index_select(0, index).double() if names[1] is not None else \
         torch.zeros(len(classes), dtype=torch.float64)
     theta = torch.cat([theta, bias0[:, None]], 1)  # (|C|, d + 1)
     has_bias = names[1] is not None
-    others = torch.ones(len(layer.weight), dtype=torch.bool)
+    others = torch.ones(n_classes, dtype=torch.bool)
     others[index] = False
-    kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    views: list[tuple[Tensor, Tensor]] = []
-    try:
-        for checkpoint in trajectory.checkpoints:
-            load_checkpoint(model, checkpoint)
-            h, z = _checkpoint_view(model, task, sample, layer, batch_size)
-            views.append((h, torch.logsumexp(z[:, others], 1)))
-    finally:
-        model.load_state_dict(kept)
+    pairs = [(h, torch.logsumexp(z[:, others], 1)) for h, z in zip(views.features, views.logits)]
     if not has_bias:  # no bias: its column of (h, 1) off, so theta's last entry stays 0
-        views = [(torch.cat([h[:, :-1], torch.zeros_like(h[:, -1:])], 1), o) for h, o in views]
-    smooth = float(task.loss_options.get("label_smoothing", 0.0)) / len(layer.weight)  # the smoothed target's s / K
+        pairs = [(torch.cat([h[:, :-1], torch.zeros_like(h[:, -1:])], 1), o) for h, o in pairs]
+    smooth = label_smoothing / n_classes  # the smoothed target's s / K
     # the row loss's gradient is Lipschitz with L <= c lambda_max(mean h h^T) + lambda, c = 1/4 for one row
     # (p (1 - p) <= 1/4), 1/2 for several (the softmax Jacobian's largest eigenvalue): steps of at most 1 / L
     curvature = 0.25 if len(classes) == 1 else 0.5
-    lipschitz = [curvature * _largest_eigenvalue(h) / h.shape[0] + weight_decay for h, _ in views]
+    lipschitz = [curvature * _largest_eigenvalue(h) / h.shape[0] + weight_decay for h, _ in pairs]
     substeps_total, worst = 0, 0.0
     rates = list(trajectory.rates) if rates is None else list(rates)
     if len(rates) != len(trajectory.rates):
         raise ValueError(f"{len(rates)} stretch rates for a trajectory of {len(trajectory.rates)} stretches")
     for e, rate in enumerate(rates):
-        (h0, o0), (h1, o1) = views[e], views[e + 1]
+        (h0, o0), (h1, o1) = pairs[e], pairs[e + 1]
         count = max(int(steps_per_stretch), math.ceil(rate * max(lipschitz[e], lipschitz[e + 1])))
         count = min(count, max(1, max_substeps // max(1, len(rates))))
         step = rate / count
@@ -144,10 +201,11 @@ def replayed_rows(model: nn.Module, task: Any, sample: Any, trajectory: Any, nam
             p = torch.exp(zc - torch.logaddexp(other, torch.logsumexp(zc, 1))[:, None])  # (|S|, |C|)
             theta = theta - step * ((p - smooth).T @ h / h.shape[0] + weight_decay * theta)
         substeps_total += count
-    out = {names[0]: theta[:, :-1].to(layer.weight.dtype)}
+    dtype = first[names[0]].dtype
+    out = {names[0]: theta[:, :-1].to(dtype)}
     if has_bias:
-        out[names[1]] = theta[:, -1].to(layer.weight.dtype)
-    return out, {"samples": len(sample), "substeps": substeps_total, "checkpoints": len(views),
+        out[names[1]] = theta[:, -1].to(dtype)
+    return out, {"samples": len(views), "substeps": substeps_total, "checkpoints": len(pairs),
                  "step_times_lipschitz": worst}
 
 
