@@ -8,6 +8,7 @@ method's prepared state by the first request that computes them); ``EmptiedRows.
 and sub-steps, or why nothing was set)."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -16,10 +17,13 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from pipeline import memory
 from pipeline.data import SampleSet
+from pipeline.frozen_prefix import deterministic_prefix
 from pipeline.methods.base import RemovalProblem, stream_seed
-from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
 from pipeline.methods.trust_region import draw
+from pipeline.param_block import ParamBlock
 from pipeline.prepared import Prepared
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
@@ -98,8 +102,10 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
         names = output_layer_names(problem.model)
     except ValueError as err:
         return _not_set(f"no decision layer found: {err}")
-    if any(n is not None and n not in trajectory.checkpoints[0] for n in names):
-        return _not_set("the recorded trajectory lacks the decision layer")
+    missing = sorted(k for k, p in problem.model.named_parameters() if p.requires_grad and k not in
+                     trajectory.checkpoints[0])
+    if missing:  # the replay's features would read today's weights there, not the recorded run's
+        return _not_set(f"the recorded trajectory lacks the trainable parameters {missing[:5]}")
     if admits is not None and (why := admits(classes, names)) is not None:
         return EmptiedRows({"classes": classes, "applied": False, "why": why})
     recipe = recipe_of(problem.card) if problem.card is not None else None
@@ -120,32 +126,85 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
 
 def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int, prepared: Prepared | None
            ) -> tuple[CheckpointViews, str]:
-    """The checkpoint views of the replay's sample of D \\ U and where they came from (see ``plan_emptied_rows``)."""
+    """The checkpoint views of the replay's sample of D \\ U and where they came from (see ``plan_emptied_rows``):
+    the kept views of S where at least half of S is retained; else S drawn anew from the current D and kept, where at
+    least half of it is retained (checked before any pass); else, or where nothing can keep them, a sample of
+    D \\ U of the removal's seed, for this request alone."""
+    need = min(samples, len(retain))
     keeper = prepared if isinstance(prepared, FrozenPrefixPrepared) else None
-    held = keeper.cache(problem.model) if keeper is not None else None
+    held = _suffix_cache(problem, keeper)
     data = problem.train if held is None else held.train  # the same rows, the prefix's outputs in place of the inputs
     work, task = (None, problem.task) if held is None else (held.suffix, held.task)
+    retained_ids = torch.as_tensor(retain.sample_ids)
 
     def read(sample: SampleSet) -> CheckpointViews:
         return checkpoint_views(problem.model, task, sample, problem.trajectory, weight, problem.batch_size, work)
 
-    whole = keeper.checkpoint_views.get(samples) if keeper is not None else None
-    source = "kept from an earlier request on this model (the recorded run's views of S)"
-    if whole is None:
-        whole = read(draw(data, samples, VIEWS_SEED))
-        source = "computed for this request"
-        if keeper is not None:
-            too_large = over_half_budget(problem.model, whole.nbytes, "the replay's checkpoint views")
+    if keeper is not None:
+        key = _views_key(problem, weight, samples)
+        stored = keeper.checkpoint_views.get(key)
+        if stored is not None:
+            views = stored.take(torch.isin(stored.sample_ids, retained_ids))
+            if 2 * len(views) >= need:
+                return views, (f"kept from an earlier request on this model: S, {len(stored)} samples of D, "
+                               f"{len(views)} of them retained")
+        sample = draw(data, samples, VIEWS_SEED)
+        inside = torch.isin(torch.as_tensor(sample.sample_ids), retained_ids)
+        if 2 * int(inside.sum()) >= need:
+            whole = read(sample)
+            source = "computed for this request" + ("" if stored is None else
+                                                    " (S drawn anew: fewer than half of the kept one are retained)")
+            too_large = _over_half_of_cpu_budget(whole.nbytes + _held_bytes(keeper))
             if too_large is None:
-                keeper.checkpoint_views[samples] = whole
+                keeper.checkpoint_views.clear()
+                keeper.checkpoint_views[key] = whole
                 source += ", kept for later requests on this model and its later versions"
             else:
                 source += f", not kept: {too_large}"
-    views = whole.take(torch.isin(whole.sample_ids, torch.as_tensor(retain.sample_ids)))
-    if 2 * len(views) >= min(samples, len(retain)):
-        return views, f"{source}: S, {len(whole)} samples of D, {len(views)} of them retained"
+            return whole.take(inside), f"{source}: S, {len(whole)} samples of D, {int(inside.sum())} of them retained"
     positions = problem.train.positions_of(
         draw(retain, samples, stream_seed(problem.seed, EMPTIED_STREAM)).sample_ids, field="emptied class sample")
-    return read(data.take(positions)), (f"per request: only {len(views)} of the {len(whole)} samples of S are "
-                                        f"retained; a sample of {min(samples, len(retain))} of D \\ U of the removal's "
-                                        "seed")
+    why = ("no prepared state keeps them" if keeper is None else
+           f"fewer than half of the {samples} samples of S are retained")
+    return read(data.take(positions)), f"per request ({why}): a sample of {need} of D \\ U of the removal's seed"
+
+
+def _suffix_cache(problem: RemovalProblem, keeper: FrozenPrefixPrepared | None) -> Any:
+    """The prepared frozen prefix's cache where the replay may read the suffix over its outputs: the prefix computes
+    the same in training as in eval mode (no batch normalisation, no dropout) and the checkpoints hold only
+    trainable parameters (loading one leaves the prefix as it is); else None (the whole model)."""
+    held = keeper.cache(problem.model) if keeper is not None else None
+    if held is None:
+        return None
+    trainable = {k for k, p in problem.model.named_parameters() if p.requires_grad}
+    if not set(problem.trajectory.checkpoints[0]) <= trainable:
+        return None
+    return held if deterministic_prefix(problem.model, problem.task, ParamBlock.all_parameters(problem.model)) else None
+
+
+def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int, int, str]:
+    """What kept views were computed from: the sample's size, the batches (batch normalisation reads them), and the
+    recorded run (its n, rates and the decision layer's weight at every checkpoint)."""
+    trajectory = problem.trajectory
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((trajectory.n, list(trajectory.rates), weight)).encode())
+    for checkpoint in trajectory.checkpoints:
+        h.update(checkpoint[weight].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return samples, int(problem.batch_size), h.hexdigest()
+
+
+def _held_bytes(keeper: FrozenPrefixPrepared) -> int:
+    """Bytes of the prefix's outputs the prepared state already holds."""
+    if keeper.features is None:
+        return 0
+    return int(sum(v.numel() * v.element_size() for v in keeper.features.columns.values()))
+
+
+def _over_half_of_cpu_budget(nbytes: int) -> str | None:
+    """Why ``nbytes`` kept in host memory (the views and the prefix's outputs) are too many: over half of what the
+    memory budget leaves on the CPU; None where they fit."""
+    budget = memory.available_in(memory.current_budget("cpu"))
+    if nbytes <= budget.bytes / 2:
+        return None
+    return f"the replay's checkpoint views with the prefix's outputs (~{memory.format_bytes(nbytes)}) exceed half of " \
+           f"{budget.named()}"

@@ -28,13 +28,14 @@ class FrozenPrefixPrepared(Prepared):
     split of ``pipeline.frozen_prefix`` whose suffix holds every trainable parameter). ``split`` None: nothing
     to prepare (every layer trains, caching turned off, or the outputs would not fit the memory budget;
     ``details`` says which). ``checkpoint_views``: the emptied-class replay's views of the recorded run on a fixed
-    sample of D, by sample count (``pipeline.methods.emptied_rows``): computed by the first request that needs them,
-    carried to every later version (they read the recorded run, not the weights; a request drops U's rows)."""
+    sample of D, keyed by what they were computed from (``pipeline.methods.emptied_rows``): computed by the first
+    request that needs them, carried to every later version (they read the recorded run, not the weights; a request
+    drops U's rows)."""
 
     split: Split | None = None
     features: SampleSet | None = None
     prefix: str | None = None
-    checkpoint_views: dict[int, CheckpointViews] = field(default_factory=dict)
+    checkpoint_views: dict[tuple[int, int, str], CheckpointViews] = field(default_factory=dict)
 
     what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
 
