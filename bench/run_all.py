@@ -1,10 +1,12 @@
 """Run every benchmark with one command, then write bench/results/summary.md.
 
     .venv/bin/python -m bench.run_all                 # every benchmark in its default (full) mode
-    .venv/bin/python -m bench.run_all --quick         # bounded: quick modes / small sizes (~30-40 min
-                                                      # on 2 loaded cores; each script also capped by --timeout)
-    .venv/bin/python -m bench.run_all --smoke         # the smoke modes of the scripts that have one (seconds each)
+    .venv/bin/python -m bench.run_all --quick         # bounded: quick modes / small sizes (each script capped by
+                                                      # --timeout, 900 s by default)
+    .venv/bin/python -m bench.run_all --smoke         # the smoke modes of the scripts that have one (seconds to
+                                                      # minutes each)
     .venv/bin/python -m bench.run_all --only fmnist,growth
+    .venv/bin/python -m bench.run_all --quick --only deep_fmnist-cnn,deep_r8-minilm,deep_identities
     .venv/bin/python -m bench.run_all --summary-only  # rebuild summary.md from the JSON files already there
 
 Each benchmark runs in its own process (``sys.executable -m bench.<script> ...``), one after the
@@ -49,6 +51,21 @@ BENCHMARKS: dict[str, dict[str, list[str] | None]] = {
     "growth": {"default": [], "quick": ["--quick"], "smoke": ["--smoke"]},
     "huge_layers": {"default": [], "quick": ["--quick"], "smoke": ["--smoke"]},
     "gpu_reid": {"default": [], "quick": [], "smoke": ["--smoke"]},
+    # the forgetting benchmarks (networks trained end to end; small heads over frozen features), the campaign and
+    # service figures: scripts with their own module name, one entry per data set. The deep benchmark's default is
+    # its full profile (every scenario: many hours on 2 cores; the README's cells were run one scenario at a time)
+    **{f"deep_{name}": {"module": "deep_forgetting", "default": ["--dataset", name, "--threads", "1"],
+                        "quick": ["--dataset", name, "--quick", "--threads", "1"],
+                        "smoke": ["--dataset", name, "--smoke", "--threads", "1"]}
+       for name in ("fmnist-cnn", "r8-minilm", "identities")},
+    **{f"forgetting_{name}": {"module": "forgetting", "default": ["--dataset", name, "--threads", "1"],
+                              "quick": ["--dataset", name, "--quick", "--threads", "1"], "smoke": None}
+       for name in ("fmnist", "r8")},
+    **{f"campaign_scale_{name}": {"module": "campaign_scale", "default": ["--dataset", name, "--kills", "3"],
+                                  "quick": ["--dataset", name, "--quick"], "smoke": None}
+       for name in ("fmnist", "r8")},
+    "stream_load": {"module": "stream_load", "default": [], "quick": ["--quick"], "smoke": None},
+    "stream_drift": {"module": "stream_drift", "default": [], "quick": None, "smoke": None},
 }
 TIMEOUTS = {"default": 4 * 3600, "quick": 900, "smoke": 300}
 
@@ -63,7 +80,7 @@ def resolve_threads(value: str) -> int | None:
 
 
 def run_one(name: str, args: list[str], timeout: float, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", f"bench.bench_{name}", *args]
+    cmd = [sys.executable, "-m", f"bench.{BENCHMARKS[name].get('module') or 'bench_' + name}", *args]
     print(f"\n>>> {' '.join(cmd[1:])}  (limit {timeout:.0f} s, load {loadavg()})", flush=True)
     started = time.perf_counter()
     try:
@@ -251,8 +268,22 @@ def summarise_generic(d: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], rows[:30]) if rows else ["(no scalar figures at the top level)"]
 
 
+def summarise_deep(d: dict[str, Any]) -> list[str]:
+    from bench.deep_forgetting import render_summary
+
+    return render_summary(d).splitlines()
+
+
+def summarise_forgetting(d: dict[str, Any]) -> list[str]:
+    from bench.forgetting import render_summary
+
+    return render_summary(d).splitlines()
+
+
 def kind_of(path: Path, d: dict[str, Any]) -> str:
     name = str(d.get("benchmark", ""))
+    if name in ("deep_forgetting", "forgetting"):
+        return "deep" if name == "deep_forgetting" else "forgetting"
     for key in ("fmnist", "growth", "huge_layers", "gpu_reid", "text_r8", "scaling"):
         if key in name or path.stem.startswith(key):
             return key
@@ -264,8 +295,9 @@ def kind_of(path: Path, d: dict[str, Any]) -> str:
 SUMMARISERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "fmnist": summarise_fmnist, "text_r8": summarise_text_r8, "growth": summarise_growth, "huge_layers": summarise_huge,
     "gpu_reid": summarise_gpu, "selection": summarise_selection, "scaling": summarise_scaling, "generic": summarise_generic,
+    "deep": summarise_deep, "forgetting": summarise_forgetting,
 }
-ORDER = ["fmnist", "text_r8", "huge_layers", "gpu_reid", "growth", "selection", "scaling", "generic"]
+ORDER = ["deep", "forgetting", "fmnist", "text_r8", "huge_layers", "gpu_reid", "growth", "selection", "scaling", "generic"]
 
 
 def _load_note(d: dict[str, Any]) -> str:
@@ -358,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         for done, name in enumerate(names):
             # The scripts draw their own bars on this terminal: ours is one line between them.
             note(meter_line(done, len(names), time.perf_counter() - started, f"benchmarks (next: {name})"))
-            extra = BENCHMARKS[name][mode_name]
+            extra = BENCHMARKS[name].get(mode_name)
             if extra is None:
                 runs.append({"name": name, "status": f"skipped (no {mode_name} mode)"})
                 continue

@@ -67,6 +67,31 @@ def test_tables_have_their_shape(results: dict[str, dict], tmp_path: Path) -> No
             assert 0 <= original["accuracy"] <= 100 and original["ci95"][0] <= original["accuracy"] <= original["ci95"][1]
 
 
+def test_run_all_runs_and_summarises_the_deep_benchmark(results: dict[str, dict], tmp_path: Path) -> None:
+    """``python -m bench.run_all`` has an entry per data set of this benchmark in every mode (its command: this
+    module with the data set and the mode's flag), and its summary renders each result as this module's compact
+    table (not the generic key / value dump)."""
+    import importlib
+
+    from bench.deep_forgetting import DATASETS as SPECS, render_summary, write_outputs
+    from bench.run_all import BENCHMARKS, kind_of, write_summary
+
+    for name in SPECS:
+        entry = BENCHMARKS[f"deep_{name}"]
+        assert entry["module"] == "deep_forgetting" and entry["quick"][:3] == ["--dataset", name, "--quick"]
+        assert entry["smoke"][:3] == ["--dataset", name, "--smoke"] and entry["default"][:2] == ["--dataset", name]
+    for key, entry in BENCHMARKS.items():  # every entry names a module of bench/ with a main
+        module = importlib.import_module(f"bench.{entry.get('module') or 'bench_' + key}")
+        assert callable(module.main), key
+    for name, result in results.items():
+        write_outputs(result, f"deep_{name}_smoke", tmp_path)
+        assert kind_of(tmp_path / f"deep_{name}_smoke.json", result) == "deep"
+    text = write_summary(tmp_path, tmp_path / "summary.md", include_smoke=True).read_text()
+    for name, result in results.items():
+        section = text.split(f"## deep_{name}_smoke", 1)[1].split("\n## ", 1)[0]
+        assert render_summary(result).splitlines()[0] in section and "could not summarise" not in section
+
+
 def test_every_applicable_method_has_a_row_a_refusal_or_an_error(results: dict[str, dict]) -> None:
     from bench.deep_forgetting import SMOKE_ROWS, registered_rows
 
