@@ -52,6 +52,16 @@ def test_a_variant_setting_given_inline_overrides_the_file():
         MethodRef.model_validate({"name": "newton-head", "settings": {"newton_rtol": -1}})
 
 
+def test_an_inline_section_keeps_the_variants_other_fields_of_it():
+    """lfoci-newton-replay-1024 sets gauss_newton.emptied_class_samples; an inline gauss_newton section overrides
+    the fields it names and keeps that one (a shallow merge would put the default 256 back)."""
+    ref = MethodRef.model_validate({"name": "lfoci-newton-replay-1024",
+                                    "settings": {"gauss_newton": {"curvature_samples": 128}, "damping": 0.01}})
+    assert ref.method == "lfoci-newton" and ref.settings.damping == 0.01
+    assert ref.settings.gauss_newton.curvature_samples == 128 and ref.settings.gauss_newton.emptied_class_samples == 1024
+    assert MethodRef.model_validate("lfoci-newton").settings.gauss_newton.emptied_class_samples == 256
+
+
 @pytest.fixture(scope="module")
 def mlp_dir(trained_model_dir) -> Path:
     return trained_model_dir("mlp", MLP, steps=60)

@@ -321,6 +321,18 @@ def method_variants() -> list[str]:
     return sorted(p.stem for p in (CONFIGS_DIR / "methods").glob("*.yaml"))
 
 
+def _field_by_field(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s fields in place of its own; a section given in both (a mapping, e.g. lfoci-newton's
+    ``gauss_newton``) merged the same way, so an inline section keeps the variant's other fields of it."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _field_by_field(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _variant(name: str) -> dict[str, Any]:
     """{method, settings} of the variant file ``name``; a registered method without a file is
     itself with default settings. Unknown names fail listing both."""
@@ -387,7 +399,7 @@ class MethodRef(BaseModel):
         impl = get_method(method)
         settings = raw.get("settings")
         if not isinstance(settings, impl.Settings):
-            merged = {**variant["settings"], **dict(settings or {})}
+            merged = _field_by_field(variant["settings"], dict(settings or {}))
             try:
                 raw["settings"] = parse_settings(method, merged)
             except ValidationError as err:
