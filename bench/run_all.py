@@ -32,8 +32,8 @@ from typing import Any, Callable
 from bench.common import RESULTS_DIR, ROOT, loadavg, write_json
 from pipeline.progress import meter_line, note
 
-# name -> (arguments per mode). None: the script has no such mode (skipped in that mode).
-BENCHMARKS: dict[str, dict[str, list[str] | None]] = {
+# name -> {"module": the bench module when it is not bench_<name>, and per mode its arguments (None: no such mode)}
+BENCHMARKS: dict[str, dict[str, Any]] = {
     "selection": {
         "default": [],
         "quick": ["--n", "400", "--s", "3000", "--max-picks", "8", "--loop-sample", "50", "--verify-n", "120",

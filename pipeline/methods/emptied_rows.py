@@ -17,14 +17,13 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from pipeline import memory
 from pipeline.data import SampleSet
 from pipeline.frozen_prefix import deterministic_prefix
 from pipeline.methods.base import RemovalProblem, stream_seed
-from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
 from pipeline.methods.trust_region import draw
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import Prepared
+from pipeline.prepared import Prepared, _tensor_digest
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
@@ -154,7 +153,8 @@ def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int
             whole = read(sample)
             source = "computed for this request" + ("" if stored is None else
                                                     " (S drawn anew: fewer than half of the kept one are retained)")
-            too_large = _over_half_of_cpu_budget(whole.nbytes + _held_bytes(keeper))
+            too_large = over_half_budget(problem.model, whole.nbytes + _held_bytes(keeper),
+                                         "the replay's checkpoint views with the prefix's outputs", device="cpu")
             if too_large is None:
                 keeper.checkpoint_views.clear()
                 keeper.checkpoint_views[key] = whole
@@ -187,9 +187,9 @@ def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int,
     recorded run (its n, rates and the decision layer's weight at every checkpoint)."""
     trajectory = problem.trajectory
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr((trajectory.n, list(trajectory.rates), weight)).encode())
-    for checkpoint in trajectory.checkpoints:
-        h.update(checkpoint[weight].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(repr((trajectory.n, list(trajectory.rates))).encode())
+    for e, checkpoint in enumerate(trajectory.checkpoints):
+        _tensor_digest(h, f"{e}/{weight}", checkpoint[weight])
     return samples, int(problem.batch_size), h.hexdigest()
 
 
@@ -198,13 +198,3 @@ def _held_bytes(keeper: FrozenPrefixPrepared) -> int:
     if keeper.features is None:
         return 0
     return int(sum(v.numel() * v.element_size() for v in keeper.features.columns.values()))
-
-
-def _over_half_of_cpu_budget(nbytes: int) -> str | None:
-    """Why ``nbytes`` kept in host memory (the views and the prefix's outputs) are too many: over half of what the
-    memory budget leaves on the CPU; None where they fit."""
-    budget = memory.available_in(memory.current_budget("cpu"))
-    if nbytes <= budget.bytes / 2:
-        return None
-    return f"the replay's checkpoint views with the prefix's outputs (~{memory.format_bytes(nbytes)}) exceed half of " \
-           f"{budget.named()}"

@@ -58,10 +58,10 @@ class FrozenPrefixPrepared(Prepared):
                           checkpoint_views=self.checkpoint_views)
 
 
-def over_half_budget(model: nn.Module, held: int, what: str) -> str | None:
-    """Why ``held`` bytes of prefix outputs (``what``) are not kept: more than half of what the memory budget
-    leaves; None where they fit."""
-    budget = memory.available_in(memory.current_budget(memory.model_device(model)))
+def over_half_budget(model: nn.Module, held: int, what: str, device: str | torch.device | None = None) -> str | None:
+    """Why ``held`` bytes (``what``: prefix outputs, the replay's views) are not kept: more than half of what the memory
+    budget leaves on ``device`` (the model's by default); None where they fit."""
+    budget = memory.available_in(memory.current_budget(memory.model_device(model) if device is None else device))
     if held <= budget.bytes / 2:
         return None
     return f"{what} (~{memory.format_bytes(held)}) exceed half of {budget.named()}"
