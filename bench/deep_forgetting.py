@@ -130,7 +130,9 @@ DATASETS: dict[str, Dataset] = {
 # reported / tuning sets (an RBF SVC on 2,000 + 2,000 takes ~1.6 s here; bench/forgetting.py uses 2000 x 4);
 # row_limit: [tuning, reported] a removal (preparation included) is stopped after max(row_floor, row_limit x
 # Retrain's seconds) (a removal slower than Retrain is no use to anyone: its quality is not worth the wait); after
-# a removal timed out, the same row and settings are not tried again on that scenario (timeout_scope "run": at all).
+# a removal timed out, the same row and settings are not tried again on that scenario unless under a larger limit
+# (timeout_scope "run", the quick and smoke profiles' time budget: the row is not tried again in the run at all, at
+# any settings or limit).
 _FULL = {"sets": 3, "tuning_sets": 1, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
          "row_limit": [1.0, 2.0], "row_floor": 60.0}
 # rows: the rows a profile runs (every other registered row is recorded as skipped, with the reason): quick and
@@ -530,6 +532,25 @@ class Context:
         factor = self.profile["row_limit"][0 if role == "tuning" else 1]
         return max(float(self.profile["row_floor"]), float(factor) * base)
 
+    def timed_out_before(self, row: str, skey: str, scenario: str, limit: float) -> str | None:
+        """Why a removal of ``row`` at settings ``skey`` under ``limit`` is not run (an earlier one timed out: at
+        these settings in this scenario, or in its preparation, unless the earlier limit was smaller; under
+        timeout_scope "run", at any settings and limit), or None."""
+        if self.profile.get("timeout_scope") == "run":
+            earlier = self.timed_out.get((row, "*", "*"))
+            return None if earlier is None else earlier[0]
+        for key in ((row, skey, "*"), (row, skey, scenario)):
+            if key in self.timed_out and self.timed_out[key][1] >= limit:
+                return self.timed_out[key][0]
+        return None
+
+    def note_timeout(self, row: str, skey: str, scenario: str, stage: str, err: BaseException, limit: float) -> None:
+        """Record that a removal of ``row`` ran past ``limit`` (``timed_out_before`` reads it)."""
+        whole_run = self.profile.get("timeout_scope") == "run"
+        where = "*" if stage == "preparation" or whole_run else scenario
+        self.timed_out[(row, "*" if whole_run else skey, where)] = (
+            f"the {stage} timed out ({err}) on an earlier request" + ("" if where == "*" else f" of {where}"), limit)
+
     def remove(self, row: str, raw: dict[str, Any], s: int, fs: ForgetSet, seed: int) -> dict[str, Any]:
         """One removal of ``fs`` from original ``s`` by ``row`` with settings ``raw``, on a copy, through
         ``pipeline.removal.remove``, the row's state prepared once per (original, settings) and kept.
@@ -546,9 +567,8 @@ class Context:
         skey = json.dumps(ref.settings.model_dump(mode="json"), sort_keys=True, default=str)
         key = (row, s, skey)
         limit = self.limit(fs.scenario, fs.role)
-        for earlier in ((row, skey, "*"), (row, skey, fs.scenario)):
-            if earlier in self.timed_out and self.timed_out[earlier][1] >= limit:
-                return {"error": f"not run: {self.timed_out[earlier][0]}", "spent": 0.0, "notes": notes}
+        if (why := self.timed_out_before(row, skey, fs.scenario, limit)) is not None:
+            return {"error": f"not run: {why}", "spent": 0.0, "notes": notes}
         impl = get_method(ref.method)
         model = copy.deepcopy(trained.model)
         work = type(trained)(model, trained.task, trained.train, trained.weight_decay, trained.batch_size, trained.card,
@@ -569,10 +589,7 @@ class Context:
                     "spent": time.perf_counter() - started, "notes": notes}
         except Exception as err:  # noqa: BLE001 - recorded, never dropped
             if isinstance(err, RowTimeout):
-                where = "*" if stage == "preparation" or self.profile.get("timeout_scope") == "run" else fs.scenario
-                self.timed_out[(row, skey, where)] = (
-                    f"the {stage} timed out ({err}) on an earlier request" + ("" if where == "*" else f" of {where}"),
-                    limit)
+                self.note_timeout(row, skey, fs.scenario, stage, err, limit)
             return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-1500:],
                     "spent": time.perf_counter() - started, "notes": notes}
         model.load_state_dict(run.new_state, strict=True)
@@ -896,23 +913,26 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
                reseeded: nn.Module | None, unlearned0: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """phi on D_f of ``shadows`` retrained models (seeds 0..S-1 on D_r; 0 and 1 are the table's Retrain and
     retrain-reseed) and, per row, of its removal applied to the originals 0..S-1 (0 = the table's); the
-    leave-one-pair-out attack with its 95 % interval (pipeline.evaluate.lira)."""
-    from pipeline.evaluate.lira import forget_statistics, ulira_game
+    leave-one-pair-out attack with its 95 % interval (pipeline.evaluate.lira). Each row's ``reads``: how far
+    its phi, and phi's two parts (the label's logit, the others' logsumexp), sit from the retrained models'
+    (pipeline.evaluate.lira.statistic_shift): what the attack tells them apart by."""
+    from pipeline.evaluate.lira import logit_parts, statistic_shift, ulira_game
 
-    def phi(model: nn.Module) -> np.ndarray:
-        return forget_statistics(model, ctx.task, ev.forget, logits=ctx.logits(model, ev.forget))
+    def parts(model: nn.Module) -> dict[str, np.ndarray]:
+        split = logit_parts(ctx.logits(model, ev.forget), ev.forget.columns["y"])
+        return {"phi": split["label"] - split["others"], **split}
 
-    retrained = [phi(retrained0)]
+    retrained = [parts(retrained0)]
     for s in range(1, shadows):
         if s == RESEED and reseeded is not None:
-            retrained.append(phi(reseeded))
+            retrained.append(parts(reseeded))
             continue
         ctx.tick(f"U-LiRA retrain {s}")
         model, _ = ctx.fit(ev.retain, s)
-        retrained.append(phi(model))
-    stats: dict[str, Any] = {"original": [phi(ctx.original(s)) for s in range(shadows)]}
+        retrained.append(parts(model))
+    stats: dict[str, Any] = {"original": [parts(ctx.original(s)) for s in range(shadows)]}
     for row, first in unlearned0.items():
-        phis = [phi(first["model"])]
+        phis = [parts(first["model"])]
         raw = ctx.chosen[(row, fs.scenario)]
         for s in range(1, shadows):
             ctx.original(s)
@@ -922,9 +942,15 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
                 phis = {k: v for k, v in res.items() if k in ("needs_retrain", "error")}
                 phis["shadow"] = s
                 break
-            phis.append(phi(res["model"]))
+            phis.append(parts(res["model"]))
         stats[row] = phis
-    game = ulira_game(retrained, stats)
+    game = ulira_game([p["phi"] for p in retrained],
+                      {row: v if isinstance(v, dict) else [p["phi"] for p in v] for row, v in stats.items()})
+    for row, v in stats.items():
+        if not isinstance(v, dict):
+            game[row]["reads"] = {part: statistic_shift(np.stack([p[part] for p in v]),
+                                                        np.stack([p[part] for p in retrained]))
+                                  for part in ("phi", "label", "others")}
     original = game["original"]["accuracy"]
     return {"shadows": shadows, "forget_set": fs.index, "rows": game,
             "attackable": bool(original >= ULIRA_ATTACKABLE),
@@ -961,9 +987,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                                base.card, trajectory=base.trajectory)
         skey = json.dumps(ref.settings.model_dump(mode="json"), sort_keys=True, default=str)
         key = (row, 0, skey)
-        earlier = next((ctx.timed_out[k][0] for k in ((row, skey, "*"), (row, skey, scenario))
-                        if k in ctx.timed_out and ctx.timed_out[k][1] >= ctx.limit(scenario)), None)
-        if earlier is not None:
+        if (earlier := ctx.timed_out_before(row, skey, scenario, ctx.limit(scenario))) is not None:
             out["rows"][row] = {"error": f"not run: {earlier}"}
             continue
         spent: list[float] = []
@@ -1001,8 +1025,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                                        trained.weight_decay, trained.batch_size, card, trajectory=trained.trajectory)
                 prepared = None
                 if isinstance(err, RowTimeout):  # the rest would run into the limit again: charged, not run
-                    where = "*" if ctx.profile.get("timeout_scope") == "run" else scenario
-                    ctx.timed_out[(row, skey, where)] = (f"a campaign request timed out ({err})", ctx.limit(scenario))
+                    ctx.note_timeout(row, skey, scenario, "campaign request", err, ctx.limit(scenario))
                     rest = len(sets) - i - 1
                     served += [False] * rest
                     spent += [retrain_s] * rest
@@ -1252,7 +1275,25 @@ def render_markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {label} | {why} |" + " |" * (len(cols) - 4) + " " + " | ".join(tail) + " |")
                 continue
             lines.append(f"| {label} | " + " | ".join(_fmt(agg, c) for c in cols) + " |")
+        lines += render_ulira_reads(block.get("ulira"))
     return "\n".join(lines) + "\n"
+
+
+def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
+    """What the U-LiRA attack reads in a cell: per row, the mean shift of phi and of its parts from the retrained
+    models', in the retrained models' own spread (absent in files written before the parts were recorded)."""
+    rows = {name: game["reads"] for name, game in ((cell or {}).get("rows") or {}).items() if "reads" in game}
+    if not rows:
+        return []
+    out = ["", f"U-LiRA reads ({cell['shadows']} shadow pairs): mean over the forget examples of the row's mean minus "
+           "the retrained models' mean, in the retrained models' spread around their own per-example mean "
+           "(phi = the label's logit - the others' logsumexp):", "",
+           "| row | phi | label logit | others' logsumexp |", "|---|---|---|---|"]
+    for name, reads in rows.items():
+        out.append(f"| {name} | " + " | ".join(
+            f"{reads[part]['shift']:+.2f} ({reads[part]['shift_in_std']:+.1f} sd)" for part in ("phi", "label", "others"))
+            + " |")
+    return out
 
 
 def render_summary(result: dict[str, Any]) -> str:

@@ -49,7 +49,8 @@ def test_tables_have_their_shape(results: dict[str, dict], tmp_path: Path) -> No
             header = "| row | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |"
             section = table.split(f"**{scenario}**", 1)[1].split("\n**", 1)[0]
             assert header in section, (name, scenario)
-            lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| row")]
+            rows_part = section.split("U-LiRA reads", 1)[0]  # the table (the attack's reads follow in U-LiRA cells)
+            lines = [line for line in rows_part.splitlines() if line.startswith("| ") and not line.startswith("| row")]
             assert [line.split(" | ")[0][2:].rstrip(" *") for line in lines] == expected_rows
             assert all(line.count("|") == len(cols) + 2 for line in lines), (name, scenario)
             for col in ("UA", "RA", "TA", "MIA", "AvgGap", "KL_forget", "KL_test"):
@@ -65,6 +66,15 @@ def test_tables_have_their_shape(results: dict[str, dict], tmp_path: Path) -> No
         for cell in cells:
             original = cell["rows"]["original"]
             assert 0 <= original["accuracy"] <= 100 and original["ci95"][0] <= original["accuracy"] <= original["ci95"][1]
+            for row, game in cell["rows"].items():  # what the attack reads: phi's shift = its parts' difference
+                if "accuracy" not in game:
+                    continue
+                reads = game["reads"]
+                assert reads["phi"]["shift"] == pytest.approx(reads["label"]["shift"] - reads["others"]["shift"], abs=1e-9)
+                assert reads["phi"]["std_retrained"] > 0, (name, row)
+        sections = [table.split(f"**{sc}**", 1)[1].split("\n**", 1)[0] for sc in result["ulira_cells"]]
+        assert all("U-LiRA reads" in section and "| original | " in section.split("U-LiRA reads", 1)[1]
+                   for section in sections), name
 
 
 def test_run_all_runs_and_summarises_the_deep_benchmark(results: dict[str, dict], tmp_path: Path) -> None:
@@ -276,3 +286,27 @@ def test_a_partial_run_records_its_overrides_and_writes_apart(tmp_path: Path) ->
     assert list(result["scenarios"]) == ["subject"] and result["command"][3:] == argv
     assert set(result["rows"]) == {"lfoci-newton"}
     assert result["scenarios"]["subject"]["ulira"] is None
+
+
+@pytest.mark.parametrize("scope", ["scenario", "run"])
+def test_a_timed_out_row_is_not_tried_again_within_its_scope(scope: str) -> None:
+    """After a removal ran past the row time limit: by default the same row and settings are skipped on that
+    scenario (and everywhere after a timed-out preparation) unless a later limit is larger; under timeout_scope
+    "run" (the quick profile's budget) the row is skipped everywhere, at any settings and limit."""
+    from bench.deep_forgetting import RowTimeout, setup
+
+    ctx = setup("fmnist-cnn", "smoke", overrides={"timeout_scope": scope})
+    assert ctx.timed_out_before("lfoci-newton", "{}", "class", 24.0) is None
+    ctx.note_timeout("lfoci-newton", "{}", "random_1pct", "removal", RowTimeout("stopped after 24 s"), 24.0)
+    assert "stopped after 24 s" in ctx.timed_out_before("lfoci-newton", "{}", "random_1pct", 24.0)
+    assert ctx.timed_out_before("trajectory-refit", "{}", "random_1pct", 24.0) is None  # another row runs
+    later = [ctx.timed_out_before("lfoci-newton", "{}", "class", 24.0),            # another scenario
+             ctx.timed_out_before("lfoci-newton", '{"a": 1}', "random_1pct", 24.0),  # other settings
+             ctx.timed_out_before("lfoci-newton", "{}", "random_1pct", 25.0)]        # a larger limit
+    if scope == "run":
+        assert all(why is not None and "timed out" in why for why in later)
+    else:
+        assert later == [None, None, None]
+        ctx.note_timeout("salun", "{}", "class", "preparation", RowTimeout("stopped"), 24.0)
+        assert ctx.timed_out_before("salun", "{}", "subject", 24.0) is not None    # a preparation: every scenario
+        assert ctx.timed_out_before("salun", "{}", "subject", 30.0) is None

@@ -127,6 +127,26 @@ def test_lira_constructed_case():
     assert phi[0] == pytest.approx(math.log(p / (1 - p))) and phi[1] == pytest.approx(0.0)
 
 
+def test_logit_parts_and_the_shift_the_attack_reads():
+    """phi = label - others exactly; statistic_shift gives the mean of mu_u - mu_r and the spreads the attack's
+    fixed variances use: models that add 2.0 to every example's phi, with a known spread, read +2.0 and 2.0 / sd."""
+    from pipeline.evaluate.lira import logit_parts, statistic_shift
+
+    z, y = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.3, 0.2]]), torch.tensor([0, 2])
+    split = logit_parts(z, y)
+    assert np.allclose(split["label"] - split["others"], logit_confidence(z, y))
+    assert split["others"][0] == pytest.approx(math.log(math.exp(0.5) + math.exp(-1.0)))
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=40) * 3.0                       # per-example means, far apart
+    noise = np.array([-1.0, 1.0, -1.0, 1.0])[:, None]      # spread 1.0 around each example's mean
+    retrained, unlearned = base + 0.5 * noise, base + 2.0 + noise
+    read = statistic_shift(unlearned, retrained)
+    assert read["shift"] == pytest.approx(2.0) and read["shift_spread"] == pytest.approx(0.0, abs=1e-12)
+    assert read["std_retrained"] == pytest.approx(0.5) and read["std_unlearned"] == pytest.approx(1.0)
+    assert read["shift_in_std"] == pytest.approx(4.0)
+    assert statistic_shift(retrained, unlearned)["shift"] == pytest.approx(-2.0)
+
+
 def test_forget_set_builders():
     train = SampleSet({"x": torch.zeros(10, 1), "y": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])}, torch.arange(100, 110))
     assert build_forget_set("class", train, classes=[2]) == [102, 105, 108]

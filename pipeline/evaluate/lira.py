@@ -40,6 +40,27 @@ def logit_confidence(logits: Tensor, y: Tensor) -> np.ndarray:
     return (z_y - torch.logsumexp(others, dim=1)).numpy()
 
 
+def logit_parts(logits: Tensor, y: Tensor) -> dict[str, np.ndarray]:
+    """phi's two parts, float64: ``label`` z_y and ``others`` logsumexp_{k != y} z_k (phi = label - others)."""
+    z = logits.double()
+    idx = y.long().view(-1, 1)
+    return {"label": z.gather(1, idx).squeeze(1).numpy(),
+            "others": torch.logsumexp(z.scatter(1, idx, float("-inf")), dim=1).numpy()}
+
+
+def statistic_shift(unlearned: np.ndarray, retrained: np.ndarray) -> dict[str, float]:
+    """What separates two (S, N) statistics: ``shift`` = mean_n (mu_u(n) - mu_r(n)) (the means over the S
+    models), ``std_unlearned`` / ``std_retrained`` the spread of each around its per-example mean (pooled over
+    examples: the attack's fixed variances), ``shift_in_std`` = shift / std_retrained, and ``shift_spread`` the
+    std over examples of mu_u(n) - mu_r(n) (a shift common to every example against one that differs)."""
+    u, r = np.asarray(unlearned, dtype=np.float64), np.asarray(retrained, dtype=np.float64)
+    gap = u.mean(0) - r.mean(0)
+    std_u = float(np.sqrt(((u - u.mean(0)) ** 2).mean()))
+    std_r = float(np.sqrt(((r - r.mean(0)) ** 2).mean()))
+    return {"shift": float(gap.mean()), "shift_spread": float(gap.std()), "std_unlearned": std_u,
+            "std_retrained": std_r, "shift_in_std": float(gap.mean() / std_r) if std_r > 0 else float("nan")}
+
+
 def _log_normal(x: np.ndarray, mu: np.ndarray, var: np.ndarray) -> np.ndarray:
     return -0.5 * (LOG_2PI + np.log(var) + (x - mu) ** 2 / var)
 
