@@ -274,14 +274,16 @@ def test_a_partial_run_records_its_overrides_and_writes_apart(tmp_path: Path) ->
     torch.set_num_threads(1)
     try:
         argv = ["--dataset", "fmnist-cnn", "--smoke", "--scenarios", "subject", "--sets", "1", "--shadows", "0",
-                "--campaign", "1", "--methods", "lfoci-newton", "--out-dir", str(tmp_path)]
+                "--campaign", "0", "--methods", "lfoci-newton", "--out-dir", str(tmp_path)]
         assert deep_forgetting.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["deep_fmnist-cnn_smoke_partial_subject.json", "deep_fmnist-cnn_smoke_partial_subject.md"]
     result = json.loads((tmp_path / written[0]).read_text())
-    assert result["overrides"] == {"sets": 1, "shadows": 0, "campaign": 1}
+    assert result["overrides"] == {"sets": 1, "shadows": 0, "campaign": 0}
+    block = result["scenarios"]["subject"]  # no campaign: no per-request figure (not a ratio over zero requests)
+    assert block["campaign"] is None and "request_x" not in block["summary"]["lfoci-newton"]
     assert result["profile_settings"]["shadows"] == 0 and result["scenarios_run"] == ["subject"]
     assert list(result["scenarios"]) == ["subject"] and result["command"][3:] == argv
     assert set(result["rows"]) == {"lfoci-newton"}
