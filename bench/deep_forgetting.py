@@ -187,6 +187,8 @@ FAR = 0.01                  # verification: false accept rate of the operating t
 SUBJECT = (5, 20)           # samples of one subject
 CLASS_MAX_SHARE = 0.2       # a forgettable class holds at most this share of D
 ULIRA_ATTACKABLE = 60.0     # the original row must score at least this for a cell's U-LiRA to be read
+AVG_GAP_TIE = 1.0           # tuning: settings within this of the least mean Avg. Gap (the smallest gap any floor
+                            # reads: max(1.0, 2 x retrain-reseed)) are told apart by their phi gap (choose_setting)
 COLUMNS: tuple[str, ...] = ("UA", "RA", "TA", "MIA", "AvgGap", "KL_forget", "KL_test", "ULiRA", "cold_x",
                             "request_x", "served")
 RETRIEVAL_COLUMNS: tuple[str, ...] = ("rank1", "mAP", "genuine_cos", "TAR", "membership_gap")
@@ -826,12 +828,32 @@ def references(ctx: Context, fs: ForgetSet, ev: SetEval, seed: int, reseed: bool
     return rows, retrained, reseeded, seconds
 
 
+def choose_setting(gaps: list[list[float]], phi_gaps: list[list[float]]) -> tuple[int, str]:
+    """(the chosen point, why) from each point's Avg. Gaps and mean phi gaps on the tuning sets: the least mean Avg.
+    Gap; among the points within ``AVG_GAP_TIE`` of it, the least mean |phi gap| (the LiRA statistic's mean over the
+    forget set against Retrain's: what U-LiRA reads, which Avg. Gap cannot see). A point that failed a set is out."""
+    means = [float(np.mean(g)) if g and all(math.isfinite(x) for x in g) else math.inf for g in gaps]
+    if not any(math.isfinite(m) for m in means):
+        return 0, "no setting served every tuning set: the first setting"
+    least = min(means)
+    tied = [j for j, m in enumerate(means) if m <= least + AVG_GAP_TIE]
+    if len(tied) == 1:
+        return tied[0], "least mean Avg. Gap on the tuning sets"
+    phi = {j: float(np.mean(np.abs(phi_gaps[j]))) if phi_gaps[j] and all(math.isfinite(x) for x in phi_gaps[j])
+           else math.inf for j in tied}
+    best = min(tied, key=lambda j: (phi[j], means[j]))
+    return best, (f"least mean |phi gap| to Retrain on the forget set among the {len(tied)} settings within "
+                  f"{AVG_GAP_TIE:g} of the least mean Avg. Gap on the tuning sets")
+
+
 def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
-    """Every row's grid on the scenario's tuning sets; the chosen settings per row (least mean Avg. Gap)."""
+    """Every row's grid on the scenario's tuning sets; the chosen settings per row (``choose_setting``)."""
+    from pipeline.evaluate.lira import logit_confidence
     from pipeline.evaluate.scorecard import avg_gap
 
     out: dict[str, Any] = {"sets": [fs.describe(ids=False) for fs in sets], "rows": {}}
     gaps: dict[str, list[list[float]]] = {}
+    phi_gaps: dict[str, list[list[float]]] = {}
     records: dict[str, list[list[dict[str, Any]]]] = {}
     grids = {row: grid_for(row, ctx.tuning, ctx.profile.get("grid")) for row in ctx.rows}
     for fs in sets:
@@ -840,6 +862,7 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
         refs, _, _, retrain_s = references(ctx, fs, ev, seed, reseed=False, mia="tuning_mia")
         ctx.retrain_seconds.setdefault(scenario, []).append(retrain_s)
         out.setdefault("references", []).append({k: {m: v for m, v in r.items() if m != "_logits"} for k, r in refs.items()})
+        phi_retrain = logit_confidence(refs["retrain"]["_logits"]["forget"], ev.forget.columns["y"])
         for row in ctx.rows:
             points, _ = grids[row]
             for j, raw in enumerate(points):
@@ -848,25 +871,27 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
                 if "model" in res:
                     scored = score(ctx, res.pop("model"), ev, seed, "tuning_mia")
                     gap = avg_gap(scored, refs["retrain"])
-                    entry = {"AvgGap": gap, "seconds": res["seconds"], **{k: scored[k] for k in ("UA", "RA", "TA", "MIA")}}
+                    phi_gap = float(np.mean(logit_confidence(scored["_logits"]["forget"], ev.forget.columns["y"])
+                                            - phi_retrain))
+                    entry = {"AvgGap": gap, "phi_gap": phi_gap, "seconds": res["seconds"],
+                             **{k: scored[k] for k in ("UA", "RA", "TA", "MIA")}}
                 else:
-                    gap = float("inf")
+                    gap = phi_gap = float("inf")
                     entry = {k: res[k] for k in ("needs_retrain", "error") if k in res}
                 if res.get("notes"):
                     entry["notes"] = res["notes"]
                 gaps.setdefault(row, [[] for _ in points])[j].append(gap)
+                phi_gaps.setdefault(row, [[] for _ in points])[j].append(phi_gap)
                 records.setdefault(row, [[] for _ in points])[j].append(entry)
     for row in ctx.rows:
         points, source = grids[row]
         means = [float(np.mean(g)) if g and all(math.isfinite(x) for x in g) else float("inf") for g in gaps[row]]
-        best = int(np.argmin(means)) if any(math.isfinite(m) for m in means) else 0
+        best, because = choose_setting(gaps[row], phi_gaps[row])
         ctx.chosen[(row, scenario)] = points[best]
         out["rows"][row] = {"grid_source": source,
                             "points": [{"settings": p, "mean_AvgGap": (m if math.isfinite(m) else None),
                                         "per_set": records[row][j]} for j, (p, m) in enumerate(zip(points, means))],
-                            "chosen": points[best], "chosen_index": best,
-                            "chosen_because": ("least mean Avg. Gap on the tuning sets" if math.isfinite(means[best])
-                                               else "no setting served every tuning set: the first setting")}
+                            "chosen": points[best], "chosen_index": best, "chosen_because": because}
     return out
 
 

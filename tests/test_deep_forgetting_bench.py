@@ -312,3 +312,16 @@ def test_a_timed_out_row_is_not_tried_again_within_its_scope(scope: str) -> None
         ctx.note_timeout("salun", "{}", "class", "preparation", RowTimeout("stopped"), 24.0)
         assert ctx.timed_out_before("salun", "{}", "subject", 24.0) is not None    # a preparation: every scenario
         assert ctx.timed_out_before("salun", "{}", "subject", 30.0) is None
+
+
+def test_tuning_breaks_avg_gap_ties_by_the_phi_gap() -> None:
+    """The least mean Avg. Gap wins unless another setting is within AVG_GAP_TIE of it; among those, the least mean
+    |phi gap| (the LiRA statistic's mean gap to Retrain on the forget set); a setting that failed a set is out."""
+    from bench.deep_forgetting import AVG_GAP_TIE, choose_setting
+
+    assert choose_setting([[0.2, 0.4], [3.0, 2.0]], [[0.5, 0.5], [0.0, 0.0]]) == (0, "least mean Avg. Gap on the tuning sets")
+    best, why = choose_setting([[0.3], [0.3 + AVG_GAP_TIE / 2], [0.1 + AVG_GAP_TIE * 2]], [[0.34], [-0.05], [0.0]])
+    assert best == 1 and "phi gap" in why                      # tied on Avg. Gap: the smaller |phi gap|
+    assert choose_setting([[0.3], [0.5]], [[0.34], [-0.34]])[0] == 0   # equal |phi gap|: the smaller Avg. Gap
+    assert choose_setting([[0.3, math.inf], [0.9, 0.8]], [[0.0, math.inf], [0.4, 0.4]])[0] == 1  # failed a set
+    assert choose_setting([[math.inf], [math.inf]], [[math.inf], [math.inf]])[0] == 0
