@@ -1030,6 +1030,8 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
             preparation = float(prepared.seconds)
             prepared = prepared.fresh_copy()  # the campaign's first request computes what the reported sets' did
         except Exception as err:  # noqa: BLE001
+            if isinstance(err, RowTimeout):
+                ctx.note_timeout(row, skey, scenario, "preparation", err, ctx.limit(scenario))
             out["rows"][row] = {"error": f"preparation: {type(err).__name__}: {err}"}
             continue
         for i, fs in enumerate(sets):
@@ -1316,10 +1318,15 @@ def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
            "the retrained models' mean, in the retrained models' spread around their own per-example mean "
            "(phi = the label's logit - the others' logsumexp):", "",
            "| row | phi | label logit | others' logsumexp |", "|---|---|---|---|"]
+    def cell(read: dict[str, Any]) -> str:  # a non-finite value was written as null (jsonable)
+        shift, in_std = read.get("shift"), read.get("shift_in_std")
+        if not isinstance(shift, (int, float)) or not math.isfinite(shift):
+            return "n/a"
+        return f"{shift:+.2f}" + (f" ({in_std:+.1f} sd)" if isinstance(in_std, (int, float)) and math.isfinite(in_std)
+                                  else "")
+
     for name, reads in rows.items():
-        out.append(f"| {name} | " + " | ".join(
-            f"{reads[part]['shift']:+.2f} ({reads[part]['shift_in_std']:+.1f} sd)" for part in ("phi", "label", "others"))
-            + " |")
+        out.append(f"| {name} | " + " | ".join(cell(reads[part]) for part in ("phi", "label", "others")) + " |")
     return out
 
 

@@ -325,3 +325,43 @@ def test_tuning_breaks_avg_gap_ties_by_the_phi_gap() -> None:
     assert choose_setting([[0.3], [0.5]], [[0.34], [-0.34]])[0] == 0   # equal |phi gap|: the smaller Avg. Gap
     assert choose_setting([[0.3, math.inf], [0.9, 0.8]], [[0.0, math.inf], [0.4, 0.4]])[0] == 1  # failed a set
     assert choose_setting([[math.inf], [math.inf]], [[math.inf], [math.inf]])[0] == 0
+
+
+def test_ulira_reads_render_a_value_written_as_null() -> None:
+    """A non-finite read (a removal whose logits blew up) is written as null by jsonable; the table says n/a
+    instead of failing the run's checkpoint render."""
+    from bench.deep_forgetting import render_ulira_reads
+
+    finite = {"shift": 0.3, "shift_in_std": 1.0}
+    cell = {"shadows": 4, "rows": {"a": {"accuracy": 60.0, "reads": {"phi": finite, "label": {"shift": None,
+                                                                                             "shift_in_std": None},
+                                                                      "others": {"shift": -0.2, "shift_in_std": None}}},
+                                   "b": {"needs_retrain": "refused"}}}
+    lines = render_ulira_reads(cell)
+    assert "| a | +0.30 (+1.0 sd) | n/a | -0.20 |" in lines and not any(line.startswith("| b ") for line in lines)
+    assert render_ulira_reads(None) == [] and render_ulira_reads({"shadows": 4, "rows": {"a": {"accuracy": 50.0}}}) == []
+
+
+def test_a_campaign_whose_preparation_times_out_records_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """campaign() notes a preparation that ran past the limit, so that under timeout_scope "run" the row is not
+    prepared again in a later scenario or request."""
+    import pipeline.methods.base as base
+    from bench import deep_forgetting
+    from bench.deep_forgetting import RowTimeout, campaign, campaign_sets, setup
+
+    def too_slow(*args: object, **kwargs: object) -> None:
+        raise RowTimeout("stopped after the row time limit of 3 s")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ctx = setup("fmnist-cnn", "smoke", overrides={"timeout_scope": "run"})
+        ctx.rows = ["finetune"]
+        ctx.chosen[("finetune", "subject")] = {}
+        monkeypatch.setattr(base, "prepare", too_slow)
+        out = campaign(ctx, "subject", campaign_sets("subject", ctx.train, ctx.num_classes, 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert out["rows"]["finetune"]["error"].startswith("preparation: RowTimeout")
+    assert "timed out" in (ctx.timed_out_before("finetune", "{}", "random_1pct", 1e9) or "")
+    assert deep_forgetting.Context.timed_out_before(ctx, "salun", "{}", "random_1pct", 1e9) is None

@@ -145,6 +145,8 @@ def test_logit_parts_and_the_shift_the_attack_reads():
     assert read["std_retrained"] == pytest.approx(0.5) and read["std_unlearned"] == pytest.approx(1.0)
     assert read["shift_in_std"] == pytest.approx(4.0)
     assert statistic_shift(retrained, unlearned)["shift"] == pytest.approx(-2.0)
+    same = statistic_shift(np.ones((3, 4)), np.zeros((3, 4)))  # no spread: the attack's variance floor, not nan
+    assert same["std_retrained"] == pytest.approx(1e-2) and same["shift_in_std"] == pytest.approx(100.0)
 
 
 def test_forget_set_builders():

@@ -48,17 +48,18 @@ def logit_parts(logits: Tensor, y: Tensor) -> dict[str, np.ndarray]:
             "others": torch.logsumexp(z.scatter(1, idx, float("-inf")), dim=1).numpy()}
 
 
-def statistic_shift(unlearned: np.ndarray, retrained: np.ndarray) -> dict[str, float]:
+def statistic_shift(unlearned: np.ndarray, retrained: np.ndarray, *, min_var: float = 1e-4) -> dict[str, float]:
     """What separates two (S, N) statistics: ``shift`` = mean_n (mu_u(n) - mu_r(n)) (the means over the S
     models), ``std_unlearned`` / ``std_retrained`` the spread of each around its per-example mean (pooled over
-    examples: the attack's fixed variances), ``shift_in_std`` = shift / std_retrained, and ``shift_spread`` the
-    std over examples of mu_u(n) - mu_r(n) (a shift common to every example against one that differs)."""
+    examples and all S models, floored at sqrt(min_var): the fixed variances ``ulira_attack_accuracy`` fits on
+    S - 1 of them), ``shift_in_std`` = shift / std_retrained, and ``shift_spread`` the std over examples of
+    mu_u(n) - mu_r(n) (a shift common to every example against one that differs)."""
     u, r = np.asarray(unlearned, dtype=np.float64), np.asarray(retrained, dtype=np.float64)
     gap = u.mean(0) - r.mean(0)
-    std_u = float(np.sqrt(((u - u.mean(0)) ** 2).mean()))
-    std_r = float(np.sqrt(((r - r.mean(0)) ** 2).mean()))
+    std_u = math.sqrt(max(float(((u - u.mean(0)) ** 2).mean()), min_var))
+    std_r = math.sqrt(max(float(((r - r.mean(0)) ** 2).mean()), min_var))
     return {"shift": float(gap.mean()), "shift_spread": float(gap.std()), "std_unlearned": std_u,
-            "std_retrained": std_r, "shift_in_std": float(gap.mean() / std_r) if std_r > 0 else float("nan")}
+            "std_retrained": std_r, "shift_in_std": float(gap.mean()) / std_r}
 
 
 def _log_normal(x: np.ndarray, mu: np.ndarray, var: np.ndarray) -> np.ndarray:
