@@ -828,19 +828,23 @@ def references(ctx: Context, fs: ForgetSet, ev: SetEval, seed: int, reseed: bool
     return rows, retrained, reseeded, seconds
 
 
+def finite_mean(values: list[float]) -> float:
+    """The mean of ``values``; inf where there are none or one is not finite (a setting that failed a set)."""
+    return float(np.mean(values)) if values and all(math.isfinite(x) for x in values) else math.inf
+
+
 def choose_setting(gaps: list[list[float]], phi_gaps: list[list[float]]) -> tuple[int, str]:
     """(the chosen point, why) from each point's Avg. Gaps and mean phi gaps on the tuning sets: the least mean Avg.
     Gap; among the points within ``AVG_GAP_TIE`` of it, the least mean |phi gap| (the LiRA statistic's mean over the
     forget set against Retrain's: what U-LiRA reads, which Avg. Gap cannot see). A point that failed a set is out."""
-    means = [float(np.mean(g)) if g and all(math.isfinite(x) for x in g) else math.inf for g in gaps]
+    means = [finite_mean(g) for g in gaps]
     if not any(math.isfinite(m) for m in means):
         return 0, "no setting served every tuning set: the first setting"
     least = min(means)
     tied = [j for j, m in enumerate(means) if m <= least + AVG_GAP_TIE]
     if len(tied) == 1:
         return tied[0], "least mean Avg. Gap on the tuning sets"
-    phi = {j: float(np.mean(np.abs(phi_gaps[j]))) if phi_gaps[j] and all(math.isfinite(x) for x in phi_gaps[j])
-           else math.inf for j in tied}
+    phi = {j: finite_mean([abs(x) for x in phi_gaps[j]]) for j in tied}
     best = min(tied, key=lambda j: (phi[j], means[j]))
     return best, (f"least mean |phi gap| to Retrain on the forget set among the {len(tied)} settings within "
                   f"{AVG_GAP_TIE:g} of the least mean Avg. Gap on the tuning sets")
@@ -885,7 +889,7 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
                 records.setdefault(row, [[] for _ in points])[j].append(entry)
     for row in ctx.rows:
         points, source = grids[row]
-        means = [float(np.mean(g)) if g and all(math.isfinite(x) for x in g) else float("inf") for g in gaps[row]]
+        means = [finite_mean(g) for g in gaps[row]]
         best, because = choose_setting(gaps[row], phi_gaps[row])
         ctx.chosen[(row, scenario)] = points[best]
         out["rows"][row] = {"grid_source": source,
@@ -1318,6 +1322,7 @@ def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
            "the retrained models' mean, in the retrained models' spread around their own per-example mean "
            "(phi = the label's logit - the others' logsumexp):", "",
            "| row | phi | label logit | others' logsumexp |", "|---|---|---|---|"]
+
     def cell(read: dict[str, Any]) -> str:  # a non-finite value was written as null (jsonable)
         shift, in_std = read.get("shift"), read.get("shift_in_std")
         if not isinstance(shift, (int, float)) or not math.isfinite(shift):

@@ -346,7 +346,6 @@ def test_a_campaign_whose_preparation_times_out_records_it(monkeypatch: pytest.M
     """campaign() notes a preparation that ran past the limit, so that under timeout_scope "run" the row is not
     prepared again in a later scenario or request."""
     import pipeline.methods.base as base
-    from bench import deep_forgetting
     from bench.deep_forgetting import RowTimeout, campaign, campaign_sets, setup
 
     def too_slow(*args: object, **kwargs: object) -> None:
@@ -364,4 +363,4 @@ def test_a_campaign_whose_preparation_times_out_records_it(monkeypatch: pytest.M
         torch.set_num_threads(threads)
     assert out["rows"]["finetune"]["error"].startswith("preparation: RowTimeout")
     assert "timed out" in (ctx.timed_out_before("finetune", "{}", "random_1pct", 1e9) or "")
-    assert deep_forgetting.Context.timed_out_before(ctx, "salun", "{}", "random_1pct", 1e9) is None
+    assert ctx.timed_out_before("salun", "{}", "random_1pct", 1e9) is None

@@ -32,12 +32,9 @@ LOG_2PI = math.log(2 * math.pi)
 
 
 def logit_confidence(logits: Tensor, y: Tensor) -> np.ndarray:
-    """phi = z_y - logsumexp_{k != y} z_k (= logit of the softmax probability of y), float64."""
-    z = logits.double()
-    idx = y.long().view(-1, 1)
-    z_y = z.gather(1, idx).squeeze(1)
-    others = z.scatter(1, idx, float("-inf"))
-    return (z_y - torch.logsumexp(others, dim=1)).numpy()
+    """phi = z_y - logsumexp_{k != y} z_k (= logit of the softmax probability of y), float64 (``logit_parts``)."""
+    parts = logit_parts(logits, y)
+    return parts["label"] - parts["others"]
 
 
 def logit_parts(logits: Tensor, y: Tensor) -> dict[str, np.ndarray]:
