@@ -124,7 +124,9 @@ DATASETS: dict[str, Dataset] = {
                           retrieval=True),
 }
 # Profiles. data: source-option overrides; train_limit / test_limit: seeded subsamples after loading;
-# recipe: recipe overrides; sets / tuning_sets: per scenario; shadows: U-LiRA pairs; campaign: requests;
+# recipe: recipe overrides; sets / tuning_sets: per scenario; tuning_retrains: Retrains (seeds 0..R-1) on each tuning
+# set whose mean phi the tie rule's phi gap is measured against (one seed's phi on an identity's images moves by about
+# the gap that separates two scales); shadows: U-LiRA pairs; campaign: requests;
 # retain_eval: D_r samples RA and the MIA members come from; grid: settings tried per row (<= the file's size);
 # mia / tuning_mia: [members (= non-members) the MIA's SVC is fitted on, independent draws averaged] on the
 # reported / tuning sets (an RBF SVC on 2,000 + 2,000 takes ~1.6 s here; bench/forgetting.py uses 2000 x 4);
@@ -133,16 +135,16 @@ DATASETS: dict[str, Dataset] = {
 # a removal timed out, the same row and settings are not tried again on that scenario unless under a larger limit
 # (timeout_scope "run", the quick and smoke profiles' time budget: the row is not tried again in the run at all, at
 # any settings or limit).
-_FULL = {"sets": 3, "tuning_sets": 1, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
+_FULL = {"sets": 3, "tuning_sets": 1, "tuning_retrains": 3, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
          "row_limit": [1.0, 2.0], "row_floor": 60.0}
 # rows: the rows a profile runs (every other registered row is recorded as skipped, with the reason): quick and
 # smoke run our methods for deep networks and the baselines the issue names, not every variant of the registry.
 QUICK_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "gradient-ascent", "neggrad-plus",
               "salun", "l1-sparse")
 SMOKE_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "salun")
-_QUICK = {"sets": 1, "tuning_sets": 1, "shadows": 3, "campaign": 2, "mia": [500, 1], "tuning_mia": [300, 1], "grid": 2,
+_QUICK = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 1, "shadows": 3, "campaign": 2, "mia": [500, 1], "tuning_mia": [300, 1], "grid": 2,
           "row_limit": [1.5, 2.0], "row_floor": 10.0, "timeout_scope": "run", "rows": QUICK_ROWS}
-_SMOKE = {"sets": 1, "tuning_sets": 1, "shadows": 3, "campaign": 2, "mia": [100, 1], "tuning_mia": [100, 1], "grid": 1,
+_SMOKE = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 2, "shadows": 3, "campaign": 2, "mia": [100, 1], "tuning_mia": [100, 1], "grid": 1,
           "row_limit": [3.0, 3.0], "row_floor": 3.0, "timeout_scope": "run", "rows": SMOKE_ROWS}
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
@@ -850,6 +852,23 @@ def choose_setting(gaps: list[list[float]], phi_gaps: list[list[float]]) -> tupl
                   f"{AVG_GAP_TIE:g} of the least mean Avg. Gap on the tuning sets")
 
 
+def retrained_phi(ctx: Context, fs: ForgetSet, ev: SetEval, retrain_logits: Any,
+                  retrains: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """The tie rule's reference on a tuning set: phi = z_y - logsumexp_{k != y} z_k on each forget sample, averaged
+    over ``retrains`` Retrains of seeds 0..R-1 (seed 0's logits given; the others trained here), as the attack
+    averages its retrained shadows; and what it was (seeds, the mean phi of each seed)."""
+    from pipeline.evaluate.lira import logit_confidence
+
+    y = ev.forget.columns["y"]
+    phis = [logit_confidence(retrain_logits, y)]
+    for s in range(1, retrains):
+        ctx.tick(f"{fs.scenario} {fs.role} {fs.index}: retrain seed {s} (phi reference)")
+        model, _ = ctx.fit(ev.retain, s)
+        phis.append(logit_confidence(ctx.logits(model, ev.forget), y))
+    per_seed = [float(np.mean(p)) for p in phis]
+    return np.mean(np.stack(phis), axis=0), {"seeds": list(range(retrains)), "mean_phi_per_seed": per_seed}
+
+
 def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
     """Every row's grid on the scenario's tuning sets; the chosen settings per row (``choose_setting``)."""
     from pipeline.evaluate.lira import logit_confidence
@@ -866,7 +885,9 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
         refs, _, _, retrain_s = references(ctx, fs, ev, seed, reseed=False, mia="tuning_mia")
         ctx.retrain_seconds.setdefault(scenario, []).append(retrain_s)
         out.setdefault("references", []).append({k: {m: v for m, v in r.items() if m != "_logits"} for k, r in refs.items()})
-        phi_retrain = logit_confidence(refs["retrain"]["_logits"]["forget"], ev.forget.columns["y"])
+        phi_retrain, phi_reference = retrained_phi(ctx, fs, ev, refs["retrain"]["_logits"]["forget"],
+                                                   int(ctx.profile.get("tuning_retrains", 1)))
+        out["references"][-1]["phi_retrain"] = phi_reference
         for row in ctx.rows:
             points, _ = grids[row]
             for j, raw in enumerate(points):
@@ -1009,7 +1030,9 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
         raw = ctx.chosen[(row, scenario)]
         base = ctx.trained(0)
         try:
-            ref, _ = resolve_settings(row, raw, len(ctx.train))
+            # n of D \ U as a reported removal of a set of this size resolves it (Context.remove): the same
+            # retain_samples, so the same settings key (a time-out on the reported sets stops the campaign too)
+            ref, _ = resolve_settings(row, raw, len(ctx.train) - len(sets[0].ids))
         except ValueError as err:
             out["rows"][row] = {"error": f"invalid settings: {err}"}
             continue
@@ -1149,7 +1172,8 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
         plan[sc] = {"reported": reported, "tuning": tuning,
                     "campaign": campaign_sets(sc, ctx.train, ctx.num_classes, int(prof["campaign"]))}
     rows_n = len(ctx.rows)
-    total = sum(len(p["tuning"]) * (1 + rows_n * grid_size) + len(p["reported"]) * (2 + rows_n)
+    retrains = int(prof.get("tuning_retrains", 1))
+    total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + len(p["reported"]) * (2 + rows_n)
                 + (2 * (shadows - 1) + (shadows - 1) * rows_n if sc in spec.ulira and shadows else 0)
                 + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0) for sc, p in plan.items())
     model0 = ctx.original(0)
@@ -1381,6 +1405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the scenarios")
     parser.add_argument("--sets", type=int, default=None, help="reported forget sets per scenario (the profile's "
                                                                 "otherwise); any override writes *_partial.json")
+    parser.add_argument("--tuning-sets", type=int, default=None, help="declared tuning sets per scenario")
+    parser.add_argument("--tuning-retrains", type=int, default=None,
+                        help="Retrain seeds per tuning set the tie rule's phi gap is measured against")
     parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
     parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a shared machine)")
@@ -1393,7 +1420,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
-    overrides = {k: getattr(args, k) for k in ("sets", "shadows", "campaign") if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("sets", "tuning_sets", "tuning_retrains", "shadows", "campaign")
+                 if getattr(args, k) is not None}
     scenarios = tuple(args.scenarios.split(",")) if args.scenarios else None
     stem = f"deep_{args.dataset}" + ("" if profile == "full" else f"_{profile}")
     if overrides or scenarios or args.methods:

@@ -146,6 +146,12 @@ def test_tuning_sets_are_declared_and_disjoint_from_the_reported_ones(results: d
             assert all(same(a, b) for a, b in zip(tuned["sets"], declared["tuning"], strict=True))
             used = [r["set"] for r in result["scenarios"][scenario]["runs"]]
             assert all(same(a, b) for a, b in zip(used, declared["reported"], strict=True))
+            retrains = result["profile_settings"]["tuning_retrains"]
+            assert retrains >= 2   # the smoke profile measures the tie rule's reference over two Retrain seeds
+            for ref in tuned["references"]:
+                per_seed = ref["phi_retrain"]["mean_phi_per_seed"]
+                assert ref["phi_retrain"]["seeds"] == list(range(retrains)) and len(per_seed) == retrains
+                assert all(math.isfinite(v) for v in per_seed) and len(set(per_seed)) == retrains, per_seed
             for row, entry in tuned["rows"].items():
                 assert entry["chosen"] == result["chosen_settings"][f"{row}/{scenario}"]
                 assert len(entry["points"]) == result["tuning"]["grid_used"]
