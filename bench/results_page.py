@@ -37,6 +37,7 @@ README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_r8-minilm_partial_class.json", "class"),
                 ("deep_identities_partial_identity.json", "identity"),
                 ("deep_identities_partial_random_1pct.json", "random_1pct"),
+                ("deep_identities_partial_random_10pct.json", "random_10pct"),
                 ("deep_identities_partial_subject.json", "subject"))
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
                "finetune", "neggrad-plus")
