@@ -39,7 +39,9 @@ Scenarios: random 1 %, random 10 %, one class (fmnist, r8: classes of at most 20
   ``tuning_sets`` declared tuning sets drawn first-reported-then-tuning from one seeded stream so that a tuning
   set shares no sample (and no class / identity / subject label) with any reported set of its scenario.
 Tuning: each method row has a grid of the same size (configs/tuning/<dataset>.yaml); every setting runs on the
-  tuning sets; the one with the least mean Avg. Gap to Retrain there is recorded and run on the reported sets.
+  tuning sets; the one with the least mean Avg. Gap to Retrain there, ties (within AVG_GAP_TIE) broken by the least
+  mean |phi gap| to the mean of ``tuning_retrains`` Retrains (choose_setting), is recorded and run on the reported
+  sets.
 Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forget set), TA, MIA-efficacy
   (pipeline.evaluate.scorecard, as bench/forgetting.py), Avg. Gap (SalUn's: mean |metric - Retrain's| over UA,
   RA, TA, MIA); function-space gap: mean KL(model || Retrain) over the forget set and over the test set, in
@@ -124,7 +126,8 @@ DATASETS: dict[str, Dataset] = {
                           retrieval=True),
 }
 # Profiles. data: source-option overrides; train_limit / test_limit: seeded subsamples after loading;
-# recipe: recipe overrides; sets / tuning_sets: per scenario; tuning_retrains: Retrains (seeds 0..R-1) on each tuning
+# recipe: recipe overrides; sets / tuning_sets: per scenario (three tuning identities, not one, are what placed the
+# tie rule's phi level on the identity cell: docs/NOTES.md, thirteenth session); tuning_retrains: Retrains (seeds 0..R-1) on each tuning
 # set whose mean phi the tie rule's phi gap is measured against (one seed's phi on an identity's images moves by about
 # the gap that separates two scales); shadows: U-LiRA pairs; campaign: requests;
 # retain_eval: D_r samples RA and the MIA members come from; grid: settings tried per row (<= the file's size);
@@ -135,7 +138,7 @@ DATASETS: dict[str, Dataset] = {
 # a removal timed out, the same row and settings are not tried again on that scenario unless under a larger limit
 # (timeout_scope "run", the quick and smoke profiles' time budget: the row is not tried again in the run at all, at
 # any settings or limit).
-_FULL = {"sets": 3, "tuning_sets": 1, "tuning_retrains": 3, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
+_FULL = {"sets": 3, "tuning_sets": 3, "tuning_retrains": 3, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
          "row_limit": [1.0, 2.0], "row_floor": 60.0}
 # rows: the rows a profile runs (every other registered row is recorded as skipped, with the reason): quick and
 # smoke run our methods for deep networks and the baselines the issue names, not every variant of the registry.
@@ -1303,7 +1306,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{acc.get('train', float('nan')):.1f} %, test {acc.get('test', float('nan')):.1f} %). "
         f"{result['profile_settings']['sets']} reported forget sets per scenario; settings chosen on "
         f"{result['profile_settings']['tuning_sets']} declared tuning set(s) per scenario from a grid of "
-        f"{result['tuning']['grid_used']} per row ({result['tuning']['file']}); U-LiRA: {result['shadows']} shadow "
+        f"{result['tuning']['grid_used']} per row ({result['tuning']['file']})"
+        + (f", ties broken against {retrains} Retrain seeds per tuning set"
+           if (retrains := result['profile_settings'].get('tuning_retrains', 1)) > 1 else "")
+        + f"; U-LiRA: {result['shadows']} shadow "
         f"pairs on the first set of {', '.join(result['ulira_cells'])}.")
     lines.append("Cells: mean ± std over the reported forget sets (served ones for metrics). KL: mean KL(model || "
                  "Retrain) in units of KL(retrain-reseed || Retrain) on the same set. ULiRA: attack accuracy "
