@@ -126,10 +126,10 @@ DATASETS: dict[str, Dataset] = {
                           retrieval=True),
 }
 # Profiles. data: source-option overrides; train_limit / test_limit: seeded subsamples after loading;
-# recipe: recipe overrides; sets / tuning_sets: per scenario (three tuning identities, not one, are what placed the
-# tie rule's phi level on the identity cell: docs/NOTES.md, thirteenth session); tuning_retrains: Retrains (seeds 0..R-1) on each tuning
-# set whose mean phi the tie rule's phi gap is measured against (one seed's phi on an identity's images moves by about
-# the gap that separates two scales); shadows: U-LiRA pairs; campaign: requests;
+# recipe: recipe overrides; sets / tuning_sets: per scenario (three tuning identities, not one, are what placed
+# the tie rule's phi level on the identity cell: docs/NOTES.md, thirteenth session); tuning_retrains: Retrains
+# (seeds 0..R-1) on each tuning set whose mean phi the tie rule's phi gap is measured against (one seed's mean phi
+# on an identity's images moves by about the gap that separates two scales); shadows: U-LiRA pairs; campaign: requests;
 # retain_eval: D_r samples RA and the MIA members come from; grid: settings tried per row (<= the file's size);
 # mia / tuning_mia: [members (= non-members) the MIA's SVC is fitted on, independent draws averaged] on the
 # reported / tuning sets (an RBF SVC on 2,000 + 2,000 takes ~1.6 s here; bench/forgetting.py uses 2000 x 4);
@@ -1401,6 +1401,17 @@ def write_outputs(result: dict[str, Any], stem: str, out_dir: Path = RESULTS_DIR
     return paths
 
 
+def at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (a tuning needs a set, a phi reference a Retrain)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fmnist-cnn")
@@ -1411,8 +1422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the scenarios")
     parser.add_argument("--sets", type=int, default=None, help="reported forget sets per scenario (the profile's "
                                                                 "otherwise); any override writes *_partial.json")
-    parser.add_argument("--tuning-sets", type=int, default=None, help="declared tuning sets per scenario")
-    parser.add_argument("--tuning-retrains", type=int, default=None,
+    parser.add_argument("--tuning-sets", type=at_least_one, default=None, help="declared tuning sets per scenario")
+    parser.add_argument("--tuning-retrains", type=at_least_one, default=None,
                         help="Retrain seeds per tuning set the tie rule's phi gap is measured against")
     parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
     parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")

@@ -370,3 +370,15 @@ def test_a_campaign_whose_preparation_times_out_records_it(monkeypatch: pytest.M
     assert out["rows"]["finetune"]["error"].startswith("preparation: RowTimeout")
     assert "timed out" in (ctx.timed_out_before("finetune", "{}", "random_1pct", 1e9) or "")
     assert ctx.timed_out_before("salun", "{}", "random_1pct", 1e9) is None
+
+
+@pytest.mark.parametrize("flag", ["--tuning-sets", "--tuning-retrains"])
+def test_tuning_counts_below_one_are_refused_naming_the_flag(flag: str, capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """No tuning set, or a phi reference without a Retrain, would make the tuning fall back silently: refused at the
+    command line with the flag named, exit 2, nothing written."""
+    from bench import deep_forgetting
+
+    with pytest.raises(SystemExit) as stop:
+        deep_forgetting.main(["--dataset", "fmnist-cnn", "--smoke", flag, "0", "--out-dir", str(tmp_path)])
+    assert stop.value.code == 2 and flag in capsys.readouterr().err and not any(tmp_path.iterdir())
