@@ -889,7 +889,7 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
         ctx.retrain_seconds.setdefault(scenario, []).append(retrain_s)
         out.setdefault("references", []).append({k: {m: v for m, v in r.items() if m != "_logits"} for k, r in refs.items()})
         phi_retrain, phi_reference = retrained_phi(ctx, fs, ev, refs["retrain"]["_logits"]["forget"],
-                                                   int(ctx.profile.get("tuning_retrains", 1)))
+                                                   int(ctx.profile["tuning_retrains"]))
         out["references"][-1]["phi_retrain"] = phi_reference
         for row in ctx.rows:
             points, _ = grids[row]
@@ -1175,7 +1175,7 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
         plan[sc] = {"reported": reported, "tuning": tuning,
                     "campaign": campaign_sets(sc, ctx.train, ctx.num_classes, int(prof["campaign"]))}
     rows_n = len(ctx.rows)
-    retrains = int(prof.get("tuning_retrains", 1))
+    retrains = int(prof["tuning_retrains"])
     total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + len(p["reported"]) * (2 + rows_n)
                 + (2 * (shadows - 1) + (shadows - 1) * rows_n if sc in spec.ulira and shadows else 0)
                 + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0) for sc, p in plan.items())
