@@ -41,6 +41,11 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_r8-minil
                 ("deep_identities_partial_random_1pct.json", "random_1pct"),
                 ("deep_identities_partial_random_10pct.json", "random_10pct"),
                 ("deep_identities_partial_subject.json", "subject"))
+# Companion files of a README cell: more rows of the same cell, run by another command on the same reported
+# forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
+# sample ids and the reference rows' figures agree, else they are left out and the table says why).
+README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {}
+REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
                "finetune", "neggrad-plus")
 README_DEFAULT = "lfoci-newton"
@@ -308,27 +313,78 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]]) -> list[st
     return lines
 
 
+def _disagreement(d: dict[str, Any], other: dict[str, Any], scenario: str) -> str | None:
+    """Why ``other``'s rows of ``scenario`` cannot stand beside ``d``'s (None: they can): another data set or
+    recipe, other reported forget sets, or reference rows (original, Retrain, retrain-reseed) measured
+    differently (the same seeds on the same data give the same figures)."""
+    for key in ("dataset", "recipe"):
+        if d.get(key) != other.get(key):
+            return f"another {key}"
+    sets = [[s.get("sample_ids") for s in x.get("declared_sets", {}).get(scenario, {}).get("reported", [])]
+            for x in (d, other)]
+    if not sets[0] or sets[0] != sets[1]:
+        return "other reported forget sets"
+    mine, theirs = d["scenarios"][scenario]["summary"], other["scenarios"][scenario]["summary"]
+    for row in REFERENCE_CHECK:
+        for metric in ("UA", "RA", "TA", "MIA"):
+            a, b = (pick(x, f"{row}.{metric}.mean") for x in (mine, theirs))
+            if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or abs(a - b) > 1e-6:
+                return f"{row}'s {metric} differs ({a} against {b})"
+    return None
+
+
+def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, dict[str, Any] | None]
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """``d``'s block of ``scenario`` with the rows its companion files add (rows ``d`` has stay ``d``'s), and one
+    note per companion left out, naming it and why."""
+    block = dict(d["scenarios"][scenario])
+    summary, notes = dict(block["summary"]), []
+    for name, other in companions.items():
+        if not isinstance(other, dict) or "summary" not in other.get("scenarios", {}).get(scenario, {}):
+            notes.append(f"{name}: missing or without {scenario}")
+        elif (why := _disagreement(d, other, scenario)) is not None:
+            notes.append(f"{name}: not merged, {why}")
+        else:
+            for row, agg in other["scenarios"][scenario]["summary"].items():
+                summary.setdefault(row, agg)
+    block["summary"] = summary
+    return block, notes
+
+
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     """README.md's short results table (at most ten rows): the end-to-end benchmark's cells; a file or scenario
     that cannot be read gets its column marked, never a crash."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    for name in dict.fromkeys(n for n, _ in README_CELLS):
+    for name in dict.fromkeys([n for n, _ in README_CELLS] + [c for cs in README_COMPANIONS.values() for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
         except (OSError, ValueError):
             loaded[name] = None
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
+    blocks: list[dict[str, Any] | None] = []
+    notes: list[str] = []
     for name, sc in README_CELLS:
         d = loaded[name]
         ok = isinstance(d, dict) and "dataset_title" in d and "summary" in d.get("scenarios", {}).get(sc, {})
         cells.append((name, d if ok else None, sc))
+        if not ok:
+            blocks.append(None)
+            continue
+        block, left_out = merged_block(d, sc, {c: loaded[c] for c in README_COMPANIONS.get((name, sc), ())})
+        blocks.append(block)
+        notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
+    primary = dict.fromkeys(n for n, _ in README_CELLS)
     lines = ["Networks trained end to end (every layer the recipe trains saw the data). Avg. Gap to Retrain in "
              f"points (SalUn's; lower is better; mean over {sets} reported forget sets, settings chosen on disjoint "
              "tuning sets) and, in brackets, Retrain's seconds over the removal's: cold (everything the request "
              f"needs, its preparation included) / per request over a campaign of {requests} requests; `-`: not run "
              f"in that cell. {README_DEFAULT} is the default. From "
-             + ", ".join(f"[{name}](bench/results/{name})" for name in loaded)
+             + ", ".join(f"[{name}](bench/results/{name})" for name in primary)
+             + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}](bench/results/{name})" for name in loaded
+                                                                   if name not in primary)
+                + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
+                if len(loaded) > len(primary) else "")
              + ". Every table (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with the command and the machine of "
              f"each run: [docs/RESULTS.md](docs/RESULTS.md) (this table and that page are generated by `{COMMAND}`).",
              "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"
@@ -336,9 +392,9 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
              "|---|" + "---|" * len(cells)]
     for row in README_ROWS:
         label = f"{row} (default)" if row == README_DEFAULT else row
-        lines.append(f"| {label} | " + " | ".join(readme_cell(d["scenarios"][sc]["summary"].get(row))
-                                                  if d is not None else "-" for _, d, sc in cells) + " |")
-    return "\n".join(lines + readme_ulira(cells)) + "\n"
+        lines.append(f"| {label} | " + " | ".join(readme_cell(block["summary"].get(row)) if block is not None else "-"
+                                                  for block in blocks) + " |")
+    return "\n".join(lines + (["", *notes] if notes else []) + readme_ulira(cells)) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import deep_forgetting
 from bench.forgetting import render_markdown, render_summary
 from bench.results_page import README_END, README_START, main, readme_cell, readme_table
@@ -124,3 +126,42 @@ def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path)
     assert "original 97.2 [94.0, 99.5], trajectory-refit 53.5 [47.2, 60.0]" in line
     assert "salun not played (needs_retrain at shadow 3)" in line
     assert readme_table(tmp_path).count("- Identities") == 1  # the other cells hold no game here
+
+
+def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import results_page
+
+    name, scenario = "deep_identities_partial_identity.json", "identity"
+    d = json.loads((RESULTS / name).read_text())
+    companion = json.loads(json.dumps(d))  # the same cell, run again with another row
+    block = companion["scenarios"][scenario]
+    block["summary"]["scrub"] = {"AvgGap": {"mean": 7.25}, "cold_x": {"mean": 30.0}, "request_x": {"mean": 40.0}}
+    block["summary"]["salun"] = {"AvgGap": {"mean": 99.0}}  # a row the cell's own file has: never replaced
+    merged, notes = results_page.merged_block(d, scenario, {"c.json": companion})
+    assert notes == [] and merged["summary"]["scrub"]["AvgGap"]["mean"] == 7.25
+    assert merged["summary"]["salun"] == d["scenarios"][scenario]["summary"]["salun"]
+    assert "scrub" not in d["scenarios"][scenario]["summary"]  # the loaded file is not changed
+
+    other_sets = json.loads(json.dumps(companion))
+    other_sets["declared_sets"][scenario]["reported"][1]["sample_ids"][0] += 1
+    merged, notes = results_page.merged_block(d, scenario, {"c.json": other_sets})
+    assert "scrub" not in merged["summary"] and notes == ["c.json: not merged, other reported forget sets"]
+    other_retrain = json.loads(json.dumps(companion))
+    other_retrain["scenarios"][scenario]["summary"]["retrain"]["TA"]["mean"] += 0.5
+    merged, notes = results_page.merged_block(d, scenario, {"c.json": other_retrain})
+    assert "scrub" not in merged["summary"] and notes[0].startswith("c.json: not merged, retrain's TA differs")
+    assert results_page.merged_block(d, scenario, {"c.json": None})[1] == ["c.json: missing or without identity"]
+
+    for cell in {n for n, _ in results_page.README_CELLS}:  # the table reads the companion through readme_table
+        (tmp_path / cell).write_text((RESULTS / cell).read_text())
+    (tmp_path / "c.json").write_text(json.dumps(companion))
+    monkeypatch.setattr(results_page, "README_COMPANIONS", {(name, scenario): ("c.json",)})
+    monkeypatch.setattr(results_page, "README_ROWS", (*results_page.README_ROWS, "scrub"))
+    table = results_page.readme_table(tmp_path)
+    line = next(x for x in table.splitlines() if x.startswith("| scrub |"))
+    assert "7.2 (30x / 40x)" in line and line.count(" - ") == len(results_page.README_CELLS) - 1
+    assert "[c.json](bench/results/c.json) (run on the same reported forget sets" in table
+    (tmp_path / "c.json").write_text(json.dumps(other_sets))
+    table = results_page.readme_table(tmp_path)
+    assert "- Identities, identity: the rows of c.json: not merged, other reported forget sets." in table
+    assert "| scrub | " + " | ".join(["-"] * len(results_page.README_CELLS)) + " |" in table

@@ -14,6 +14,10 @@ statistics fixed), ``pipeline.methods.trust_region.refit_block`` over every trai
 model has frozen layers before its first trainable one, the refit runs on the suffix over their outputs on D,
 prepared once per model version and carried to the next (``pipeline.methods.prefix_prepared``).
 
+"About" is loose: the checkpoint gradients carry the run's oscillation across stiff directions, which the steps'
+own gradients cancel over a stretch (on the identities ResNet the trapezium over all of D has 7x the norm of the run's
+data pushes, nearly orthogonal to them; docs/METHODS.md): delta is a direction ``scale`` and the refit make useful.
+
 What delta leaves out: the retained data's restoring force. Pushes along directions R's curvature
 trains (stiff modes) are undone by the rest of the run, pushes along flat ones (a class or an identity
 only U ever taught) stay; scale = 1 (all of them, unfiltered) over-forgets and the refit restores the stiff
