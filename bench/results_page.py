@@ -47,7 +47,10 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_r8-minil
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {}
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
-               "finetune", "neggrad-plus")
+               "finetune")
+# one more README row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell
+# is in docs/RESULTS.md); the table stays short however many baselines a cell ran
+README_BEST_OF = ("gradient-ascent", "neggrad-plus", "random-labels", "scrub", "l1-sparse")
 README_DEFAULT = "lfoci-newton"
 COMMAND = "python -m bench.results_page"
 
@@ -275,6 +278,18 @@ def readme_cell(agg: dict[str, Any] | None) -> str:
     return text
 
 
+def best_of_cell(summary: dict[str, Any], rows: tuple[str, ...] | None = None) -> str:
+    """The README cell of the one of ``rows`` (default ``README_BEST_OF``) with the least mean Avg. Gap in
+    ``summary``, prefixed with its name, and how many of them the cell ran; "-" where it ran none that has one."""
+    rows = README_BEST_OF if rows is None else rows
+    ran = [row for row in rows if row in summary]
+    scored = [row for row in ran if isinstance(pick(summary, f"{row}.AvgGap.mean"), (int, float))]
+    if not scored:
+        return "-"
+    best = min(scored, key=lambda row: summary[row]["AvgGap"]["mean"])
+    return f"{best} {readme_cell(summary[best])}" + (f" (of {len(ran)})" if len(ran) > 1 else "")
+
+
 def _cell_title(d: dict[str, Any], scenario: str) -> str:
     title = f"{d['dataset_title'].split(',')[0]}, {scenario.replace('_', ' ').replace('pct', ' %')}"
     return title + (" (cannot discriminate)" if d["scenarios"][scenario].get("cannot_discriminate") else "")
@@ -394,6 +409,8 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
         label = f"{row} (default)" if row == README_DEFAULT else row
         lines.append(f"| {label} | " + " | ".join(readme_cell(block["summary"].get(row)) if block is not None else "-"
                                                   for block in blocks) + " |")
+    lines.append(f"| best of {', '.join(README_BEST_OF)} | "
+                 + " | ".join(best_of_cell(block["summary"]) if block is not None else "-" for block in blocks) + " |")
     return "\n".join(lines + (["", *notes] if notes else []) + readme_ulira(cells)) + "\n"
 
 

@@ -165,3 +165,15 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     table = results_page.readme_table(tmp_path)
     assert "- Identities, identity: the rows of c.json: not merged, other reported forget sets." in table
     assert "| scrub | " + " | ".join(["-"] * len(results_page.README_CELLS)) + " |" in table
+
+
+def test_best_of_cell_names_the_least_avg_gap_of_the_baselines_a_cell_ran() -> None:
+    from bench.results_page import best_of_cell
+
+    summary = {"scrub": {"AvgGap": {"mean": 4.04}, "cold_x": {"mean": 9.0}, "request_x": {"mean": 11.0}},
+               "random-labels": {"AvgGap": {"mean": 2.5}, "cold_x": {"mean": 30.0}, "request_x": {"mean": 31.0}},
+               "gradient-ascent": {"needs_retrain": [0]},  # ran, no Avg. Gap: counted, never the best
+               "salun": {"AvgGap": {"mean": 0.1}}}         # not one of the rows compared
+    assert best_of_cell(summary) == "random-labels 2.5 (30x / 31x) (of 3)"
+    assert best_of_cell({"scrub": summary["scrub"]}) == "scrub 4.0 (9x / 11x)"
+    assert best_of_cell({"salun": summary["salun"]}) == "-" and best_of_cell({"l1-sparse": {"errors": [1]}}) == "-"
