@@ -1293,6 +1293,29 @@ HEADERS = {"KL_forget": "KL forget (reseed u.)", "KL_test": "KL test (reseed u.)
            "membership_gap": "membership gap", "rank1": "rank-1"}
 
 
+OVERRIDABLE = ("sets", "tuning_sets", "tuning_retrains", "shadows", "campaign")  # the profile keys flags set
+RECORDED_BEFORE_KEY = {"tuning_retrains": 1}  # what a file written before a key existed ran with
+
+
+def reproduce_command(result: dict[str, Any]) -> list[str] | None:
+    """The file's recorded command with a flag added for each profile setting (``OVERRIDABLE``) the file ran with
+    that its profile no longer has (the profiles changed since), so that today's code runs the same protocol; None
+    where the recorded command already does (or the file names no known profile)."""
+    command = result.get("command")
+    profile = PROFILES.get(str(result.get("profile", "full")), {}).get(str(result.get("dataset")))
+    if not isinstance(command, list) or profile is None:
+        return None
+    recorded = result.get("profile_settings") or {}
+    given = {arg.split("=")[0] for arg in command if arg.startswith("--")}
+    extra: list[str] = []
+    for key in OVERRIDABLE:
+        ran = recorded.get(key, RECORDED_BEFORE_KEY.get(key))
+        flag = "--" + key.replace("_", "-")
+        if ran is not None and flag not in given and ran != profile.get(key):
+            extra += [flag, str(ran)]
+    return [*command, *extra] if extra else None
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """One table per scenario: rows x metrics, mean ± std over the reported forget sets."""
     lines = [f"### Deep forgetting benchmark: {result['dataset_title']}" +
@@ -1311,6 +1334,9 @@ def render_markdown(result: dict[str, Any]) -> str:
            if (retrains := result['profile_settings'].get('tuning_retrains', 1)) > 1 else "")
         + f"; U-LiRA: {result['shadows']} shadow "
         f"pairs on the first set of {', '.join(result['ulira_cells'])}.")
+    if (again := reproduce_command(result)) is not None:
+        lines.append("The profile has changed since this file was written; today's code runs its protocol with `"
+                     + " ".join(again) + "`.")
     lines.append("Cells: mean ± std over the reported forget sets (served ones for metrics). KL: mean KL(model || "
                  "Retrain) in units of KL(retrain-reseed || Retrain) on the same set. ULiRA: attack accuracy "
                  "[95 % interval], 50 = indistinguishable. cold x: Retrain seconds / (preparation + removal); "

@@ -382,3 +382,21 @@ def test_tuning_counts_below_one_are_refused_naming_the_flag(flag: str, capsys: 
     with pytest.raises(SystemExit) as stop:
         deep_forgetting.main(["--dataset", "fmnist-cnn", "--smoke", flag, "0", "--out-dir", str(tmp_path)])
     assert stop.value.code == 2 and flag in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_a_file_written_under_an_older_profile_names_the_flags_that_reproduce_it() -> None:
+    """A committed file keeps the command it ran; where the profile changed since, the render says which flags make
+    today's code run the same protocol (a file without ``tuning_retrains`` ran one Retrain)."""
+    from bench import deep_forgetting
+
+    full = deep_forgetting.PROFILES["full"]["identities"]
+    command = ["python", "-m", "bench.deep_forgetting", "--dataset", "identities", "--sets", "1"]
+    old = {"command": command, "profile": "full", "dataset": "identities",
+           "profile_settings": {**{k: full[k] for k in deep_forgetting.OVERRIDABLE if k != "tuning_retrains"},
+                                "sets": 1, "tuning_sets": 1}}
+    assert deep_forgetting.reproduce_command(old) == [*command, "--tuning-sets", "1", "--tuning-retrains", "1"]
+    now = {**old, "profile_settings": {**full, "sets": 1}}
+    assert deep_forgetting.reproduce_command(now) is None  # today's profile: the recorded command is enough
+    given = {**old, "command": [*command, "--tuning-sets", "1"]}
+    assert deep_forgetting.reproduce_command(given) == [*command, "--tuning-sets", "1", "--tuning-retrains", "1"]
+    assert deep_forgetting.reproduce_command({**old, "dataset": "mnist"}) is None
