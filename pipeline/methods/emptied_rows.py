@@ -65,12 +65,19 @@ class EmptiedRows:
 
     @property
     def classes(self) -> list[int]:
+        """The classes this request empties."""
         return list(self.record.get("classes") or [])
+
+    @property
+    def written(self) -> list[int]:
+        """The classes whose rows ``apply`` writes, in the rows' order: the ones this request empties and the ones
+        an earlier request emptied, replayed with them (``plan_emptied_rows``)."""
+        return list(self.record.get("written") or self.classes)
 
     def apply(self, model: nn.Module) -> None:
         """Write the rows into ``model``'s decision layer (nothing where there are none)."""
         if self.rows:
-            reset_emptied_rows(model, self.rows, self.classes)
+            reset_emptied_rows(model, self.rows, self.written)
 
 
 def _not_set(why: str) -> EmptiedRows:
@@ -85,7 +92,13 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
     needs them and kept in ``prepared`` (a ``FrozenPrefixPrepared``: through the suffix over its prepared outputs
     where the model has frozen layers) for every later request and version; per request, on a sample of D \\ U of
     the removal's seed, where fewer than half of S are retained (or nothing can keep them). ``admits(classes,
-    names)``: why the method's step cannot take these rows (None: it can), asked before the replay runs."""
+    names)``: why the method's step cannot take these rows (None: it can), asked before the replay runs.
+
+    A class D already lacks (one an earlier request emptied; or one the original never saw, whose replay then stands
+    for the recorded run's own row) is replayed with them and written too: Retrain on D \\ U has none of its samples
+    either, and its softmax share enters every replayed row's equation, so a campaign that empties classes one
+    request at a time lands where one request emptying them all does. Where ``admits`` refuses those rows, only U's
+    are written (the record says why); where it refuses U's, none are."""
     if mode == "corrected":
         return _not_set("emptied_classes: corrected")
     trajectory = problem.trajectory
@@ -101,10 +114,15 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
         names = output_layer_names(problem.model)
     except ValueError as err:
         return _not_set(f"no decision layer found: {err}")
+    n_classes = int(dict(problem.model.named_parameters())[names[0]].shape[0])
+    earlier = sorted(set(range(n_classes)) - set(labels.tolist()))  # no sample in D before this request
     missing = sorted(k for k, p in problem.model.named_parameters() if p.requires_grad and k not in
                      trajectory.checkpoints[0])
     if missing:  # the replay's features would read today's weights there, not the recorded run's
         return _not_set(f"the recorded trajectory lacks the trainable parameters {missing[:5]}")
+    written, left = sorted(set(classes) | set(earlier)), None
+    if admits is not None and written != classes and (left := admits(written, names)) is not None:
+        written = classes
     if admits is not None and (why := admits(classes, names)) is not None:
         return EmptiedRows({"classes": classes, "applied": False, "why": why})
     recipe = recipe_of(problem.card) if problem.card is not None else None
@@ -115,12 +133,21 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
                                           // max(1, len(trajectory.rates)))
     with problem.stage("emptied_classes", timings):
         views, source = _views(problem, retain, names[0], samples, prepared)
-        rows, how = integrate_rows(views, trajectory, names, classes, problem.weight_decay, steps,
+        replayed = sorted(set(classes) | set(earlier))
+        rows, how = integrate_rows(views, trajectory, names, replayed, problem.weight_decay, steps,
                                    float(problem.task.loss_options.get("label_smoothing", 0.0)), rates=rates)
+    if written != replayed:
+        keep = torch.as_tensor([replayed.index(c) for c in written], dtype=torch.long)
+        rows = {name: value.index_select(0, keep) for name, value in rows.items()}
     how["views"] = source
     how["clock"] = (f"Retrain's: the recipe on the {len(retain)} retained samples" if rates is not None else
                     "the recorded run's (no card: the recipe is unknown)")
-    return EmptiedRows({**emptied_rows_record(classes, names), **how, "applied": True}, rows)
+    record = {**emptied_rows_record(classes, names), **how, "applied": True}
+    if earlier:
+        record.update(earlier_emptied=earlier, written=written)
+        if left is not None:
+            record["earlier_not_written"] = left
+    return EmptiedRows(record, rows)
 
 
 def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int, prepared: Prepared | None

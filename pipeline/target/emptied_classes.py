@@ -29,8 +29,9 @@ A removal that moves the trained weights by a correction (``pipeline.methods.tra
 where training's up-pushes put it less the share taken back, and the class's logit on its own inputs far from
 Retrain's (docs/NOTES.md). What the replay leaves out: Retrain's own features differ from the original's run
 (the class's images drive the shared layers there); the checkpoints are the recipe's epochs, and the push-down
-happens within the first of them, so its linear interpolation keeps p_c high for longer than a run does; a class
-an earlier request emptied enters the other classes' log-sum-exp with the original run's logits; S is a sample.
+happens within the first of them, so its linear interpolation keeps p_c high for longer than a run does; S is a
+sample. (A class an earlier request emptied is replayed with the new one, ``pipeline.methods.emptied_rows``, not read
+with the original run's logits.)
 Single-label cross-entropy only.
 """
 from __future__ import annotations
