@@ -1294,26 +1294,34 @@ HEADERS = {"KL_forget": "KL forget (reseed u.)", "KL_test": "KL test (reseed u.)
 
 
 OVERRIDABLE = ("sets", "tuning_sets", "tuning_retrains", "shadows", "campaign")  # the profile keys flags set
-RECORDED_BEFORE_KEY = {"tuning_retrains": 1}  # what a file written before a key existed ran with
+SETTING_BEFORE_RECORDED = {"tuning_retrains": 1}  # what a file written before a profile key existed ran with
 
 
-def reproduce_command(result: dict[str, Any]) -> list[str] | None:
-    """The file's recorded command with a flag added for each profile setting (``OVERRIDABLE``) the file ran with
-    that its profile no longer has (the profiles changed since), so that today's code runs the same protocol; None
-    where the recorded command already does (or the file names no known profile)."""
+def _same_setting(a: Any, b: Any) -> bool:
+    """Equal as JSON holds them (a tuple and the list it was written as are the same setting)."""
+    return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
+
+
+def reproduce_command(result: dict[str, Any]) -> tuple[list[str] | None, list[str]]:
+    """How today's code runs a file's protocol where its profile has changed since: the recorded command with a
+    flag added for each setting a flag sets (``OVERRIDABLE``) that the profile no longer has (None: the recorded
+    command already does), and the changed settings no flag sets (a file written under them cannot be run again by
+    flags alone). Nothing to say for a file that names no known profile, or records no command."""
     command = result.get("command")
     profile = PROFILES.get(str(result.get("profile", "full")), {}).get(str(result.get("dataset")))
     if not isinstance(command, list) or profile is None:
-        return None
+        return None, []
     recorded = result.get("profile_settings") or {}
     given = {arg.split("=")[0] for arg in command if arg.startswith("--")}
     extra: list[str] = []
     for key in OVERRIDABLE:
-        ran = recorded.get(key, RECORDED_BEFORE_KEY.get(key))
+        ran = recorded.get(key, SETTING_BEFORE_RECORDED.get(key))
         flag = "--" + key.replace("_", "-")
-        if ran is not None and flag not in given and ran != profile.get(key):
+        if ran is not None and flag not in given and not _same_setting(ran, profile.get(key)):
             extra += [flag, str(ran)]
-    return [*command, *extra] if extra else None
+    fixed = sorted(key for key in set(recorded) | set(profile) if key not in OVERRIDABLE and key in recorded
+                   and not _same_setting(recorded.get(key), profile.get(key)))
+    return ([*command, *extra] if extra else None), fixed
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -1331,12 +1339,17 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['profile_settings']['tuning_sets']} declared tuning set(s) per scenario from a grid of "
         f"{result['tuning']['grid_used']} per row ({result['tuning']['file']})"
         + (f", ties broken against {retrains} Retrain seeds per tuning set"
-           if (retrains := result['profile_settings'].get('tuning_retrains', 1)) > 1 else "")
+           if (retrains := result['profile_settings'].get('tuning_retrains',
+                                                           SETTING_BEFORE_RECORDED['tuning_retrains'])) > 1 else "")
         + f"; U-LiRA: {result['shadows']} shadow "
         f"pairs on the first set of {', '.join(result['ulira_cells'])}.")
-    if (again := reproduce_command(result)) is not None:
+    reproducing, changed = reproduce_command(result)
+    if changed:
+        lines.append("The profile has changed since this file was written in settings no flag sets ("
+                     + ", ".join(changed) + "): today's code does not run its protocol.")
+    elif reproducing is not None:
         lines.append("The profile has changed since this file was written; today's code runs its protocol with `"
-                     + " ".join(again) + "`.")
+                     + " ".join(reproducing) + "`.")
     lines.append("Cells: mean ± std over the reported forget sets (served ones for metrics). KL: mean KL(model || "
                  "Retrain) in units of KL(retrain-reseed || Retrain) on the same set. ULiRA: attack accuracy "
                  "[95 % interval], 50 = indistinguishable. cold x: Retrain seconds / (preparation + removal); "
@@ -1463,8 +1476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
-    overrides = {k: getattr(args, k) for k in ("sets", "tuning_sets", "tuning_retrains", "shadows", "campaign")
-                 if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in OVERRIDABLE if getattr(args, k) is not None}
     scenarios = tuple(args.scenarios.split(",")) if args.scenarios else None
     stem = f"deep_{args.dataset}" + ("" if profile == "full" else f"_{profile}")
     if overrides or scenarios or args.methods:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import re
 import tempfile
@@ -279,15 +280,21 @@ def readme_cell(agg: dict[str, Any] | None) -> str:
 
 
 def best_of_cell(summary: dict[str, Any], rows: tuple[str, ...] | None = None) -> str:
-    """The README cell of the one of ``rows`` (default ``README_BEST_OF``) with the least mean Avg. Gap in
+    """The README cell of the one of ``rows`` (default ``README_BEST_OF``) with the least finite mean Avg. Gap in
     ``summary``, prefixed with its name, and how many of them the cell ran; "-" where it ran none that has one."""
     rows = README_BEST_OF if rows is None else rows
     ran = [row for row in rows if row in summary]
-    scored = [row for row in ran if isinstance(pick(summary, f"{row}.AvgGap.mean"), (int, float))]
+
+    def gap(row: str) -> float | None:
+        value = pick(summary, f"{row}.AvgGap.mean")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else None
+
+    scored = [row for row in ran if gap(row) is not None]
     if not scored:
         return "-"
-    best = min(scored, key=lambda row: summary[row]["AvgGap"]["mean"])
-    return f"{best} {readme_cell(summary[best])}" + (f" (of {len(ran)})" if len(ran) > 1 else "")
+    best = min(scored, key=lambda row: gap(row))
+    return f"{best} {readme_cell(summary[best])} (of {len(ran)} run)"
 
 
 def _cell_title(d: dict[str, Any], scenario: str) -> str:
@@ -330,14 +337,16 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]]) -> list[st
 
 def _disagreement(d: dict[str, Any], other: dict[str, Any], scenario: str) -> str | None:
     """Why ``other``'s rows of ``scenario`` cannot stand beside ``d``'s (None: they can): another data set or
-    recipe, other reported forget sets, or reference rows (original, Retrain, retrain-reseed) measured
-    differently (the same seeds on the same data give the same figures)."""
+    recipe, reported forget sets not recorded or not the same, or reference rows (original, Retrain,
+    retrain-reseed) measured differently (the same seeds on the same data give the same figures)."""
     for key in ("dataset", "recipe"):
         if d.get(key) != other.get(key):
             return f"another {key}"
-    sets = [[s.get("sample_ids") for s in x.get("declared_sets", {}).get(scenario, {}).get("reported", [])]
-            for x in (d, other)]
-    if not sets[0] or sets[0] != sets[1]:
+    sets = [[s.get("sample_ids") if isinstance(s, dict) else None for s in
+             pick(x, f"declared_sets.{scenario}.reported") or []] for x in (d, other)]
+    if not sets[0] or not all(isinstance(ids, list) and ids for ids in sets[0]):
+        return "no reported forget sets' sample ids recorded"
+    if sets[0] != sets[1]:
         return "other reported forget sets"
     mine, theirs = d["scenarios"][scenario]["summary"], other["scenarios"][scenario]["summary"]
     for row in REFERENCE_CHECK:
@@ -348,22 +357,34 @@ def _disagreement(d: dict[str, Any], other: dict[str, Any], scenario: str) -> st
     return None
 
 
-def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, dict[str, Any] | None]
-                 ) -> tuple[dict[str, Any], list[str]]:
-    """``d``'s block of ``scenario`` with the rows its companion files add (rows ``d`` has stay ``d``'s), and one
-    note per companion left out, naming it and why."""
+def _has_summary(d: Any, scenario: str) -> bool:
+    """Whether ``d`` is a result with a summary of ``scenario`` (any other shape: no)."""
+    block = pick(d, f"scenarios.{scenario}") if isinstance(d, dict) else None
+    return isinstance(block, dict) and isinstance(block.get("summary"), dict)
+
+
+def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any]
+                 ) -> tuple[dict[str, Any], list[str], list[str]]:
+    """``d``'s block of ``scenario`` with the rows its companion files add (rows ``d`` has stay ``d``'s), the
+    companions merged, and one note per companion left out, naming it and why (never an exception)."""
     block = dict(d["scenarios"][scenario])
-    summary, notes = dict(block["summary"]), []
+    summary, merged, notes = dict(block["summary"]), [], []
     for name, other in companions.items():
-        if not isinstance(other, dict) or "summary" not in other.get("scenarios", {}).get(scenario, {}):
+        if not _has_summary(other, scenario):
             notes.append(f"{name}: missing or without {scenario}")
-        elif (why := _disagreement(d, other, scenario)) is not None:
+            continue
+        try:
+            why = _disagreement(d, other, scenario)
+        except (AttributeError, TypeError, KeyError, ValueError) as err:
+            why = f"unreadable ({type(err).__name__}: {err})"
+        if why is not None:
             notes.append(f"{name}: not merged, {why}")
-        else:
-            for row, agg in other["scenarios"][scenario]["summary"].items():
-                summary.setdefault(row, agg)
+            continue
+        for row, agg in other["scenarios"][scenario]["summary"].items():
+            summary.setdefault(row, agg)
+        merged.append(name)
     block["summary"] = summary
-    return block, notes
+    return block, merged, notes
 
 
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
@@ -378,15 +399,17 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []
+    merged_in: list[str] = []
     for name, sc in README_CELLS:
         d = loaded[name]
-        ok = isinstance(d, dict) and "dataset_title" in d and "summary" in d.get("scenarios", {}).get(sc, {})
+        ok = isinstance(d, dict) and "dataset_title" in d and _has_summary(d, sc)
         cells.append((name, d if ok else None, sc))
         if not ok:
             blocks.append(None)
             continue
-        block, left_out = merged_block(d, sc, {c: loaded[c] for c in README_COMPANIONS.get((name, sc), ())})
+        block, joined, left_out = merged_block(d, sc, {c: loaded[c] for c in README_COMPANIONS.get((name, sc), ())})
         blocks.append(block)
+        merged_in += [c for c in joined if c not in merged_in]
         notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
     primary = dict.fromkeys(n for n, _ in README_CELLS)
@@ -396,10 +419,10 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
              f"needs, its preparation included) / per request over a campaign of {requests} requests; `-`: not run "
              f"in that cell. {README_DEFAULT} is the default. From "
              + ", ".join(f"[{name}](bench/results/{name})" for name in primary)
-             + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}](bench/results/{name})" for name in loaded
-                                                                   if name not in primary)
+             + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}](bench/results/{name})"
+                                                                   for name in merged_in)
                 + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
-                if len(loaded) > len(primary) else "")
+                if merged_in else "")
              + ". Every table (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with the command and the machine of "
              f"each run: [docs/RESULTS.md](docs/RESULTS.md) (this table and that page are generated by `{COMMAND}`).",
              "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"

@@ -386,17 +386,20 @@ def test_tuning_counts_below_one_are_refused_naming_the_flag(flag: str, capsys: 
 
 def test_a_file_written_under_an_older_profile_names_the_flags_that_reproduce_it() -> None:
     """A committed file keeps the command it ran; where the profile changed since, the render says which flags make
-    today's code run the same protocol (a file without ``tuning_retrains`` ran one Retrain)."""
+    today's code run the same protocol (a file without ``tuning_retrains`` ran one Retrain), or which changed
+    settings no flag sets."""
     from bench import deep_forgetting
 
     full = deep_forgetting.PROFILES["full"]["identities"]
     command = ["python", "-m", "bench.deep_forgetting", "--dataset", "identities", "--sets", "1"]
+    now = json.loads(json.dumps({**full, "sets": 1}))  # as a file holds it (tuples written as lists)
     old = {"command": command, "profile": "full", "dataset": "identities",
-           "profile_settings": {**{k: full[k] for k in deep_forgetting.OVERRIDABLE if k != "tuning_retrains"},
-                                "sets": 1, "tuning_sets": 1}}
-    assert deep_forgetting.reproduce_command(old) == [*command, "--tuning-sets", "1", "--tuning-retrains", "1"]
-    now = {**old, "profile_settings": {**full, "sets": 1}}
-    assert deep_forgetting.reproduce_command(now) is None  # today's profile: the recorded command is enough
+           "profile_settings": {**{k: v for k, v in now.items() if k != "tuning_retrains"}, "tuning_sets": 1}}
+    flags = [*command, "--tuning-sets", "1", "--tuning-retrains", "1"]
+    assert deep_forgetting.reproduce_command(old) == (flags, [])
+    assert deep_forgetting.reproduce_command({**old, "profile_settings": now}) == (None, [])  # today's profile
     given = {**old, "command": [*command, "--tuning-sets", "1"]}
-    assert deep_forgetting.reproduce_command(given) == [*command, "--tuning-sets", "1", "--tuning-retrains", "1"]
-    assert deep_forgetting.reproduce_command({**old, "dataset": "mnist"}) is None
+    assert deep_forgetting.reproduce_command(given) == (flags, [])
+    assert deep_forgetting.reproduce_command({**old, "dataset": "mnist"}) == (None, [])
+    moved = {**old, "profile_settings": {**old["profile_settings"], "row_floor": 30.0, "mia": [1000, 2]}}
+    assert deep_forgetting.reproduce_command(moved) == (flags, ["mia", "row_floor"])

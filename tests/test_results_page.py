@@ -137,20 +137,30 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     block = companion["scenarios"][scenario]
     block["summary"]["scrub"] = {"AvgGap": {"mean": 7.25}, "cold_x": {"mean": 30.0}, "request_x": {"mean": 40.0}}
     block["summary"]["salun"] = {"AvgGap": {"mean": 99.0}}  # a row the cell's own file has: never replaced
-    merged, notes = results_page.merged_block(d, scenario, {"c.json": companion})
-    assert notes == [] and merged["summary"]["scrub"]["AvgGap"]["mean"] == 7.25
+    merged, joined, notes = results_page.merged_block(d, scenario, {"c.json": companion})
+    assert notes == [] and joined == ["c.json"] and merged["summary"]["scrub"]["AvgGap"]["mean"] == 7.25
     assert merged["summary"]["salun"] == d["scenarios"][scenario]["summary"]["salun"]
     assert "scrub" not in d["scenarios"][scenario]["summary"]  # the loaded file is not changed
 
     other_sets = json.loads(json.dumps(companion))
     other_sets["declared_sets"][scenario]["reported"][1]["sample_ids"][0] += 1
-    merged, notes = results_page.merged_block(d, scenario, {"c.json": other_sets})
+    merged, joined, notes = results_page.merged_block(d, scenario, {"c.json": other_sets})
     assert "scrub" not in merged["summary"] and notes == ["c.json: not merged, other reported forget sets"]
+    assert joined == []
     other_retrain = json.loads(json.dumps(companion))
     other_retrain["scenarios"][scenario]["summary"]["retrain"]["TA"]["mean"] += 0.5
-    merged, notes = results_page.merged_block(d, scenario, {"c.json": other_retrain})
+    merged, _, notes = results_page.merged_block(d, scenario, {"c.json": other_retrain})
     assert "scrub" not in merged["summary"] and notes[0].startswith("c.json: not merged, retrain's TA differs")
-    assert results_page.merged_block(d, scenario, {"c.json": None})[1] == ["c.json: missing or without identity"]
+    assert results_page.merged_block(d, scenario, {"c.json": None})[2] == ["c.json: missing or without identity"]
+    no_ids, d_without = json.loads(json.dumps(companion)), json.loads(json.dumps(d))  # sets naming no samples
+    for x in (no_ids, d_without):                                                       # cannot be checked
+        for entry in x["declared_sets"][scenario]["reported"]:
+            entry.pop("sample_ids")
+    assert results_page.merged_block(d_without, scenario, {"c.json": no_ids})[2] == [
+        "c.json: not merged, no reported forget sets' sample ids recorded"]
+    for odd in ({"scenarios": None}, {**companion, "declared_sets": None}, {**companion, "declared_sets": {scenario: 3}},
+                {"scenarios": {scenario: None}}, [1, 2]):  # any other shape: a note, never an exception
+        assert len(results_page.merged_block(d, scenario, {"c.json": odd})[2]) == 1
 
     for cell in {n for n, _ in results_page.README_CELLS}:  # the table reads the companion through readme_table
         (tmp_path / cell).write_text((RESULTS / cell).read_text())
@@ -164,6 +174,7 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     (tmp_path / "c.json").write_text(json.dumps(other_sets))
     table = results_page.readme_table(tmp_path)
     assert "- Identities, identity: the rows of c.json: not merged, other reported forget sets." in table
+    assert "[c.json](bench/results/c.json)" not in table  # named as a source only where its rows were merged
     assert "| scrub | " + " | ".join(["-"] * len(results_page.README_CELLS)) + " |" in table
 
 
@@ -174,6 +185,7 @@ def test_best_of_cell_names_the_least_avg_gap_of_the_baselines_a_cell_ran() -> N
                "random-labels": {"AvgGap": {"mean": 2.5}, "cold_x": {"mean": 30.0}, "request_x": {"mean": 31.0}},
                "gradient-ascent": {"needs_retrain": [0]},  # ran, no Avg. Gap: counted, never the best
                "salun": {"AvgGap": {"mean": 0.1}}}         # not one of the rows compared
-    assert best_of_cell(summary) == "random-labels 2.5 (30x / 31x) (of 3)"
-    assert best_of_cell({"scrub": summary["scrub"]}) == "scrub 4.0 (9x / 11x)"
+    assert best_of_cell(summary) == "random-labels 2.5 (30x / 31x) (of 3 run)"
+    assert best_of_cell({"scrub": summary["scrub"]}) == "scrub 4.0 (9x / 11x) (of 1 run)"
+    assert best_of_cell({**summary, "l1-sparse": {"AvgGap": {"mean": float("nan")}}}).startswith("random-labels 2.5")
     assert best_of_cell({"salun": summary["salun"]}) == "-" and best_of_cell({"l1-sparse": {"errors": [1]}}) == "-"

@@ -28,6 +28,7 @@ from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet, load_source
 from pipeline.methods import RemovalProblem, get_method
 from pipeline.methods.base import parse_settings
+from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
 from pipeline.methods.trajectory_refit import (
     _out_of_reach, checkpoint_weights, forget_pushes, forget_sample, kept_checkpoints,
 )
@@ -421,7 +422,7 @@ def test_the_replay_views_are_computed_once_and_carried_to_later_versions(class_
     later = _emptied_plan(class_3, after, forget_4, carried, model=moved)
     gone = torch.isin(views.sample_ids, train.sample_ids[torch.cat([class_3.forget, class_4])])
     assert len(views_calls) == 2 and later.classes == [4] and later.record["samples"] == 256 - int(gone.sum())
-    assert later.record["earlier_emptied"] == [3] and later.written == [3, 4]  # class 3, emptied before, replayed too
+    assert later.record["absent_classes"] == [3] and later.written == [3, 4]  # class 3, emptied before, replayed too
     expected = _rows_over(class_3, moved, after, views.sample_ids[~gone], [3, 4], len(after) - len(forget_4))
     for k in expected:  # the same rows up to float rounding (the passes ran on batches of other sizes)
         assert torch.allclose(later.rows[k], expected[k], rtol=1e-5, atol=1e-7)
@@ -431,27 +432,37 @@ def test_classes_emptied_one_request_at_a_time_land_where_one_request_emptying_t
     """Retrain on D \\ (class 3 + class 4) has neither class: a second request that empties class 4 replays class 3's
     row with it (its softmax share enters class 4's equation, and class 4's enters class 3's) and writes both, so the
     two requests leave both rows where one request removing both classes puts them; with class 3's row held at the
-    first request's replay (the recorded run's logits for it in the normaliser) class 4's row lands elsewhere."""
+    first request's replay (the recorded run's logits for it in the normaliser) class 4's row lands elsewhere. A
+    request in between that empties no class (a few samples of class 5) puts class 3's row back where the replay
+    has it."""
     from pipeline.methods.emptied_rows import plan_emptied_rows
 
     train, y = class_3.train, class_3.train.columns["y"]
     both = torch.nonzero((y == 3) | (y == 4)).flatten()
     at_once = _emptied_plan(class_3, train, both, _views_state(class_3, train))
-    assert at_once.classes == [3, 4] and "earlier_emptied" not in at_once.record
+    assert at_once.classes == [3, 4] and "absent_classes" not in at_once.record
+    none_yet = _emptied_plan(class_3, train, torch.nonzero(y == 5).flatten()[:3], _views_state(class_3, train))
+    assert none_yet.record == {"classes": [], "applied": False, "why": "every class of U keeps retained samples"}
 
     state = _views_state(class_3, train)
     model = copy.deepcopy(class_3.original)
-    first = _emptied_plan(class_3, train, class_3.forget, state, model=model)
-    first.apply(model)
+    _emptied_plan(class_3, train, class_3.forget, state, model=model).apply(model)
     after = train.without(class_3.forget)
+    between = _emptied_plan(class_3, after, torch.nonzero(after.columns["y"] == 5).flatten()[:3], state, model=model)
+    assert between.classes == [] and between.written == [3] and between.record["absent_classes"] == [3]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        params["8.bias"][3] += 1.0  # what a refit over every parameter does to the row
+    between.apply(model)
+    assert torch.allclose(params["8.bias"].detach()[3], between.rows["8.bias"][0])
+
     second = _emptied_plan(class_3, after, torch.nonzero(after.columns["y"] == 4).flatten(), state, model=model)
-    assert second.classes == [4] and second.written == [3, 4] and second.record["earlier_emptied"] == [3]
+    assert second.classes == [4] and second.written == [3, 4] and second.record["absent_classes"] == [3]
     assert second.record["samples"] == at_once.record["samples"]
     second.apply(model)
-    params = dict(model.named_parameters())
     for name, rows in at_once.rows.items():
         assert torch.allclose(params[name].detach()[[3, 4]], rows, rtol=1e-5, atol=1e-7), name
-    alone = integrate_rows_of(class_3, state, after, [4])  # class 3 left out of the replay: the old behaviour
+    alone = _rows_over_kept_views(class_3, state, after, [4])  # class 3 left out of the replay: the old behaviour
     assert not torch.allclose(alone["8.bias"], at_once.rows["8.bias"][1:], rtol=1e-4, atol=1e-6)
 
     # a step that cannot take class 3's rows (a block without them) still writes class 4's, replayed jointly
@@ -460,12 +471,14 @@ def test_classes_emptied_one_request_at_a_time_land_where_one_request_emptying_t
                              trajectory=class_3.trajectory)
     only_4 = plan_emptied_rows(problem, "replayed", 256, {}, state,
                                lambda classes, names: None if classes == [4] else "the block holds class 4's rows only")
-    assert only_4.written == [4] and only_4.record["earlier_not_written"] == "the block holds class 4's rows only"
+    assert only_4.written == [4] and only_4.record["absent_not_written"] == "the block holds class 4's rows only"
     assert torch.allclose(only_4.rows["8.bias"], at_once.rows["8.bias"][1:], rtol=1e-5, atol=1e-7)
 
 
-def integrate_rows_of(fit: ClassFit, state, data: SampleSet, classes: list[int]) -> dict[str, torch.Tensor]:
-    """The rows of ``classes`` alone over the kept views of ``state``, D = ``data`` less class 4 retained."""
+def _rows_over_kept_views(fit: ClassFit, state: FrozenPrefixPrepared, data: SampleSet, classes: list[int]
+                          ) -> dict[str, torch.Tensor]:
+    """The rows of ``classes`` alone over ``state``'s kept views of S, with the members of S that ``data`` retains
+    once class 4 is removed from it (the clock of the recipe on those retained samples)."""
     from pipeline.recipe import recipe_of
     from pipeline.target.emptied_classes import integrate_rows
     from pipeline.trajectory import retrain_rates

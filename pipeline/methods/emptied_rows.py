@@ -31,8 +31,8 @@ from pipeline.target.emptied_classes import (
     reset_emptied_rows,
 )
 
-__all__ = ["EMPTIED_STREAM", "EmptiedRows", "EmptiedMode", "emptied_classes_field", "emptied_class_samples_field",
-           "plan_emptied_rows"]
+__all__ = ["EMPTIED_STREAM", "EmptiedRows", "EmptiedMode", "absent_classes", "emptied_classes_field",
+           "emptied_class_samples_field", "plan_emptied_rows"]
 
 EMPTIED_STREAM = 36  # the replay's per-request sample of D \ U (hashed with the removal seed)
 VIEWS_SEED = stream_seed(0, EMPTIED_STREAM)  # the replay's sample S of D, the same for every request on a model
@@ -70,8 +70,8 @@ class EmptiedRows:
 
     @property
     def written(self) -> list[int]:
-        """The classes whose rows ``apply`` writes, in the rows' order: the ones this request empties and the ones
-        an earlier request emptied, replayed with them (``plan_emptied_rows``)."""
+        """The classes whose rows ``apply`` writes, in the rows' order: the ones this request empties and those D
+        already lacks, replayed with them (``plan_emptied_rows``)."""
         return list(self.record.get("written") or self.classes)
 
     def apply(self, model: nn.Module) -> None:
@@ -88,17 +88,14 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
                       prepared: Prepared | None = None,
                       admits: Callable[[list[int], tuple[str, str | None]], str | None] | None = None) -> EmptiedRows:
     """The classes U empties and, under ``replayed``, their rows as Retrain leaves them, from the recorded run's views
-    (``checkpoint_views``) of a fixed seeded sample S of D, U's members dropped: computed by the first request that
-    needs them and kept in ``prepared`` (a ``FrozenPrefixPrepared``: through the suffix over its prepared outputs
-    where the model has frozen layers) for every later request and version; per request, on a sample of D \\ U of
-    the removal's seed, where fewer than half of S are retained (or nothing can keep them). ``admits(classes,
-    names)``: why the method's step cannot take these rows (None: it can), asked before the replay runs.
+    (``checkpoint_views``) of a fixed seeded sample S of D, U's members dropped: kept in ``prepared`` (a
+    ``FrozenPrefixPrepared``) by the first request that computes them, for every later request and version; per
+    request, on a sample of D \\ U of the removal's seed, where fewer than half of S are retained (or nothing keeps
+    them). ``admits(classes, names)``: why the method's step cannot take these rows (None: it can).
 
-    A class D already lacks (one an earlier request emptied; or one the original never saw, whose replay then stands
-    for the recorded run's own row) is replayed with them and written too: Retrain on D \\ U has none of its samples
-    either, and its softmax share enters every replayed row's equation, so a campaign that empties classes one
-    request at a time lands where one request emptying them all does. Where ``admits`` refuses those rows, only U's
-    are written (the record says why); where it refuses U's, none are."""
+    After earlier removals (D smaller than the recorded run's n), the classes D already lacks (``absent_classes``)
+    are replayed jointly with U's and written too, on every request: Retrain on D \\ U has none of their samples, and
+    each row's softmax share enters the others' equations. Where ``admits`` refuses them, U's rows alone are written."""
     if mode == "corrected":
         return _not_set("emptied_classes: corrected")
     trajectory = problem.trajectory
@@ -108,23 +105,30 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
     if problem.task.loss != "cross_entropy" or labels is None or labels.dim() != 1:
         return _not_set("not a single-label cross-entropy classifier")
     classes = emptied_classes(labels, problem.forget_positions)
-    if not classes:
-        return _not_set("every class of U keeps retained samples")
     try:
         names = output_layer_names(problem.model)
     except ValueError as err:
-        return _not_set(f"no decision layer found: {err}")
+        return _not_set(f"no decision layer found: {err}") if classes else _not_set(
+            "every class of U keeps retained samples")
     n_classes = int(dict(problem.model.named_parameters())[names[0]].shape[0])
-    earlier = sorted(set(range(n_classes)) - set(labels.tolist()))  # no sample in D before this request
+    absent = absent_classes(labels, n_classes, trajectory.n)
+    if not classes and not absent:
+        return _not_set("every class of U keeps retained samples")
+    if any(not 0 <= c < n_classes for c in classes):
+        return _not_set(f"labels {classes} outside the decision layer's {n_classes} rows")
     missing = sorted(k for k, p in problem.model.named_parameters() if p.requires_grad and k not in
                      trajectory.checkpoints[0])
     if missing:  # the replay's features would read today's weights there, not the recorded run's
         return _not_set(f"the recorded trajectory lacks the trainable parameters {missing[:5]}")
-    written, left = sorted(set(classes) | set(earlier)), None
-    if admits is not None and written != classes and (left := admits(written, names)) is not None:
-        written = classes
-    if admits is not None and (why := admits(classes, names)) is not None:
-        return EmptiedRows({"classes": classes, "applied": False, "why": why})
+    replayed = sorted(set(classes) | set(absent))
+    written, absent_refused = replayed, None
+    if admits is not None:
+        if classes and (why := admits(classes, names)) is not None:
+            return EmptiedRows({"classes": classes, "applied": False, "why": why})
+        if absent and (absent_refused := admits(replayed, names)) is not None:
+            written = classes
+            if not written:
+                return _not_set(f"the rows of the classes earlier removals emptied {absent}: {absent_refused}")
     recipe = recipe_of(problem.card) if problem.card is not None else None
     retain = problem.train.without(problem.forget_positions)
     # Retrain's clock: the recipe on D \ U (fewer steps an epoch than the recorded run on the original D)
@@ -133,7 +137,6 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
                                           // max(1, len(trajectory.rates)))
     with problem.stage("emptied_classes", timings):
         views, source = _views(problem, retain, names[0], samples, prepared)
-        replayed = sorted(set(classes) | set(earlier))
         rows, how = integrate_rows(views, trajectory, names, replayed, problem.weight_decay, steps,
                                    float(problem.task.loss_options.get("label_smoothing", 0.0)), rates=rates)
     if written != replayed:
@@ -143,11 +146,20 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
     how["clock"] = (f"Retrain's: the recipe on the {len(retain)} retained samples" if rates is not None else
                     "the recorded run's (no card: the recipe is unknown)")
     record = {**emptied_rows_record(classes, names), **how, "applied": True}
-    if earlier:
-        record.update(earlier_emptied=earlier, written=written)
-        if left is not None:
-            record["earlier_not_written"] = left
+    if absent:
+        record.update(absent_classes=absent, written=written)
+        if absent_refused is not None:
+            record["absent_not_written"] = absent_refused
     return EmptiedRows(record, rows)
+
+
+def absent_classes(labels: Tensor, n_classes: int, recorded_n: int) -> list[int]:
+    """The decision layer's classes no sample of D has, where earlier removals shrank D below the recorded run's
+    ``recorded_n`` samples (a class one of them emptied; or one the original never saw, whose replay then stands for
+    the recorded run's own row); none before any removal."""
+    if int(labels.numel()) >= recorded_n:
+        return []
+    return sorted(set(range(n_classes)) - set(torch.as_tensor(labels).reshape(-1).tolist()))
 
 
 def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int, prepared: Prepared | None
