@@ -45,7 +45,9 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_r8-minil
 # Companion files of a README cell: more rows of the same cell, run by another command on the same reported
 # forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
-README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {}
+README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines.json",),
+}
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
                "finetune")

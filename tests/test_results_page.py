@@ -103,9 +103,10 @@ def test_readme_option_rewrites_only_the_table(tmp_path: Path) -> None:
 
 
 def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path) -> None:
-    from bench.results_page import README_CELLS
+    from bench.results_page import README_CELLS, README_COMPANIONS
 
-    for name in {n for n, _ in README_CELLS}:  # the committed files, without their own games
+    # the committed files (cells and their companions), without their own games
+    for name in {n for n, _ in README_CELLS} | {c for cs in README_COMPANIONS.values() for c in cs}:
         d = json.loads((RESULTS / name).read_text())
         for scenario in d["scenarios"].values():
             scenario.pop("ulira", None)
@@ -121,7 +122,7 @@ def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path)
     table = readme_table(tmp_path)
     header = next(x for x in table.splitlines() if x.startswith("| method |"))
     assert "| deep_r8-minilm_partial_class.json: class (missing) |" in header
-    line = next(x for x in table.splitlines() if x.startswith("- Identities, identity"))
+    line = next(x for x in table.splitlines() if x.startswith("- Identities, identity, 16 shadow pairs"))
     assert "16 shadow pairs (read: the original scores at least 60)" in line
     assert "original 97.2 [94.0, 99.5], trajectory-refit 53.5 [47.2, 60.0]" in line
     assert "salun not played (needs_retrain at shadow 3)" in line
