@@ -135,6 +135,20 @@ STREAM_LOAD = [
     ("requests acknowledged", "durability.audit.acknowledged"),
     ("requests applied exactly once", "durability.audit.applied_exactly_once"),
 ]
+TRAJECTORY_PUSHES = [
+    ("training samples n", "n"), ("random forget set m", "m"), ("trained parameters", "parameters"),
+    ("recorded checkpoints", "checkpoints"), ("replay ends on the saved weights, bit for bit", "replay.bitwise_equal_to_the_saved_model"),
+    ("all of D: the run's data pushes, norm", "all_of_D.exact_norm"),
+    ("all of D: the trapezium over the checkpoints, norm", "all_of_D.trapezium.norm"),
+    ("all of D: the trapezium's cosine with the run's", "all_of_D.trapezium.cosine"),
+    ("U: exact pushes, norm", "forget_set.exact_norm"), ("U: trapezium, norm", "forget_set.trapezium.norm"),
+    ("U: trapezium's cosine with the exact", "forget_set.trapezium.cosine"),
+    ("U: midpoint at the epochs' mean iterates, norm", "forget_set.midpoint.norm"),
+    ("U: midpoint's cosine with the exact", "forget_set.midpoint.cosine"),
+    ("loss on U / on the retained probe, original", "added_back_without_refit.original"),
+    ("the same, exact pushes added back at each scale", "added_back_without_refit.exact"),
+    ("the same, trapezium added back", "added_back_without_refit.trapezium"),
+]
 STREAM_DRIFT = [
     ("model", "model.preset"), ("dtype", "model.dtype"), ("training samples", "model.n_train"),
     ("requests", "requests"), ("batch size", "batch"), ("batches", "batches"),
@@ -167,6 +181,8 @@ BENCHMARKS: list[tuple[str, str, str | None, Callable[[dict[str, Any]], list[str
      lambda d: figure_table(d, STREAM_LOAD)),
     ("stream_drift", "Drift of the streaming fast path", "bench/stream_drift.py",
      lambda d: figure_table(d, STREAM_DRIFT)),
+    ("trajectory_pushes", "Trajectory-refit's pushes against the run's own", "bench/trajectory_pushes.py",
+     lambda d: figure_table(d, TRAJECTORY_PUSHES)),
     ("gpu_reid", "One removal on the ResNet-50 re-ID model", "bench/bench_gpu_reid.py", summariser("gpu_reid")),
     ("gpu_check", "GPU check", None, summariser("generic")),
     ("huge_layers", "Huge layers: VGG-16 on the CPU", "bench/bench_huge_layers.py", summariser("huge_layers")),

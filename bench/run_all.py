@@ -66,6 +66,8 @@ BENCHMARKS: dict[str, dict[str, Any]] = {
        for name in ("fmnist", "r8")},
     "stream_load": {"module": "stream_load", "default": [], "quick": ["--quick"], "smoke": None},
     "stream_drift": {"module": "stream_drift", "default": [], "quick": None, "smoke": None},
+    "trajectory_pushes": {"module": "trajectory_pushes", "default": ["--threads", "1"],
+                          "quick": ["--quick", "--threads", "1"], "smoke": ["--smoke"]},
 }
 TIMEOUTS = {"default": 4 * 3600, "quick": 900, "smoke": 300}
 

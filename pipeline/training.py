@@ -148,8 +148,13 @@ def fit_sgd(
     model: nn.Module, task: Task, data: SampleSet, weight_decay: float, *,
     epochs: int, lr: float, batch_size: int, momentum: float = 0.9, seed: int = 0,
     callback: Callable[[int, float], None] | None = None, report_samples: int | None = None,
+    on_batch: Callable[[int, Tensor, Tensor], None] | None = None,
 ) -> FitReport:
     """Mini-batch SGD with momentum on L_D (seeded shuffling); cosine learning-rate decay.
+
+    ``on_batch(step, positions, per_sample_losses)``: told of every step before its backward pass (the batch's
+    positions in ``data`` and its per-sample losses, with their graph; the weights are the step's), e.g. to read
+    some samples' own gradients along the run (``bench.trajectory_pushes``); it must not change the weights.
 
     The report (final objective and gradient norm at the trained weights, in eval mode) is measured on
     all of ``data``, or on a seeded subsample of ``report_samples`` of it (the same seed as the
@@ -168,7 +173,10 @@ def fit_sgd(
                 batch_set = data.take(order[start : start + batch_size])
                 batch = batch_set.columns
                 opt.zero_grad()
-                loss = task.per_sample_loss(task.forward(model, batch), batch).mean() + l2_penalty(model, weight_decay)
+                per_sample = task.per_sample_loss(task.forward(model, batch), batch)
+                if on_batch is not None:
+                    on_batch(epoch * per_epoch + start // batch_size, order[start : start + batch_size], per_sample)
+                loss = per_sample.mean() + l2_penalty(model, weight_decay)
                 loss.backward()
                 opt.step()
                 running += float(loss.detach()) * len(batch_set)
