@@ -48,6 +48,9 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_fmnist-c
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines.json",),
+    **{(f"deep_identities_partial_{sc}.json", sc):
+       ("deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",)
+       for sc in ("random_1pct", "random_10pct", "subject")},
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
@@ -138,7 +141,8 @@ STREAM_LOAD = [
 ]
 TRAJECTORY_PUSHES = [
     ("training samples n", "n"), ("random forget set m", "m"), ("trained parameters", "parameters"),
-    ("recorded checkpoints", "checkpoints"), ("replay ends on the saved weights, bit for bit", "replay.bitwise_equal_to_the_saved_model"),
+    ("recorded checkpoints", "checkpoints"),
+    ("replay ends on the saved weights, bit for bit", "replay.bitwise_equal_to_the_saved_model"),
     ("all of D: the run's data pushes, norm", "all_of_D.exact_norm"),
     ("all of D: the trapezium over the checkpoints, norm", "all_of_D.trapezium.norm"),
     ("all of D: the trapezium's cosine with the run's", "all_of_D.trapezium.cosine"),

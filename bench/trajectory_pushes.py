@@ -1,9 +1,9 @@
 """How far trajectory-refit's pushes are from the run's own: the recipe replayed step for step, a random forget
 set's exact pushes read along it, against the checkpoint estimates the method uses.
 
-    python -m bench.trajectory_pushes --threads 1                 # the identities ResNet of configs/models/reid-identities.yaml
+    python -m bench.trajectory_pushes --threads 1     # the identities ResNet (configs/models/reid-identities.yaml)
     python -m bench.trajectory_pushes --model-dir runs/models/reid-identities --fraction 0.01
-    python -m bench.trajectory_pushes --quick                     # the same on fewer identities and epochs
+    python -m bench.trajectory_pushes --quick         # the same on fewer identities and epochs
 
 Heavy-ball SGD moves the weights by w_K - w_0 = - sum_k c_k g_k (``pipeline.trajectory``), so U's own pushes are
     P_U = sum_k c_k (1 / B) sum_{z in U and in batch k} grad loss(w_k, z),
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay bitwise: {result['replay']['bitwise_equal_to_the_saved_model']}; all of D: exact "
           f"{d['exact_norm']:.3g}, trapezium {d['trapezium']['norm']:.3g} (cosine {d['trapezium']['cosine']:.3f}); "
           f"U ({result['m']}): exact {u['exact_norm']:.3g}, trapezium {u['trapezium']['norm']:.3g} (cosine "
-          f"{u['trapezium']['cosine']:.3f}), midpoint {u['midpoint']['norm']:.3g} (cosine {u['midpoint']['cosine']:.3f});"
+          f"{u['trapezium']['cosine']:.3f}), midpoint {u['midpoint']['norm']:.3g} (cosine "
+          f"{u['midpoint']['cosine']:.3f});"
           f" wrote {out}")
     return 0
 
