@@ -47,6 +47,7 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_fmnist-c
 # forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",),
     ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines.json",),
     **{(f"deep_identities_partial_{sc}.json", sc):
        ("deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",)
