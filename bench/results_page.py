@@ -38,6 +38,7 @@ README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_fmnist-cnn_partial_subject.json", "subject"),
                 ("deep_r8-minilm_partial_class.json", "class"),
                 ("deep_r8-minilm_partial_random_1pct.json", "random_1pct"),
+                ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"),
                 ("deep_r8-minilm_partial_subject.json", "subject"),
                 ("deep_identities_partial_identity.json", "identity"),
                 ("deep_identities_partial_random_1pct.json", "random_1pct"),
