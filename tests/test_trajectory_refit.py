@@ -443,6 +443,10 @@ def test_classes_emptied_one_request_at_a_time_land_where_one_request_emptying_t
     assert at_once.classes == [3, 4] and "absent_classes" not in at_once.record
     none_yet = _emptied_plan(class_3, train, torch.nonzero(y == 5).flatten()[:3], _views_state(class_3, train))
     assert none_yet.record == {"classes": [], "applied": False, "why": "every class of U keeps retained samples"}
+    # a class D never had (a spare row of the decision layer) is no request's doing: left as the model has it
+    spare = train.without(torch.nonzero(y == 9).flatten())
+    own = _emptied_plan(class_3, spare, torch.nonzero(spare.columns["y"] == 3).flatten(), _views_state(class_3, spare))
+    assert own.written == [3] and "absent_classes" not in own.record
 
     state = _views_state(class_3, train)
     model = copy.deepcopy(class_3.original)

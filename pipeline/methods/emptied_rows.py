@@ -93,9 +93,9 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
     request, on a sample of D \\ U of the removal's seed, where fewer than half of S are retained (or nothing keeps
     them). ``admits(classes, names)``: why the method's step cannot take these rows (None: it can).
 
-    After earlier removals (D smaller than the recorded run's n), the classes D already lacks (``absent_classes``)
-    are replayed jointly with U's and written too, on every request: Retrain on D \\ U has none of their samples, and
-    each row's softmax share enters the others' equations. Where ``admits`` refuses them, U's rows alone are written."""
+    The classes earlier requests on this model emptied (kept in ``prepared``) that D still lacks are replayed
+    jointly with U's and written too, on every request: Retrain on D \\ U has none of their samples, and each row's
+    softmax share enters the others' equations. Where ``admits`` refuses them, U's rows alone are written."""
     if mode == "corrected":
         return _not_set("emptied_classes: corrected")
     trajectory = problem.trajectory
@@ -111,7 +111,8 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
         return _not_set(f"no decision layer found: {err}") if classes else _not_set(
             "every class of U keeps retained samples")
     n_classes = int(dict(problem.model.named_parameters())[names[0]].shape[0])
-    absent = absent_classes(labels, n_classes, trajectory.n)
+    keeper = prepared if isinstance(prepared, FrozenPrefixPrepared) else None
+    absent = absent_classes(labels, keeper.emptied_classes) if keeper is not None else []
     if not classes and not absent:
         return _not_set("every class of U keeps retained samples")
     if any(not 0 <= c < n_classes for c in classes):
@@ -120,6 +121,8 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
                      trajectory.checkpoints[0])
     if missing:  # the replay's features would read today's weights there, not the recorded run's
         return _not_set(f"the recorded trajectory lacks the trainable parameters {missing[:5]}")
+    if keeper is not None:
+        keeper.emptied_classes.update(classes)  # a request refused later leaves them in D: absent_classes skips them
     replayed = sorted(set(classes) | set(absent))
     written, absent_refused = replayed, None
     if admits is not None:
@@ -153,13 +156,9 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
     return EmptiedRows(record, rows)
 
 
-def absent_classes(labels: Tensor, n_classes: int, recorded_n: int) -> list[int]:
-    """The decision layer's classes no sample of D has, where earlier removals shrank D below the recorded run's
-    ``recorded_n`` samples (a class one of them emptied; or one the original never saw, whose replay then stands for
-    the recorded run's own row); none before any removal."""
-    if int(labels.numel()) >= recorded_n:
-        return []
-    return sorted(set(range(n_classes)) - set(torch.as_tensor(labels).reshape(-1).tolist()))
+def absent_classes(labels: Tensor, emptied: set[int]) -> list[int]:
+    """The classes of ``emptied`` (earlier requests emptied them) that no sample of D (``labels``) has."""
+    return sorted(set(emptied) - set(torch.as_tensor(labels).reshape(-1).tolist()))
 
 
 def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int, prepared: Prepared | None

@@ -30,12 +30,14 @@ class FrozenPrefixPrepared(Prepared):
     ``details`` says which). ``checkpoint_views``: the emptied-class replay's views of the recorded run on a fixed
     sample of D, keyed by what they were computed from (``pipeline.methods.emptied_rows``): computed by the first
     request that needs them, carried to every later version (they read the recorded run, not the weights; a request
-    drops U's rows)."""
+    drops U's rows). ``emptied_classes``: the classes requests on this model and its later versions emptied (the
+    replay writes again those D still lacks), carried alike."""
 
     split: Split | None = None
     features: SampleSet | None = None
     prefix: str | None = None
     checkpoint_views: dict[tuple[int, int, str], CheckpointViews] = field(default_factory=dict)
+    emptied_classes: set[int] = field(default_factory=set)
 
     what = "the frozen prefix's outputs on D (the layers before the first trainable one), where the model has one"
 
@@ -46,16 +48,17 @@ class FrozenPrefixPrepared(Prepared):
         return PrefixCache(self.split, self.split.suffix_of(model), self.features, 0.0)
 
     def fresh_copy(self) -> "FrozenPrefixPrepared":
-        return replace(self, checkpoint_views={})
+        return replace(self, checkpoint_views={}, emptied_classes=set())
 
     def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         if self.split is None or self.features is None:
-            return type(self)(binding, 0.0, dict(self.details), checkpoint_views=self.checkpoint_views)
+            return type(self)(binding, 0.0, dict(self.details), checkpoint_views=self.checkpoint_views,
+                              emptied_classes=self.emptied_classes)
         if prefix_digest(self.split, trained.model) != self.prefix:
             return None
         return type(self)(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
                           split=self.split, features=self.features.without(removed), prefix=self.prefix,
-                          checkpoint_views=self.checkpoint_views)
+                          checkpoint_views=self.checkpoint_views, emptied_classes=self.emptied_classes)
 
 
 def over_half_budget(model: nn.Module, held: int, what: str, device: str | torch.device | None = None) -> str | None:
