@@ -326,10 +326,10 @@ def best_of_cell(summary: dict[str, Any], rows: tuple[str, ...] | None = None) -
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return float(value) if ok else None
 
-    scored = [row for row in ran if gap(row) is not None]
+    scored = {row: value for row in ran if (value := gap(row)) is not None}
     if not scored:
         return "-"
-    best = min(scored, key=lambda row: gap(row))
+    best = min(scored, key=scored.__getitem__)
     return f"{best} {readme_cell(summary[best])} (of {len(ran)} run)"
 
 

@@ -35,7 +35,7 @@ from pipeline.methods.trajectory_refit import forget_pushes
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import init_of, initial_model, recipe_of
 from pipeline.target.replay import ReplaySchedule
-from pipeline.trajectory import Trajectory, load_checkpoint
+from pipeline.trajectory import Trajectory, load_checkpoint, stretch_rates
 from pipeline.training import fit_sgd, mean_loss
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "models" / "reid-identities.yaml"
@@ -50,16 +50,6 @@ PROFILES: dict[str, dict[str, Any]] = {
 U_SEED = 11  # the random forget set's seed
 
 
-def carried_rates(schedule: ReplaySchedule, n: int) -> list[float]:
-    """c_k = sum_{j >= k} eta_j beta^(j - k) for every step of the recipe on n samples."""
-    rates = schedule.step_rates(n)
-    out, tail = [0.0] * len(rates), 0.0
-    for k in range(len(rates) - 1, -1, -1):
-        tail = rates[k] + schedule.momentum * tail
-        out[k] = tail
-    return out
-
-
 def flat(params: list[Tensor]) -> Tensor:
     return torch.cat([p.detach().reshape(-1).double().cpu() for p in params])
 
@@ -71,7 +61,7 @@ def exact_pushes(model: nn.Module, task: Any, data: SampleSet, recipe: Any, forg
     mean iterate, lambda sum_k c_k w_k); U = ``forget`` (positions in ``data``). ``model`` ends where the run ends."""
     params = [p for p in model.parameters() if p.requires_grad]
     schedule = ReplaySchedule(recipe.epochs, recipe.lr, recipe.momentum, recipe.batch_size, recipe.weight_decay)
-    c = carried_rates(schedule, len(data))
+    c = stretch_rates(schedule.step_rates(len(data)), schedule.momentum, 1)  # c_k, stretches of one step
     per_epoch = len(c) // recipe.epochs
     in_forget = torch.zeros(len(data), dtype=torch.bool)
     in_forget[forget] = True
