@@ -246,7 +246,9 @@ def cannot_discriminate(original_gap: float, reseed_gap: float) -> bool:
 
 # ---- rows and their settings -----------------------------------------------------------------------
 def load_tuning(dataset: str, path: Path | None = None) -> dict[str, Any]:
-    """configs/tuning/<dataset>.yaml, checked: every grid has exactly ``size`` points."""
+    """configs/tuning/<dataset>.yaml, checked: every grid has exactly ``size`` points, and every point (the row's
+    variant + base + point) is valid settings of the row's method, so that a grid no removal can run (e.g. SCRUB's
+    max_steps above its epochs) fails here, naming the point, not as a refused row hours into a run."""
     from pipeline.config import load_yaml
 
     path = path or CONFIGS / "tuning" / f"{dataset}.yaml"
@@ -256,6 +258,12 @@ def load_tuning(dataset: str, path: Path | None = None) -> dict[str, Any]:
         grid = entry.get("grid") or []
         if len(grid) != size:
             raise ValueError(f"{path}: rows.{row}.grid has {len(grid)} settings; every row has size = {size}")
+        for i, point in enumerate(grid):
+            try:
+                resolve_settings(row, {**dict(entry.get("base") or {}), **dict(point)}, n_retain=1000)
+            except ValueError as err:   # pydantic's ValidationError is a ValueError
+                raise ValueError(f"{path}: rows.{row}.grid[{i}] ({point}) is not valid settings of {row}: "
+                                 f"{err}") from None
     if len(raw.get("default", {}).get("lr_factors", [])) != size:
         raise ValueError(f"{path}: default.lr_factors must have size = {size} entries")
     return {**raw, "path": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)}

@@ -403,3 +403,19 @@ def test_a_file_written_under_an_older_profile_names_the_flags_that_reproduce_it
     assert deep_forgetting.reproduce_command({**old, "dataset": "mnist"}) == (None, [])
     moved = {**old, "profile_settings": {**old["profile_settings"], "row_floor": 30.0, "mia": [1000, 2]}}
     assert deep_forgetting.reproduce_command(moved) == (flags, ["mia", "row_floor"])
+
+
+def test_every_committed_tuning_grid_is_valid_settings_and_a_bad_point_is_named(tmp_path: Path) -> None:
+    """Every point of every committed grid is valid settings of its row's method (variant + base + point), checked
+    when the file loads; a point no removal can run (SCRUB with max_steps above its epochs) is refused there, the
+    file, the row and the point named, not recorded as a refused row hours into a run."""
+    from bench import deep_forgetting
+
+    for dataset in deep_forgetting.DATASETS:
+        tuning = deep_forgetting.load_tuning(dataset)
+        assert tuning["size"] >= 1 and tuning["rows"]
+    bad = tmp_path / "grid.yaml"
+    bad.write_text("size: 2\ndefault: {base: {}, lr_factors: [1.0, 3.0]}\nrows:\n  scrub:\n"
+                   "    base: {epochs: 1}\n    grid: [{lr: 0.001, max_steps: 1}, {lr: 0.01}]\n")
+    with pytest.raises(ValueError, match=r"(?s)rows\.scrub\.grid\[1\].*max_steps \(2\) exceeds epochs \(1\)"):
+        deep_forgetting.load_tuning("fmnist-cnn", bad)
