@@ -647,15 +647,26 @@ def set_eval(ctx: Context, fs: ForgetSet) -> SetEval:
     return SetEval(fs, forget, retain, retain_eval, ctx.test, mask)
 
 
+class NonFiniteOutputs(FloatingPointError):
+    """A removal left finite weights whose outputs overflow (recorded as the row's error, never scored)."""
+
+
 def score(ctx: Context, model: nn.Module, ev: SetEval, seed: int, mia: str = "mia") -> dict[str, Any]:
     """UA, RA, TA (TA_forgotten), MIA from one pass per set, plus the logits kept for the KL gaps and, for
-    the identity benchmark, the embedding metrics of the forgotten identity."""
+    the identity benchmark, the embedding metrics of the forgotten identity. Raises ``NonFiniteOutputs`` where
+    the model's outputs on a set are not all finite (e.g. gradient ascent at a large rate: finite weights, logits
+    past float range), which no metric can score."""
     from pipeline.evaluate.mia import mia_efficacy_from_logits
     from pipeline.evaluate.classification import score_logits
 
     z_forget = ctx.logits(model, ev.forget)
     z_retain = ctx.logits(model, ev.retain_eval)
     z_test = ctx.logits(model, ev.test)
+    broken = [name for name, z in (("forget", z_forget), ("retained", z_retain), ("test", z_test))
+              if not bool(torch.isfinite(torch.as_tensor(z)).all())]
+    if broken:
+        raise NonFiniteOutputs(f"the removed model's outputs are non-finite on the {' and '.join(broken)} samples "
+                               "(finite weights, logits past float range): not scored")
     y_f, y_r, y_t = ev.forget.columns["y"], ev.retain_eval.columns["y"], ev.test.columns["y"]
     keep = torch.ones(len(y_t), dtype=torch.bool) if ev.forgotten_mask is None else ~ev.forgotten_mask
     row: dict[str, Any] = {
@@ -904,8 +915,14 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
             for j, raw in enumerate(points):
                 ctx.tick(f"tune {row} {j}")
                 res = ctx.remove(row, raw, 0, fs, seed)
+                scored = None
                 if "model" in res:
-                    scored = score(ctx, res.pop("model"), ev, seed, "tuning_mia")
+                    try:
+                        scored = score(ctx, res.pop("model"), ev, seed, "tuning_mia")
+                    except NonFiniteOutputs as err:
+                        res = {"error": f"{type(err).__name__}: {err}", "spent": res["seconds"],
+                               **({"notes": res["notes"]} if res.get("notes") else {})}
+                if scored is not None:
                     gap = avg_gap(scored, refs["retrain"])
                     phi_gap = float(np.mean(logit_confidence(scored["_logits"]["forget"], ev.forget.columns["y"])
                                             - phi_retrain))
@@ -943,6 +960,12 @@ def run_set(ctx: Context, fs: ForgetSet, ulira_shadows: int) -> dict[str, Any]:
         ctx.tick(f"{fs.scenario} {fs.index}: {row}")
         raw = ctx.chosen[(row, fs.scenario)]
         res = ctx.remove(row, raw, 0, fs, seed)
+        if "model" in res:
+            try:
+                scored = score(ctx, res["model"], ev, seed)
+            except NonFiniteOutputs as err:
+                res = {"error": f"{type(err).__name__}: {err}", "spent": res["seconds"] + res["preparation_seconds"],
+                       **({"notes": res["notes"]} if res.get("notes") else {})}
         if "model" not in res:
             cell = {k: v for k, v in res.items() if k in ("needs_retrain", "error", "diagnostics", "notes", "traceback")}
             cell["cold_seconds"] = res["spent"] + retrain_s  # what the user pays: the attempt, then Retrain
@@ -950,7 +973,6 @@ def run_set(ctx: Context, fs: ForgetSet, ulira_shadows: int) -> dict[str, Any]:
             rows[row] = cell
             continue
         model = res.pop("model")
-        scored = score(ctx, model, ev, seed)
         cold = res["seconds"] + res["preparation_seconds"]
         rows[row] = {**scored, "seconds": res["seconds"], "preparation_seconds": res["preparation_seconds"],
                      "cold_seconds": cold, "served": True, **({"notes": res["notes"]} if res.get("notes") else {})}

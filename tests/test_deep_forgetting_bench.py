@@ -419,3 +419,40 @@ def test_every_committed_tuning_grid_is_valid_settings_and_a_bad_point_is_named(
                    "    base: {epochs: 1}\n    grid: [{lr: 0.001, max_steps: 1}, {lr: 0.01}]\n")
     with pytest.raises(ValueError, match=r"(?s)rows\.scrub\.grid\[1\].*max_steps \(2\) exceeds epochs \(1\)"):
         deep_forgetting.load_tuning("fmnist-cnn", bad)
+
+
+def test_a_removal_whose_outputs_overflow_is_recorded_not_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A removal can leave finite weights whose logits pass float range (gradient ascent at a large rate did, on the
+    identities model): the MIA's SVC cannot take them. Tuning and the reported set record the row's error and the
+    run goes on; the other rows are scored as before."""
+    from bench import deep_forgetting as df
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ctx = df.setup("fmnist-cnn", "smoke")
+        ctx.rows = ["finetune", "salun"]
+        real_remove = df.Context.remove
+
+        def overflowing(self: df.Context, row: str, *args: object, **kwargs: object) -> dict:
+            res = real_remove(self, row, *args, **kwargs)
+            if row == "finetune" and "model" in res:
+                last = [m for m in res["model"].modules() if isinstance(m, torch.nn.Linear)][-1]
+                with torch.no_grad():       # finite weights, logits past float32's range (3e38 + 3e38 h)
+                    last.weight.fill_(3e38)
+                    last.bias.fill_(3e38)
+                assert all(bool(torch.isfinite(p).all()) for p in res["model"].parameters())
+            return res
+
+        monkeypatch.setattr(df.Context, "remove", overflowing)
+        reported, tuning = df.draw_forget_sets("subject", ctx.train, ctx.num_classes, 1, 1)
+        tuned = df.tune_scenario(ctx, "subject", tuning)
+        scored = df.run_set(ctx, reported[0], 0)
+    finally:
+        torch.set_num_threads(threads)
+    finetune = tuned["rows"]["finetune"]["points"][0]["per_set"][0]
+    assert finetune["error"].startswith("NonFiniteOutputs") and "AvgGap" not in finetune
+    assert math.isfinite(tuned["rows"]["salun"]["points"][0]["mean_AvgGap"])
+    row = scored["rows"]["finetune"]
+    assert row["served"] is False and row["error"].startswith("NonFiniteOutputs") and row["cold_seconds"] > 0
+    assert scored["rows"]["salun"]["served"] is True and math.isfinite(scored["rows"]["salun"]["AvgGap"])
