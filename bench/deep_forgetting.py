@@ -1183,10 +1183,12 @@ def aggregate(runs: list[dict[str, Any]], camp: dict[str, Any] | None) -> dict[s
 def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None, scenarios: tuple[str, ...] | None = None,
         tuning_path: Path | None = None, progress_label: str | None = None,
         checkpoint: Callable[[dict[str, Any]], None] | None = None, overrides: dict[str, Any] | None = None,
-        command: list[str] | None = None) -> dict[str, Any]:
+        command: list[str] | None = None, tuning_only: bool = False) -> dict[str, Any]:
     """The whole benchmark for one dataset; returns the JSON-ready result (``checkpoint`` is handed the
     partial result after every scenario). ``overrides``: profile entries replaced (sets, shadows, campaign),
-    recorded with the result."""
+    recorded with the result. ``tuning_only``: the sets are drawn as the same flags draw them for a full run (so
+    the tuning sets are that run's, disjoint from its reported sets) and only the tuning runs: a sweep of a wider
+    grid (``tuning_path``) whose figures place a row's grid without touching a reported set."""
     from pipeline.progress import bar, note
 
     started = time.perf_counter()
@@ -1203,16 +1205,17 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
     for sc in scenarios:
         reported, tuning = draw_forget_sets(sc, ctx.train, ctx.num_classes, int(prof["sets"]), int(prof["tuning_sets"]))
         plan[sc] = {"reported": reported, "tuning": tuning,
-                    "campaign": campaign_sets(sc, ctx.train, ctx.num_classes, int(prof["campaign"]))}
+                    "campaign": [] if tuning_only else campaign_sets(sc, ctx.train, ctx.num_classes, int(prof["campaign"]))}
     rows_n = len(ctx.rows)
     retrains = int(prof["tuning_retrains"])
-    total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + len(p["reported"]) * (2 + rows_n)
+    total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + (0 if tuning_only else (
+                len(p["reported"]) * (2 + rows_n)
                 + (2 * (shadows - 1) + (shadows - 1) * rows_n if sc in spec.ulira and shadows else 0)
-                + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0) for sc, p in plan.items())
+                + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0))) for sc, p in plan.items())
     model0 = ctx.original(0)
     result: dict[str, Any] = {
         "benchmark": "deep_forgetting", "dataset": dataset, "dataset_title": spec.title, "profile": profile,
-        "quick": profile != "full",
+        "quick": profile != "full", "tuning_only": tuning_only,
         "command": ["python", "-m", "bench.deep_forgetting", *(command if command is not None else [
             "--dataset", dataset, *([f"--{profile}"] if profile != "full" else []),
             "--threads", str(torch.get_num_threads())])],
@@ -1247,6 +1250,11 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
         for sc in scenarios:
             p = plan[sc]
             result["tuning"]["scenarios"][sc] = tune_scenario(ctx, sc, p["tuning"])
+            if tuning_only:
+                result["wall_seconds"] = time.perf_counter() - started
+                if checkpoint is not None:
+                    checkpoint(jsonable(result))
+                continue
             runs = []
             for i, fs in enumerate(p["reported"]):
                 game = shadows if (sc in spec.ulira and i == 0 and shadows >= 3) else 0
@@ -1387,6 +1395,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                  "are charged Retrain's seconds there. served: requests served (reported sets + campaign).")
     if result.get("skipped_rows"):
         lines.append("Not applicable (skipped): " + "; ".join(f"{k}: {v}" for k, v in result["skipped_rows"].items()) + ".")
+    if result.get("tuning_only"):
+        lines += render_tuning(result)
     for scenario, block in result["scenarios"].items():
         cols = columns_of(result, scenario)
         ms = [r["m"] for r in block["runs"]]
@@ -1409,6 +1419,26 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {label} | " + " | ".join(_fmt(agg, c) for c in cols) + " |")
         lines += render_ulira_reads(block.get("ulira"))
     return "\n".join(lines) + "\n"
+
+
+def render_tuning(result: dict[str, Any]) -> list[str]:
+    """A tuning-only run (a sweep): per scenario, every row's points on the tuning sets (no reported set ran)."""
+    lines = ["", "Tuning only (a sweep): no reported set ran. Per point, the mean Avg. Gap to Retrain over the scenario's "
+             "tuning sets and, on its first set, UA / RA / TA / MIA (or why it has no score)."]
+    for scenario, block in result["tuning"]["scenarios"].items():
+        labels = [fs.get("label") for fs in block["sets"]]
+        lines += ["", f"**{scenario}** (tuning sets: {len(labels)}"
+                  + (f", labels {', '.join(str(x) for x in labels)}" if any(x is not None for x in labels) else "")
+                  + ")", "", "| row | settings | mean Avg. Gap | UA / RA / TA / MIA (first set) |", "|---|---|---|---|"]
+        for row, entry in block["rows"].items():
+            for point in entry["points"]:
+                first = point["per_set"][0] if point["per_set"] else {}
+                gap = point.get("mean_AvgGap")
+                scores = (" / ".join(f"{first[k]:.1f}" for k in ("UA", "RA", "TA", "MIA")) if "UA" in first else
+                          "failed: " + str(first.get("error") or first.get("needs_retrain") or "-")[:80])
+                shown = json.dumps(point["settings"], sort_keys=True).replace("|", "/")
+                lines.append(f"| {row} | `{shown}` | {'-' if gap is None else f'{gap:.1f}'} | {scores} |")
+    return lines
 
 
 def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
@@ -1435,7 +1465,13 @@ def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
 
 
 def render_summary(result: dict[str, Any]) -> str:
-    """One compact table: Avg. Gap (and cost) of every row in every scenario."""
+    """One compact table: Avg. Gap (and cost) of every row in every scenario (a sweep: what it ran)."""
+    if result.get("tuning_only"):
+        tuned = result["tuning"]["scenarios"]
+        rows = sorted({row for block in tuned.values() for row in block["rows"]})
+        return (f"**{result['dataset_title']}** ({result.get('profile', 'full')}), n = {result['data']['n_train']:,}: a "
+                f"sweep on the tuning sets only ({', '.join(tuned)}; {result['tuning']['grid_used']} points per row of "
+                f"{', '.join(rows)} from `{result['tuning']['file']}`); no reported set ran.\n")
     scenarios = list(result["scenarios"])
     rows: list[str] = []
     for sc in scenarios:
@@ -1497,6 +1533,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
     parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a shared machine)")
+    parser.add_argument("--tuning-grid", type=Path, default=None, help="a tuning grid file in place of "
+                        "configs/tuning/<dataset>.yaml (e.g. a wider sweep: configs/tuning/sweeps/)")
+    parser.add_argument("--tuning-only", action="store_true", help="run the tuning alone, on the tuning sets the "
+                        "same flags draw for a full run; no reported set, no campaign (writes *_sweep.json)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", type=Path, nargs="*", default=None, help="print the tables of these JSON files")
     args = parser.parse_args(argv)
@@ -1511,9 +1551,12 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"deep_{args.dataset}" + ("" if profile == "full" else f"_{profile}")
     if overrides or scenarios or args.methods:
         stem += "_partial" + ("_" + "-".join(scenarios) if scenarios else "")
+    if args.tuning_only:
+        stem += "_sweep"
     methods = args.methods.split(",") if args.methods else None
     result = run(args.dataset, profile=profile, methods=methods, scenarios=scenarios, overrides=overrides,
-                 command=sys.argv[1:] if argv is None else list(argv),
+                 command=sys.argv[1:] if argv is None else list(argv), tuning_path=args.tuning_grid,
+                 tuning_only=args.tuning_only,
                  checkpoint=lambda partial: write_outputs(partial, stem, args.out_dir))
     paths = write_outputs(result, stem, args.out_dir)
     print(render_markdown(result))

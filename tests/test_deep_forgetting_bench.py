@@ -456,3 +456,36 @@ def test_a_removal_whose_outputs_overflow_is_recorded_not_scored(monkeypatch: py
     row = scored["rows"]["finetune"]
     assert row["served"] is False and row["error"].startswith("NonFiniteOutputs") and row["cold_seconds"] > 0
     assert scored["rows"]["salun"]["served"] is True and math.isfinite(scored["rows"]["salun"]["AvgGap"])
+
+
+def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported(tmp_path: Path) -> None:
+    """--tuning-only with a sweep grid: the sets are drawn as the same flags draw them for a full run, so the tuning
+    sets are that run's (disjoint from its reported sets); only they run (no reported set, no campaign), on the
+    sweep file's grid; the file is *_sweep.json and its table lists every point."""
+    from bench import deep_forgetting as df
+
+    grid = tmp_path / "sweep.yaml"
+    grid.write_text("size: 2\ndefault: {base: {}, lr_factors: [1.0, 3.0]}\nrows:\n  finetune:\n"
+                    "    base: {epochs: 1}\n    grid: [{lr: 0.001}, {lr: 0.01}]\n")
+    threads = torch.get_num_threads()
+    try:
+        code = df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject",
+                        "--methods", "finetune", "--tuning-only", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    out = json.loads((tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.json").read_text())
+    assert out["tuning_only"] is True and out["scenarios"] == {} and out["tuning"]["file"] == str(grid)
+    points = out["tuning"]["scenarios"]["subject"]["rows"]["finetune"]["points"]
+    cap = df.PROFILES["smoke"]["fmnist-cnn"].get("grid") or 2   # the smoke profile runs the grid's first points
+    assert [p["settings"]["lr"] for p in points] == [0.001, 0.01][:cap] and all("AvgGap" in p["per_set"][0] for p in points)
+    ctx = df.setup("fmnist-cnn", "smoke")
+    reported, tuning = df.draw_forget_sets("subject", ctx.train, ctx.num_classes, int(ctx.profile["sets"]),
+                                           int(ctx.profile["tuning_sets"]))
+    declared = out["declared_sets"]["subject"]
+    assert [s["sample_ids"] for s in declared["tuning"]] == [fs.describe()["sample_ids"] for fs in tuning]
+    assert [s["sample_ids"] for s in declared["reported"]] == [fs.describe()["sample_ids"] for fs in reported]
+    assert not set(declared["tuning"][0]["sample_ids"]) & set(declared["reported"][0]["sample_ids"])
+    table = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.md").read_text()
+    assert "Tuning only (a sweep)" in table and table.count("| finetune |") == len(points)
+    assert "no reported set ran" in df.render_summary(out)   # what the results page shows of it
