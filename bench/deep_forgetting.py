@@ -269,6 +269,30 @@ def load_tuning(dataset: str, path: Path | None = None) -> dict[str, Any]:
     return {**raw, "path": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)}
 
 
+SWEEP_FAILED_GAP = 100.0   # a sweep point that failed (refused, non-finite, timed out) on a tuning set counts this
+
+
+def grid_from_sweep(sweep: dict[str, Any], size: int) -> dict[str, list[dict[str, Any]]]:
+    """The rule that turns a sweep (a ``--tuning-only`` result over a wider grid) into a row's grid of ``size``
+    points: the ``size`` points with the least mean Avg. Gap over every swept scenario's tuning sets, a failed set
+    counting ``SWEEP_FAILED_GAP``; ties kept in the sweep's order; the points in the sweep's order."""
+    scores: dict[str, list[list[float]]] = {}
+    settings: dict[str, list[dict[str, Any]]] = {}
+    for block in sweep["tuning"]["scenarios"].values():
+        for row, entry in block["rows"].items():
+            settings.setdefault(row, [p["settings"] for p in entry["points"]])
+            per_point = scores.setdefault(row, [[] for _ in entry["points"]])
+            for j, point in enumerate(entry["points"]):
+                per_point[j] += [float(x["AvgGap"]) if isinstance(x.get("AvgGap"), (int, float))
+                                 and math.isfinite(x["AvgGap"]) else SWEEP_FAILED_GAP for x in point["per_set"]]
+    grids = {}
+    for row, per_point in scores.items():
+        means = [float(np.mean(v)) if v else SWEEP_FAILED_GAP for v in per_point]
+        best = sorted(sorted(range(len(means)), key=lambda j: means[j])[:size])
+        grids[row] = [settings[row][j] for j in best]
+    return grids
+
+
 def registered_rows() -> list[str]:
     """Every registered method and every variant file whose name is not its method's (sorted)."""
     from pipeline.methods import METHODS

@@ -489,3 +489,20 @@ def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported
     table = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.md").read_text()
     assert "Tuning only (a sweep)" in table and table.count("| finetune |") == len(points)
     assert "no reported set ran" in df.render_summary(out)   # what the results page shows of it
+
+
+def test_a_sweep_gives_each_row_its_points_with_the_least_mean_avg_gap() -> None:
+    """grid_from_sweep: per row, the points with the least mean Avg. Gap over every swept scenario's tuning sets, a
+    failed set counting SWEEP_FAILED_GAP, kept in the sweep's order."""
+    from bench.deep_forgetting import SWEEP_FAILED_GAP, grid_from_sweep
+
+    def point(lr: float, *gaps: float | None) -> dict:
+        return {"settings": {"lr": lr}, "per_set": [{"AvgGap": g} if g is not None else {"error": "x"} for g in gaps]}
+
+    sweep = {"tuning": {"scenarios": {
+        "a": {"rows": {"ga": {"points": [point(1, 10.0), point(2, 5.0), point(3, None), point(4, 1.0)]}}},
+        "b": {"rows": {"ga": {"points": [point(1, 10.0), point(2, 30.0), point(3, 0.0), point(4, 2.0)]}}}}}}
+    # means: 10, 17.5, 50 (a failed set counts 100), 1.5 -> the two least: lr 4 and lr 1, in the sweep's order
+    assert SWEEP_FAILED_GAP == 100.0
+    assert grid_from_sweep(sweep, 2) == {"ga": [{"lr": 1}, {"lr": 4}]}
+    assert grid_from_sweep(sweep, 3) == {"ga": [{"lr": 1}, {"lr": 2}, {"lr": 4}]}
