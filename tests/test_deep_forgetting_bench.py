@@ -506,3 +506,26 @@ def test_a_sweep_gives_each_row_its_points_with_the_least_mean_avg_gap() -> None
     assert SWEEP_FAILED_GAP == 100.0
     assert grid_from_sweep(sweep, 2) == {"ga": [{"lr": 1}, {"lr": 4}]}
     assert grid_from_sweep(sweep, 3) == {"ga": [{"lr": 1}, {"lr": 2}, {"lr": 4}]}
+
+
+@pytest.mark.parametrize("dataset, sweep, rows", [
+    ("identities", "deep_identities_partial_identity-random_1pct-random_10pct-subject_sweep.json",
+     ("gradient-ascent", "neggrad-plus", "scrub", "l1-sparse")),
+    ("r8-minilm", "deep_r8-minilm_partial_class_sweep.json",
+     ("gradient-ascent", "random-labels", "neggrad-plus", "scrub", "l1-sparse")),
+])
+def test_committed_grids_are_what_the_rule_picks_from_the_committed_sweep(dataset: str, sweep: str,
+                                                                          rows: tuple[str, ...]) -> None:
+    """The grids of the rows a sweep placed are, point for point, grid_from_sweep of that sweep's committed result,
+    and the sweep ran on tuning sets disjoint from every set it drew as reported (nothing reported ran)."""
+    from bench import deep_forgetting as df
+
+    result = json.loads((df.RESULTS_DIR / sweep).read_text())
+    assert result["tuning_only"] is True and result["scenarios"] == {}
+    for declared in result["declared_sets"].values():
+        reported = {i for s in declared["reported"] for i in s["sample_ids"]}
+        assert not reported & {i for s in declared["tuning"] for i in s["sample_ids"]}
+    tuning = df.load_tuning(dataset)
+    picked = df.grid_from_sweep(result, int(tuning["size"]))
+    for row in rows:
+        assert df.grid_for(row, tuning)[0] == picked[row], row
