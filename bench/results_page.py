@@ -49,10 +49,14 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_fmnist-c
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",),
-    ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines.json",),
+    # a row two companions hold is taken from the first: the *_swept files ran the grids configs/tuning/sweeps/ placed
+    ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines_swept.json",
+                                                            "deep_identities_partial_identity_baselines.json"),
     **{(f"deep_identities_partial_{sc}.json", sc):
-       ("deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",)
+       ("deep_identities_partial_random_1pct-random_10pct-subject_baselines_swept.json",
+        "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
+    ("deep_r8-minilm_partial_class.json", "class"): ("deep_r8-minilm_partial_class_baselines.json",),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
