@@ -1577,6 +1577,8 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_partial" + ("_" + "-".join(scenarios) if scenarios else "")
     if args.tuning_only:
         stem += "_sweep"
+    elif args.tuning_grid is not None:   # a run on another grid never writes over one on the dataset's own
+        stem += f"_grid-{args.tuning_grid.stem}"
     methods = args.methods.split(",") if args.methods else None
     result = run(args.dataset, profile=profile, methods=methods, scenarios=scenarios, overrides=overrides,
                  command=sys.argv[1:] if argv is None else list(argv), tuning_path=args.tuning_grid,

@@ -489,6 +489,14 @@ def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported
     table = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.md").read_text()
     assert "Tuning only (a sweep)" in table and table.count("| finetune |") == len(points)
     assert "no reported set ran" in df.render_summary(out)   # what the results page shows of it
+    threads = torch.get_num_threads()
+    try:   # the same grid with reported sets: a file of its own, never the default grid's
+        assert df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject", "--methods",
+                        "finetune", "--campaign", "0", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ran = json.loads((tmp_path / "deep_fmnist-cnn_smoke_partial_subject_grid-sweep.json").read_text())
+    assert ran["tuning_only"] is False and ran["tuning"]["file"] == str(grid) and "subject" in ran["scenarios"]
 
 
 def test_a_sweep_gives_each_row_its_points_with_the_least_mean_avg_gap() -> None:
