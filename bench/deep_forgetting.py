@@ -41,7 +41,8 @@ Scenarios: random 1 %, random 10 %, one class (fmnist, r8: classes of at most 20
 Tuning: each method row has a grid of the same size (configs/tuning/<dataset>.yaml); every setting runs on the
   tuning sets; the one with the least mean Avg. Gap to Retrain there, ties (within AVG_GAP_TIE) broken by the least
   mean |phi gap| to the mean of ``tuning_retrains`` Retrains (choose_setting), is recorded and run on the reported
-  sets.
+  sets. A grid itself can be placed by a sweep: ``--tuning-only --tuning-grid configs/tuning/sweeps/...`` runs a
+  wider grid on the same tuning sets alone (no reported set), and grid_from_sweep picks the points the grid keeps.
 Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forget set), TA, MIA-efficacy
   (pipeline.evaluate.scorecard, as bench/forgetting.py), Avg. Gap (SalUn's: mean |metric - Retrain's| over UA,
   RA, TA, MIA); function-space gap: mean KL(model || Retrain) over the forget set and over the test set, in
