@@ -57,6 +57,7 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
     ("deep_r8-minilm_partial_class.json", "class"): ("deep_r8-minilm_partial_class_baselines.json",),
+    ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
