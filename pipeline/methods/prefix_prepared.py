@@ -30,8 +30,9 @@ class FrozenPrefixPrepared(Prepared):
     ``details`` says which). ``checkpoint_views``: the emptied-class replay's views of the recorded run on a fixed
     sample of D, keyed by what they were computed from (``pipeline.methods.emptied_rows``): computed by the first
     request that needs them, carried to every later version (they read the recorded run, not the weights; a request
-    drops U's rows). ``emptied_classes``: the classes requests on this model and its later versions emptied (the
-    replay writes again those D still lacks), carried alike."""
+    drops U's rows). ``emptied_classes``: the classes requests on this model and its earlier versions emptied (the
+    replay writes again those D still lacks), copied to each later version so that versions branching from one
+    (a rollback, then other requests) do not share them."""
 
     split: Split | None = None
     features: SampleSet | None = None
@@ -53,12 +54,12 @@ class FrozenPrefixPrepared(Prepared):
     def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         if self.split is None or self.features is None:
             return type(self)(binding, 0.0, dict(self.details), checkpoint_views=self.checkpoint_views,
-                              emptied_classes=self.emptied_classes)
+                              emptied_classes=set(self.emptied_classes))
         if prefix_digest(self.split, trained.model) != self.prefix:
             return None
         return type(self)(binding, 0.0, {**self.details, "updated_from_removal": "U's rows dropped"},
                           split=self.split, features=self.features.without(removed), prefix=self.prefix,
-                          checkpoint_views=self.checkpoint_views, emptied_classes=self.emptied_classes)
+                          checkpoint_views=self.checkpoint_views, emptied_classes=set(self.emptied_classes))
 
 
 def over_half_budget(model: nn.Module, held: int, what: str, device: str | torch.device | None = None) -> str | None:
