@@ -9,6 +9,7 @@ added to the objective, not through the optimiser, so the convention is the same
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -107,6 +108,15 @@ def fit_newton(
     For small models (a few thousand parameters): converges quadratically near the optimum,
     which makes it the tight full-batch solver of the retraining oracles. Levenberg damping
     mu I is added only while the Hessian is not positive definite.
+
+    The step length t is chosen by backtracking on L_D (Armijo: L_D(w) - L_D(w - t d) >=
+    1e-4 t g^T d), judged only while the decrease it asks for exceeds the rounding of L_D
+    (8 eps max(1, |L_D|)). Near the optimum the Newton decrement g^T d falls below that rounding,
+    where the test would accept or refuse by the summation order of one machine (refusing every
+    t stalled the fit; accepting a tiny t by a rounding crawled); a step the Armijo test cannot
+    settle is backtracked on the residual ||grad L_D|| instead (Newton is a descent direction
+    for it), and the fit stops, reporting the gradient norm it reached, only when neither
+    merit accepts any t.
     """
     from pipeline.curvature import BlockHessian, block_gradient
     from pipeline.param_block import ParamBlock
@@ -117,12 +127,27 @@ def fit_newton(
         with torch.no_grad():
             return float(objective(model, task, data, weight_decay, batch_size))
 
+    def gradient() -> Tensor:
+        return block_gradient(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
+
+    def backtrack(accepts: Callable[[float], bool], direction: Tensor, shortest: float = 1e-10) -> bool:
+        """Move to the first t in 1, 1/2, ... >= ``shortest`` that ``accepts(t)``; else leave the weights."""
+        t = 1.0
+        while t >= shortest:
+            block.add_to_model(model, -t * direction)
+            if accepts(t):
+                return True
+            block.add_to_model(model, t * direction)
+            t *= 0.5
+        return False
+
     steps = 0
-    g = block_gradient(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
+    g = gradient()
     progress = bar(max_steps, "training (Newton)", unit="step")
     for steps in range(1, max_steps + 1):
         progress.update(1)
-        if float(torch.linalg.vector_norm(g)) <= tolerance:
+        residual = float(torch.linalg.vector_norm(g))
+        if residual <= tolerance:
             break
         h = BlockHessian(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size).to_dense()
         mu = 0.0
@@ -132,14 +157,21 @@ def fit_newton(
                 break
             mu = max(2 * mu, 1e-6)
         direction = torch.cholesky_solve(g.unsqueeze(1), chol).squeeze(1)
-        f0, slope, t = value(), float(g @ direction), 1.0
-        while t > 1e-10:
-            block.add_to_model(model, -t * direction)
-            if value() <= f0 - 1e-4 * t * slope:
-                break
-            block.add_to_model(model, t * direction)
-            t *= 0.5
-        g = block_gradient(model, task, data, block, weight_decay, reduction="mean", batch_size=batch_size)
+        f0, slope = value(), float(g @ direction)
+        rounding = 8 * torch.finfo(direction.dtype).eps * max(1.0, abs(f0))
+        judged = max(1e-10, rounding / (1e-4 * slope)) if slope > 0 else math.inf
+        if backtrack(lambda t: f0 - value() >= 1e-4 * t * slope, direction, judged):
+            g = gradient()
+            continue
+        trial: list[Tensor] = []
+
+        def residual_falls(t: float) -> bool:
+            trial[:] = [gradient()]
+            return float(torch.linalg.vector_norm(trial[0])) < residual
+
+        if not backtrack(residual_falls, direction):
+            break  # no length lowers L_D or its gradient: the fit is at its floor; the report says where
+        g = trial[0]
     progress.close()
     return FitReport(value(), float(torch.linalg.vector_norm(g)), steps)
 

@@ -67,7 +67,8 @@ def retrained(model: nn.Module, task, data: SampleSet, weight_decay: float, tol:
 
 
 def newton_fit(model: nn.Module, task, data: SampleSet, weight_decay: float) -> nn.Module:
-    """Tight full-batch optimum (damped Newton, exact Hessian) for small convex models; in place."""
+    """Tight full-batch optimum (damped Newton, exact Hessian) for small convex models; in place.
+    Convex: the optimum does not depend on the initial weights the caller drew."""
     report = fit_newton(model.double(), task, data, weight_decay, tolerance=1e-12)
     assert report.gradient_norm <= 1e-11, report
     return model
