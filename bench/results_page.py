@@ -35,7 +35,10 @@ DEFAULT_OUT = ROOT / "docs" / "RESULTS.md"
 README = ROOT / "README.md"
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 # README's short table: the end-to-end benchmark's cells (file, scenario) and these rows of them
-README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"), ("deep_fmnist-cnn_partial_subject.json", "subject"),
+README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
+                ("deep_fmnist-cnn_partial_random_1pct.json", "random_1pct"),
+                ("deep_fmnist-cnn_partial_random_10pct.json", "random_10pct"),
+                ("deep_fmnist-cnn_partial_subject.json", "subject"),
                 ("deep_r8-minilm_partial_class.json", "class"),
                 ("deep_r8-minilm_partial_random_1pct.json", "random_1pct"),
                 ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"),
