@@ -56,6 +56,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Before a fixture of module, class, package or session scope is built: torch's global generator
+    seeded from the fixture's own name and place (and its parameter), so an unseeded draw in it (a
+    model's initial weights) is the same whichever test of the shuffled order first asks for it.
+    Function-scoped fixtures draw after ``torch_globals`` has seeded the test."""
+    if fixturedef.scope != "function":
+        key = f"{fixturedef.baseid}::{fixturedef.argname}[{getattr(request, 'param_index', 0)}]"
+        torch.manual_seed(zlib.crc32(key.encode()))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def torch_globals(request):
     """Before each test: torch's global generator seeded from the test's own id (as pytest-randomly
