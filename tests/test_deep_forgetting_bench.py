@@ -458,7 +458,7 @@ def test_a_removal_whose_outputs_overflow_is_recorded_not_scored(monkeypatch: py
     assert scored["rows"]["salun"]["served"] is True and math.isfinite(scored["rows"]["salun"]["AvgGap"])
 
 
-def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported(tmp_path: Path) -> None:
+def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported(tmp_path: Path, one_thread) -> None:
     """--tuning-only with a sweep grid: the sets are drawn as the same flags draw them for a full run, so the tuning
     sets are that run's (disjoint from its reported sets); only they run (no reported set, no campaign), on the
     sweep file's grid; the file is *_sweep.json and its table lists every point."""
@@ -467,12 +467,8 @@ def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported
     grid = tmp_path / "sweep.yaml"
     grid.write_text("size: 2\ndefault: {base: {}, lr_factors: [1.0, 3.0]}\nrows:\n  finetune:\n"
                     "    base: {epochs: 1}\n    grid: [{lr: 0.001}, {lr: 0.01}]\n")
-    threads = torch.get_num_threads()
-    try:
-        code = df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject",
-                        "--methods", "finetune", "--tuning-only", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)])
-    finally:
-        torch.set_num_threads(threads)
+    code = df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject",
+                    "--methods", "finetune", "--tuning-only", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)])
     assert code == 0
     out = json.loads((tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.json").read_text())
     assert out["tuning_only"] is True and out["scenarios"] == {} and out["tuning"]["file"] == str(grid)
@@ -489,12 +485,9 @@ def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported
     table = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.md").read_text()
     assert "Tuning only (a sweep)" in table and table.count("| finetune |") == len(points)
     assert "no reported set ran" in df.render_summary(out)   # what the results page shows of it
-    threads = torch.get_num_threads()
-    try:   # the same grid with reported sets: a file of its own, never the default grid's
-        assert df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject", "--methods",
-                        "finetune", "--campaign", "0", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    # the same grid with reported sets: a file of its own, never the default grid's
+    assert df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject", "--methods",
+                    "finetune", "--campaign", "0", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)]) == 0
     ran = json.loads((tmp_path / "deep_fmnist-cnn_smoke_partial_subject_grid-sweep.json").read_text())
     assert ran["tuning_only"] is False and ran["tuning"]["file"] == str(grid) and "subject" in ran["scenarios"]
 
