@@ -13,7 +13,10 @@ network trained end to end: pipeline/methods/lfoci_newton.py, pipeline/methods/t
       timings) and is never certified;
   (e) the probe perturbs at most probe_forget_max forget samples, the step uses all of them;
   (f) a block after the model's first module: the same step on the suffix over the frozen prefix's outputs;
-  (g) the exact-Hessian path too leaves the model as it was when anything fails after its step.
+  (g) the exact-Hessian path too leaves the model as it was when anything fails after its step;
+  (h) ``forget_gradient: recorded_run`` (lfoci-newton-recorded-run): U's term of the one-window right side read along
+      a recorded run, against a dense solve with the pushes summed here from the trapezium's weights; without a
+      recorded run the step is the end form's, and the record says why.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pipeline.methods.base import parse_settings
 from pipeline.param_block import ParamBlock
 from pipeline.target import budget_damping, replay_schedule
 from pipeline.training import fit_lbfgs
+from pipeline.trajectory import Trajectory
 from tests.test_block_gauss_newton import RECIPE, TASK, _card, _fit, _kl_units
 
 EXACT = {"curvature": "gauss-newton", "selection": "all", "gauss_newton": {
@@ -41,8 +45,9 @@ EXACT = {"curvature": "gauss-newton", "selection": "all", "gauss_newton": {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _run(model, train, forget, weight_decay, settings, card=None, seed=0):
-    problem = RemovalProblem(model, TASK, train, forget, weight_decay, seed=seed, batch_size=512, card=card)
+def _run(model, train, forget, weight_decay, settings, card=None, seed=0, trajectory=None):
+    problem = RemovalProblem(model, TASK, train, forget, weight_decay, seed=seed, batch_size=512, card=card,
+                             trajectory=trajectory)
     return get_method("lfoci-newton").run(problem, parse_settings("lfoci-newton", settings))
 
 
@@ -116,6 +121,80 @@ def test_the_step_is_the_exact_newton_step_of_its_target(softmax_unfinished, tar
     # one exact Newton step of a strictly convex quadratic model: the residual at the published weights is
     # what the model's third derivatives leave, far below the start's
     assert rec["gradient_share"]["retained_removed"] > 0.9 and "verify" in rec["timings"]
+
+
+# -- (h) U's term read along the recorded run ---------------------------------------------------------------
+def _recorded_run_case(softmax_unfinished):
+    """The one-window problem of (a) and a recorded run through three checkpoints that end at the trained weights."""
+    model0, data, lam = softmax_unfinished
+    forget = torch.arange(0, 60, 3)
+    retain = data.without(forget)
+    n, m = len(data), len(forget)
+    w0 = torch.cat([model0[1].weight.detach().reshape(-1), model0[1].bias.detach()])
+
+    def loss(theta, xs, ys, decay):
+        weight, bias = theta[:640].reshape(10, 64), theta[640:]
+        return nn.functional.cross_entropy(xs @ weight.T + bias, ys, reduction="sum") + 0.5 * decay * theta.pow(2).sum()
+
+    def mean_objective(theta, part):
+        xs, ys = part.columns["x"], part.columns["y"]
+        return loss(theta, xs, ys, lam * len(part)) / len(part)
+
+    g_d = torch.func.grad(mean_objective)(w0, data)
+    g_r = torch.func.grad(mean_objective)(w0, retain)
+    h_r = torch.autograd.functional.hessian(lambda t: mean_objective(t, retain), w0)
+    card = _sgd_card(n, lam)
+    mu = budget_damping(replay_schedule(card, lam), n - m)
+    gen = torch.Generator().manual_seed(11)
+    points = [w0 + 0.4 * torch.randn(650, generator=gen, dtype=torch.float64),
+              w0 + 0.1 * torch.randn(650, generator=gen, dtype=torch.float64), w0]
+    rates = [3.0, 1.0]
+    trajectory = Trajectory([{"1.weight": p[:640].reshape(10, 64).clone(), "1.bias": p[640:].clone()} for p in points],
+                            rates, n)
+    xu, yu = data.columns["x"][forget], data.columns["y"][forget]
+    g_u = [torch.func.grad(loss)(p, xu, yu, 0.0) for p in points]   # G_U(c_k): U's summed loss gradient, no decay
+    weights = [rates[0] / 2, (rates[0] + rates[1]) / 2, rates[1] / 2]   # the trapezium over the two stretches
+    pushes = sum(wk * gk for wk, gk in zip(weights, g_u)) / n
+    system = h_r + mu * torch.eye(650, dtype=torch.float64)
+    return model0, data, lam, forget, card, trajectory, w0, system, g_r - g_d, g_u[-1], pushes, mu, n - m
+
+
+def _recorded_run_settings(how):
+    return {**EXACT, "target": "retrain", "gauss_newton": {**EXACT["gauss_newton"], "forget_gradient": how}}
+
+
+def test_the_recorded_run_puts_the_forget_sets_pushes_in_the_one_window_step(softmax_unfinished):
+    """rhs = (g_R - g_D) + G_U(w0) / (n - m) - mu (1/n) sum_k W_k G_U(c_k); the step -(H_R + mu I)^{-1} rhs."""
+    model0, data, lam, forget, card, trajectory, w0, system, one_window, g_u_end, pushes, mu, retained = \
+        _recorded_run_case(softmax_unfinished)
+    expected = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * pushes)
+    end = w0 - torch.linalg.solve(system, one_window)
+    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run"), card=card,
+               trajectory=trajectory)
+    got = torch.cat([out.new_parameters["1.weight"].reshape(-1), out.new_parameters["1.bias"]])
+    term = out.record["target"]["forget_gradient"]
+    assert term["how"] == "recorded_run" and term["checkpoints"] == 3 and term["samples"] == len(forget)
+    assert "forget_pushes" in out.record["timings"] and out.record["trust_region"]["accepted"]
+    # the recorded pushes move the step well away from the end form's: a wrong sign, weight or factor shows
+    assert float((expected - end).norm()) > 0.2 * float((end - w0).norm())
+    assert float((got - expected).norm()) <= 1e-8 * float((expected - w0).norm()) + 1e-12
+
+
+def test_without_a_recorded_run_the_step_is_the_end_forms_and_the_record_says_why(softmax_unfinished):
+    model0, data, lam, forget, card, trajectory, w0, system, one_window, *_ = _recorded_run_case(softmax_unfinished)
+    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run"), card=card)
+    got = torch.cat([out.new_parameters["1.weight"].reshape(-1), out.new_parameters["1.bias"]])
+    expected = w0 - torch.linalg.solve(system, one_window)
+    assert float((got - expected).norm()) <= 1e-8 * float((expected - w0).norm()) + 1e-12
+    term = out.record["target"]["forget_gradient"]
+    assert term["how"] == "end" and term["asked"] == "recorded_run"
+    assert term["why"].startswith("no recorded training trajectory")
+    # the end form itself ignores a recorded run
+    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("end"), card=card,
+               trajectory=trajectory)
+    got = torch.cat([out.new_parameters["1.weight"].reshape(-1), out.new_parameters["1.bias"]])
+    assert float((got - expected).norm()) <= 1e-8 * float((expected - w0).norm()) + 1e-12
+    assert out.record["target"]["forget_gradient"]["how"] == "end" and "forget_pushes" in out.record["timings"]
 
 
 def test_auto_keeps_converged_exact_newton_where_the_logits_are_affine_in_the_block(softmax_optimum):

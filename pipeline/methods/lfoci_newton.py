@@ -73,6 +73,7 @@ from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient
 from pipeline.methods.emptied_rows import (
     EmptiedMode, EmptiedRows, emptied_class_samples_field, emptied_classes_field, plan_emptied_rows,
 )
+from pipeline.methods.trajectory_refit import forget_pushes
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
@@ -111,6 +112,12 @@ class GaussNewtonStepSettings(BaseModel):
     refit_epochs: float = Field(0.0, ge=0, description="epochs of the recipe's SGD on D \\ U over the block after the "
                                                        "step (0: none)")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this (cosine decay)")
+    forget_gradient: Literal["end", "recorded_run"] = Field(
+        "end", description="the one-window target's forget-set term: end = U's loss gradient at the trained weights, "
+                           "-G_U(w0) / (n - m) in grad F(w0); recorded_run = -mu x U's pushes along the recorded training "
+                           "run, (1 / n) sum_k W_k G_U(c_k) (pipeline.methods.trajectory_refit.forget_pushes: at zero "
+                           "curvature the step is those pushes, the retained curvature holds back the stiff directions); "
+                           "a model without a recorded trajectory takes end and the record says why")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
 
@@ -527,11 +534,15 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
             share = 1.0 if full_block else block_share(
                 forget_gradient_rows(problem), {p.name: (None if p.rows is None else p.rows.tolist()) for p in block.parts})
     anchor = g_data if mu > 0 else torch.zeros_like(g_data)
-    rhs = g_retain - anchor
     w_start = block.gather({k: v.detach() for k, v in model.named_parameters()}).to("cpu", torch.float64)
     record["target"]["equation"] = ("grad_P L_D\\U(w') - grad_P L_D(w_start) + mu (w' - w_start) = 0" if mu > 0
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
+    if mu > 0:  # the forget set's term: at the end of the run, or along the recorded run
+        with problem.stage("forget_pushes", timings):
+            anchor, record["target"]["forget_gradient"] = _forget_term(
+                problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu)
+    rhs = g_retain - anchor
     noised = noise_cal.sigma > 0
     try:
         with problem.stage("curvature_and_solve", timings):
@@ -594,6 +605,37 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
         "step_norm": _norm(w - w_start),
     })
     return RemovalOutcome(new_parameters, record, release)
+
+
+def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Tensor, g_forget: torch.Tensor,
+                 w_start: torch.Tensor, mu: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The one-window anchor with U's term read where ``how`` says, and its record.
+
+    The one-window right side g_R(w0) - g_D(w0) holds U's loss gradient at the trained weights only, as
+    -G_U(w0) / (n - m) (g_R = (n g_D - g_U) / (n - m), g_U = G_U + m lambda w0 over U). ``recorded_run`` puts U's
+    recorded pushes in its place: the anchor becomes g_D(w0) - G_U(w0) / (n - m) + mu delta,
+    delta = (1 / n) sum_k W_k G_U(c_k) over the run's checkpoints c_k (``forget_pushes``), so that
+        grad F(w0) = (m / (n - m)) (g_D(w0) - lambda w0) - mu delta,
+    and a direction the retained curvature does not train (G_R = 0 there) moves by delta, less the
+    (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took."""
+    trajectory = problem.trajectory
+    if how == "end":
+        return anchor, {"how": "end", "equation": "U's loss gradient at the trained weights"}
+    why = ("no recorded training trajectory" if trajectory is None else
+           None if set(p.name for p in block.parts) <= set(trajectory.parameters) else
+           "the recorded trajectory lacks the block's parameters")
+    if why is not None:
+        return anchor, {"how": "end", "asked": how, "why": f"{why}: U's gradient at the trained weights"}
+    m, n = problem.m, problem.n
+    forget = problem.forget
+    pushes = forget_pushes(problem.model, trajectory, lambda: block_gradient(
+        problem.model, problem.task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
+    if not bool(torch.isfinite(pushes).all()):
+        raise FloatingPointError("the forget set's recorded pushes on the block are not finite; nothing was changed")
+    end = g_forget - m * problem.weight_decay * w_start  # G_U(w0): U's loss gradient, no weight decay
+    return anchor - end / (n - m) + mu * pushes, {
+        "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m,
+        "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)"}
 
 
 def _emptied_in_block(problem: RemovalProblem, gn: GaussNewtonStepSettings, block: Any,
