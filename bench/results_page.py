@@ -54,17 +54,19 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",),
     # a row two companions hold is taken from the first: the *_swept files ran the grids configs/tuning/sweeps/ placed
     ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines_swept.json",
-                                                            "deep_identities_partial_identity_baselines.json"),
+                                                            "deep_identities_partial_identity_baselines.json",
+                                                            "deep_identities_partial_identity_recorded_run.json"),
     **{(f"deep_identities_partial_{sc}.json", sc):
        ("deep_identities_partial_random_1pct-random_10pct-subject_baselines_swept.json",
-        "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json")
+        "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",
+        f"deep_identities_partial_{sc}_recorded_run.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
     ("deep_r8-minilm_partial_class.json", "class"): ("deep_r8-minilm_partial_class_baselines.json",),
     ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
-README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "block-gauss-newton", "salun",
-               "finetune")
+README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
+               "block-gauss-newton", "salun", "finetune")
 # one more README row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell
 # is in docs/RESULTS.md); the table stays short however many baselines a cell ran
 README_BEST_OF = ("gradient-ascent", "neggrad-plus", "random-labels", "scrub", "l1-sparse")

@@ -20,7 +20,9 @@ L_{D\\U}(w) - <r0, w_P> + (mu/2)||w_P - w_start||^2, r0 = grad_P L_D(w_start), m
 replay's one-window form; mu is added to the damping of every Newton system).
 
 Curvature (``curvature``): ``hessian`` takes the converged exact-Newton steps described here; ``gauss-newton``
-one Gauss-Newton step accepted by a trust region, then an optional refit (``_gauss_newton_removal``), and for a class
+one Gauss-Newton step accepted by a trust region, then an optional refit (``_gauss_newton_removal``; its one-window
+right side reads U's term at the trained weights or, ``gauss_newton.forget_gradient: recorded_run``, along the
+recorded training run: ``_forget_term``), and for a class
 the request empties, Retrain's decision-layer rows replayed along the recorded run where the block holds them
 (``pipeline.methods.emptied_rows``: the one-window step cannot take back what the whole run taught the class);
 ``auto`` the latter where the target takes the one-window form and the logits are not affine in the block
@@ -506,6 +508,8 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                           full_block: bool, mu: float, record: dict[str, Any]) -> RemovalOutcome:
     """The block's Gauss-Newton path (``curvature: gauss-newton``; ``pipeline.methods.trust_region``):
         rhs = grad F(w0) = g_R - g_D = (m / (n - m)) (g_D - g_U)     (one-window target, mu = 1 / tau)
+                         = (m / (n - m)) (g_D - lambda w0) - mu delta  (the same, U read along the recorded run:
+                                                                        ``_forget_term``)
                          = g_R = (n g_D - m g_U) / (n - m)            (minimiser, mu = 0)
     with g_U exact over U and g_D over D; for the one-window target, where its error enters scaled by
     m / (n - m), over a seeded subsample of ``gauss_newton.gradient_samples`` of D (the record says which).
