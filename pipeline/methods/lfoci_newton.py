@@ -543,9 +543,8 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
     if mu > 0:  # the forget set's term: at the end of the run, or along the recorded run
-        with problem.stage("forget_pushes", timings):
-            anchor, record["target"]["forget_gradient"] = _forget_term(
-                problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu)
+        anchor, record["target"]["forget_gradient"] = _forget_term(
+            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings)
     rhs = g_retain - anchor
     noised = noise_cal.sigma > 0
     try:
@@ -612,7 +611,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
 
 
 def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Tensor, g_forget: torch.Tensor,
-                 w_start: torch.Tensor, mu: float) -> tuple[torch.Tensor, dict[str, Any]]:
+                 w_start: torch.Tensor, mu: float, timings: dict[str, float]) -> tuple[torch.Tensor, dict[str, Any]]:
     """The one-window anchor with U's term read where ``how`` says, and its record.
 
     The one-window right side g_R(w0) - g_D(w0) holds U's loss gradient at the trained weights only, as
@@ -632,8 +631,9 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         return anchor, {"how": "end", "asked": how, "why": f"{why}: U's gradient at the trained weights"}
     m, n = problem.m, problem.n
     forget = problem.forget
-    pushes = forget_pushes(problem.model, trajectory, lambda: block_gradient(
-        problem.model, problem.task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
+    with problem.stage("forget_pushes", timings):
+        pushes = forget_pushes(problem.model, trajectory, lambda: block_gradient(
+            problem.model, problem.task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
     if not bool(torch.isfinite(pushes).all()):
         raise FloatingPointError("the forget set's recorded pushes on the block are not finite; nothing was changed")
     end = g_forget - m * problem.weight_decay * w_start  # G_U(w0): U's loss gradient, no weight decay
