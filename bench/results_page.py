@@ -51,7 +51,8 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
 # forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",),
+    ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",
+                                                      "deep_fmnist-cnn_partial_class_recorded_run.json"),
     # a row two companions hold is taken from the first: the *_swept files ran the grids configs/tuning/sweeps/ placed
     ("deep_identities_partial_identity.json", "identity"): ("deep_identities_partial_identity_baselines_swept.json",
                                                             "deep_identities_partial_identity_baselines.json",
@@ -62,7 +63,8 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
         f"deep_identities_partial_{sc}_recorded_run.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
     ("deep_r8-minilm_partial_class.json", "class"): ("deep_r8-minilm_partial_class_baselines.json",),
-    ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",),
+    ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",
+                                                                   "deep_r8-minilm_partial_random_10pct_recorded_run.json"),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
