@@ -81,6 +81,18 @@ def test_the_pushes_of_all_of_d_reproduce_the_run():
     assert float(moved.norm()) > 0.02  # it moved (0.04)
 
 
+def test_pushes_that_are_not_finite_raise_and_leave_the_model_as_it_was():
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    recipe = {"epochs": 2, "lr": 0.05, "batch_size": 256, "momentum": 0.9, "weight_decay": 0.0}
+    trajectory = _recorded_fit(model, data, recipe, 0)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="recorded pushes are not finite"):
+        forget_pushes(model, trajectory, lambda: torch.full((650,), float("inf"), dtype=torch.float64))
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+
+
 # -- (b) the formula --------------------------------------------------------------------------------------
 def test_forget_pushes_is_the_formula():
     data = load_source("digits", {"dtype": "float64"})["train"]

@@ -162,7 +162,7 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
     """(1 / n) sum_k W_k G_U(c_k) (CPU float64; ``checkpoint_weights`` over ``kept_checkpoints``; all of them:
     (1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2), ``forget_gradient()`` giving G_U (summed over U, no weight
     decay) at the weights ``model`` holds; each checkpoint is loaded into ``model`` in turn and its parameters and
-    buffers are as they were when it returns."""
+    buffers are as they were when it returns. A sum that is not finite raises ``FloatingPointError``."""
     weights = checkpoint_weights(trajectory.rates, kept_checkpoints(len(trajectory.checkpoints), checkpoints))
     kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
     total: torch.Tensor | None = None
@@ -174,6 +174,8 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
     finally:
         model.load_state_dict(kept)
     assert total is not None
+    if not bool(torch.isfinite(total).all()):
+        raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
     return total / trajectory.n
 
 
@@ -241,8 +243,6 @@ class TrajectoryRefit(RemovalMethod):
                 pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(
                     work, task, sample, block, 0.0, reduction="sum", batch_size=problem.batch_size),
                     settings.checkpoints)
-                if not bool(torch.isfinite(pushes).all()):
-                    raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
             scale = settings.scale
             if probe is None:
                 block.add_to_model(work, scale * pushes)
