@@ -10,7 +10,7 @@ Heavy-ball SGD moves the weights by w_K - w_0 = - sum_k c_k g_k (``pipeline.traj
 read here exactly: the recipe is replayed from its recorded first checkpoint by ``pipeline.training.fit_sgd`` itself
 (the replay must end on the saved weights to the bit; the file says whether it did), each step's gradient of U's
 members kept (under the batch's statistics, as training computed it). The method's estimate
-(``pipeline.methods.trajectory_refit.forget_pushes``) is the trapezium over the recorded checkpoints,
+(``pipeline.target.recorded_pushes.forget_pushes``) is the trapezium over the recorded checkpoints,
 (1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2; the midpoint rule at each epoch's c_k-weighted mean iterate is
 measured beside it. For all of D the exact pushes are known without a replay: (w_0 - w_K) less the weight decay's
 share lambda sum_k c_k w_k. Each estimate is then added back without a refit at a few scales, and the mean loss on U
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from bench.common import RESULTS_DIR, machine_info, write_json
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
-from pipeline.methods.trajectory_refit import forget_pushes
+from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import init_of, initial_model, recipe_of
 from pipeline.target.replay import ReplaySchedule

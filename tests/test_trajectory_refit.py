@@ -29,12 +29,11 @@ from pipeline.data import SampleSet, load_source
 from pipeline.methods import RemovalProblem, get_method
 from pipeline.methods.base import parse_settings
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared
-from pipeline.methods.trajectory_refit import (
-    _out_of_reach, checkpoint_weights, forget_pushes, forget_sample, kept_checkpoints,
-)
+from pipeline.methods.trajectory_refit import _out_of_reach, forget_sample
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import Recipe
+from pipeline.target.recorded_pushes import checkpoint_weights, forget_pushes, kept_checkpoints
 from pipeline.tasks import DenseInputTask
 from pipeline.trajectory import Trajectory, TrajectoryRecorder, stretch_rates
 from pipeline.training import fit_sgd

@@ -75,7 +75,7 @@ from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient
 from pipeline.methods.emptied_rows import (
     EmptiedMode, EmptiedRows, emptied_class_samples_field, emptied_classes_field, plan_emptied_rows,
 )
-from pipeline.methods.trajectory_refit import forget_pushes
+from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
@@ -117,7 +117,7 @@ class GaussNewtonStepSettings(BaseModel):
     forget_gradient: Literal["end", "recorded_run"] = Field(
         "end", description="the one-window target's forget-set term: end = U's loss gradient at the trained weights, "
                            "-G_U(w0) / (n - m) in grad F(w0); recorded_run = -mu x U's pushes along the recorded training "
-                           "run, (1 / n) sum_k W_k G_U(c_k) (pipeline.methods.trajectory_refit.forget_pushes: at zero "
+                           "run, (1 / n) sum_k W_k G_U(c_k) (pipeline.target.recorded_pushes.forget_pushes: at zero "
                            "curvature the step is those pushes, the retained curvature holds back the stiff directions); "
                            "a model without a recorded trajectory takes end and the record says why")
     emptied_classes: EmptiedMode = emptied_classes_field()

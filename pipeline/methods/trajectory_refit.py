@@ -27,8 +27,8 @@ Cheaper pushes (settings, off by default; the variant ``configs/methods/trajecto
 are the sum over the checkpoints k of W_k G_U(c_k), W_k = (C_{k-1} + C_k) / 2 (the trapezium's weights,
 C_{-1} = C_E = 0). ``checkpoints``: only that many of them, evenly spaced (the first and the last kept), each
 left-out checkpoint's G_U taken as the linear interpolation of its kept neighbours' (in the checkpoint index),
-so its weight is shared between them (``checkpoint_weights``; all kept: the formula above; exact where G_U is
-linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the summed gradient over a seeded
+so its weight is shared between them (``pipeline.target.recorded_pushes``, which the one-window target of
+lfoci-newton reads too; all kept: the formula above; exact where G_U is linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the summed gradient over a seeded
 sample of k of U's samples, the same sample at every checkpoint (unbiased; its relative error shrinks as
 sqrt((1 - k / |U|) / k) times the per-sample gradients' spread over their mean).
 
@@ -56,11 +56,10 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from pydantic import Field
-from torch import nn
 
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
@@ -76,11 +75,11 @@ from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.recipe import recipe_of
-from pipeline.trajectory import TRAJECTORY_FILE, Trajectory, load_checkpoint
+from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
+from pipeline.trajectory import TRAJECTORY_FILE
 from pipeline.training import mean_loss
 
-__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "checkpoint_weights", "forget_pushes", "forget_sample",
-           "kept_checkpoints"]
+__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "forget_sample"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
@@ -122,32 +121,6 @@ def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: in
     return after - rounds_left * max(drop, 0.0) > ceiling
 
 
-def kept_checkpoints(count: int, wanted: int | None) -> list[int]:
-    """Indices of ``wanted`` of ``count`` checkpoints, as evenly spaced as rounding i (count - 1) / (wanted - 1) to
-    the nearest index allows, the first and the last among them (all: None or ``wanted`` >= ``count``)."""
-    if wanted is None or wanted >= count:
-        return list(range(count))
-    return sorted({round(i * (count - 1) / (wanted - 1)) for i in range(wanted)})
-
-
-def checkpoint_weights(rates: list[float], kept: list[int]) -> dict[int, float]:
-    """W_k of sum_k W_k G_U(c_k) over the ``kept`` checkpoints: the trapezium's (C_{k-1} + C_k) / 2, a left-out
-    checkpoint's share split between its kept neighbours a < k < b as (b - k) / (b - a) and (k - a) / (b - a)
-    (its G_U the linear interpolation of theirs). All kept: the trapezium's weights themselves."""
-    last = len(rates)
-    if not kept or kept[0] != 0 or kept[-1] != last or sorted(set(kept)) != kept:
-        raise ValueError(f"the kept checkpoints must rise from 0 to {last} (got {kept})")
-    full = [0.5 * ((rates[k - 1] if k > 0 else 0.0) + (rates[k] if k < last else 0.0)) for k in range(last + 1)]
-    weights = {k: 0.0 for k in kept}
-    for a, b in zip(kept, kept[1:]):
-        weights[a] += full[a]
-        for k in range(a + 1, b):
-            weights[a] += full[k] * (b - k) / (b - a)
-            weights[b] += full[k] * (k - a) / (b - a)
-    weights[last] += full[last]
-    return weights
-
-
 def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
     """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
     unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
@@ -155,28 +128,6 @@ def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[Samp
         raise ValueError("the forget set is empty: nothing to remove")
     sample = draw(forget, count, stream_seed(seed, FORGET_SAMPLE_STREAM))
     return sample, len(forget) / len(sample)
-
-
-def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Callable[[], torch.Tensor],
-                  checkpoints: int | None = None) -> torch.Tensor:
-    """(1 / n) sum_k W_k G_U(c_k) (CPU float64; ``checkpoint_weights`` over ``kept_checkpoints``; all of them:
-    (1 / n) sum_e C_e (G_U(c_e) + G_U(c_{e+1})) / 2), ``forget_gradient()`` giving G_U (summed over U, no weight
-    decay) at the weights ``model`` holds; each checkpoint is loaded into ``model`` in turn and its parameters and
-    buffers are as they were when it returns. A sum that is not finite raises ``FloatingPointError``."""
-    weights = checkpoint_weights(trajectory.rates, kept_checkpoints(len(trajectory.checkpoints), checkpoints))
-    kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    total: torch.Tensor | None = None
-    try:
-        for k, weight in weights.items():
-            load_checkpoint(model, trajectory.checkpoints[k])
-            term = weight * forget_gradient()
-            total = term if total is None else total + term
-    finally:
-        model.load_state_dict(kept)
-    assert total is not None
-    if not bool(torch.isfinite(total).all()):
-        raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
-    return total / trajectory.n
 
 
 @register_method
