@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from bench.common import RESULTS_DIR, machine_info, write_json
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
-from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import init_of, initial_model, recipe_of
+from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.target.replay import ReplaySchedule
 from pipeline.trajectory import Trajectory, load_checkpoint, stretch_rates
 from pipeline.training import fit_sgd, mean_loss

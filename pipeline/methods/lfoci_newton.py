@@ -75,7 +75,6 @@ from pipeline.methods.block_choice import CHOOSERS, block_share, forget_gradient
 from pipeline.methods.emptied_rows import (
     EmptiedMode, EmptiedRows, emptied_class_samples_field, emptied_classes_field, plan_emptied_rows,
 )
-from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy import certify
@@ -83,6 +82,7 @@ from pipeline.privacy.noise import secret_gaussian_noise
 from pipeline.recipe import recipe_of, start_weights
 from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, prepare_replay, replay_target, resolve_target
 from pipeline.target.oracles import ModuleBlockOracle, SubsampledCurvature
+from pipeline.target.recorded_pushes import forget_pushes
 from pipeline.tasks import Task
 
 __all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError"]

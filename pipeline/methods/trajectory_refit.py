@@ -28,9 +28,10 @@ are the sum over the checkpoints k of W_k G_U(c_k), W_k = (C_{k-1} + C_k) / 2 (t
 C_{-1} = C_E = 0). ``checkpoints``: only that many of them, evenly spaced (the first and the last kept), each
 left-out checkpoint's G_U taken as the linear interpolation of its kept neighbours' (in the checkpoint index),
 so its weight is shared between them (``pipeline.target.recorded_pushes``, which the one-window target of
-lfoci-newton reads too; all kept: the formula above; exact where G_U is linear along the run). ``forget_samples``: G_U(c) estimated as |U| / k times the summed gradient over a seeded
-sample of k of U's samples, the same sample at every checkpoint (unbiased; its relative error shrinks as
-sqrt((1 - k / |U|) / k) times the per-sample gradients' spread over their mean).
+lfoci-newton reads too; all kept: the formula above; exact where G_U is linear along the run). ``forget_samples``:
+G_U(c) estimated as |U| / k times the summed gradient over a seeded sample of k of U's samples, the same sample at
+every checkpoint (unbiased; its relative error shrinks as sqrt((1 - k / |U|) / k) times the per-sample gradients'
+spread over their mean).
 
 Emptied classes (``emptied_classes``). A class every training sample of which is in U (a whole identity) is one no
 retained sample trains: Retrain's decision-layer row for it only decays and is pushed down by the other samples'
