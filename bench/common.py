@@ -44,13 +44,23 @@ def loadavg() -> list[float] | None:
         return None
 
 
+def cpu_model() -> str | None:
+    """The processor's model name (/proc/cpuinfo; None where the system has none): the same seeds train a different
+    model on another processor family (its kernels round differently), so a run says which it ran on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """CPU count, load average, memory, versions and GPU (if any) of this run."""
     import torch
 
     info: dict[str, Any] = {
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": loadavg(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": loadavg(),
         "cuda": torch.cuda.is_available(),
     }
     try:

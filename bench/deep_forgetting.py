@@ -98,6 +98,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench.common import cpu_model, loadavg  # noqa: E402
 from pipeline.errors import RemovalNotServed  # noqa: E402
 from pipeline.jsonio import jsonable  # noqa: E402
 
@@ -1320,20 +1321,9 @@ def _accuracy(ctx: Context, model: nn.Module, data: Any) -> float:
     return score_logits(ctx.logits(model, data), data.columns["y"], ctx.task)
 
 
-def cpu_model() -> str | None:
-    """The processor's model name (/proc/cpuinfo; None where the system has none): the same seeds train a different
-    original on another processor family (its kernels round differently), so a run says which it ran on."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
 def environment() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+            "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model(), "loadavg": loadavg()}
 
 
 # ---- tables ------------------------------------------------------------------------------------------
