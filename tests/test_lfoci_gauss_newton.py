@@ -15,8 +15,9 @@ network trained end to end: pipeline/methods/lfoci_newton.py, pipeline/methods/t
   (f) a block after the model's first module: the same step on the suffix over the frozen prefix's outputs;
   (g) the exact-Hessian path too leaves the model as it was when anything fails after its step;
   (h) ``forget_gradient: recorded_run`` (lfoci-newton-recorded-run): U's term of the one-window right side read along
-      a recorded run, against a dense solve with the pushes summed here from the trapezium's weights; without a
-      recorded run the step is the end form's, and the record says why.
+      a recorded run, against a dense solve with the pushes summed here from the trapezium's weights, at the pushes'
+      default weight and at ``forget_push_scale: 3``; without a recorded run the step is the end form's, and the
+      record says why.
 """
 from __future__ import annotations
 
@@ -159,21 +160,29 @@ def _recorded_run_case(softmax_unfinished):
     return model0, data, lam, forget, card, trajectory, w0, system, g_r - g_d, g_u[-1], pushes, mu, n - m
 
 
-def _recorded_run_settings(how):
-    return {**EXACT, "target": "retrain", "gauss_newton": {**EXACT["gauss_newton"], "forget_gradient": how}}
+def _recorded_run_settings(how, scale=None):
+    extra = {} if scale is None else {"forget_push_scale": scale}
+    return {**EXACT, "target": "retrain", "gauss_newton": {**EXACT["gauss_newton"], "forget_gradient": how, **extra}}
 
 
-def test_the_recorded_run_puts_the_forget_sets_pushes_in_the_one_window_step(softmax_unfinished):
-    """rhs = (g_R - g_D) + G_U(w0) / (n - m) - mu (1/n) sum_k W_k G_U(c_k); the step -(H_R + mu I)^{-1} rhs."""
+@pytest.mark.parametrize("scale", [None, 3.0])
+def test_the_recorded_run_puts_the_forget_sets_pushes_in_the_one_window_step(softmax_unfinished, scale):
+    """rhs = (g_R - g_D) + G_U(w0) / (n - m) - c mu (1/n) sum_k W_k G_U(c_k); the step -(H_R + mu I)^{-1} rhs
+    (c = gauss_newton.forget_push_scale, 1 by default)."""
     model0, data, lam, forget, card, trajectory, w0, system, one_window, g_u_end, pushes, mu, retained = \
         _recorded_run_case(softmax_unfinished)
-    expected = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * pushes)
+    c = 1.0 if scale is None else scale
+    expected = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - c * mu * pushes)
     end = w0 - torch.linalg.solve(system, one_window)
-    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run"), card=card,
+    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run", scale), card=card,
                trajectory=trajectory)
     got = torch.cat([out.new_parameters["1.weight"].reshape(-1), out.new_parameters["1.bias"]])
     term = out.record["target"]["forget_gradient"]
     assert term["how"] == "recorded_run" and term["checkpoints"] == 3 and term["samples"] == len(forget)
+    assert term["push_scale"] == c
+    if scale is not None:   # the weight moves the step: the scaled solve is not the unscaled one
+        unscaled = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * pushes)
+        assert float((expected - unscaled).norm()) > 0.2 * float((unscaled - w0).norm())
     assert "forget_pushes" in out.record["timings"] and out.record["trust_region"]["accepted"]
     # the recorded pushes move the step well away from the end form's: a wrong sign, weight or factor shows
     assert float((expected - end).norm()) > 0.2 * float((end - w0).norm())

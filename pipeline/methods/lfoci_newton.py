@@ -120,6 +120,11 @@ class GaussNewtonStepSettings(BaseModel):
                            "run, (1 / n) sum_k W_k G_U(c_k) (pipeline.target.recorded_pushes.forget_pushes: at zero "
                            "curvature the step is those pushes, the retained curvature holds back the stiff directions); "
                            "a model without a recorded trajectory takes end and the record says why")
+    forget_push_scale: float = Field(
+        1.0, gt=0, description="recorded_run: the weight c of U's recorded pushes in the right side, -c mu delta (1: "
+                               "the linearised run's own account; above 1 follows them further where the retained "
+                               "curvature does not hold them back, a setting placed on tuning sets, as "
+                               "trajectory-refit's scale is)")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
 
@@ -544,7 +549,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     record["target"]["mu"] = mu
     if mu > 0:  # the forget set's term: at the end of the run, or along the recorded run
         anchor, record["target"]["forget_gradient"] = _forget_term(
-            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings)
+            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings, gn.forget_push_scale)
     rhs = g_retain - anchor
     noised = noise_cal.sigma > 0
     try:
@@ -611,7 +616,8 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
 
 
 def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Tensor, g_forget: torch.Tensor,
-                 w_start: torch.Tensor, mu: float, timings: dict[str, float]) -> tuple[torch.Tensor, dict[str, Any]]:
+                 w_start: torch.Tensor, mu: float, timings: dict[str, float],
+                 scale: float = 1.0) -> tuple[torch.Tensor, dict[str, Any]]:
     """The one-window anchor with U's term read where ``how`` says, and its record.
 
     The one-window right side g_R(w0) - g_D(w0) holds U's loss gradient at the trained weights only, as
@@ -620,7 +626,8 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
     delta = (1 / n) sum_k W_k G_U(c_k) over the run's checkpoints c_k (``forget_pushes``), so that
         grad F(w0) = (m / (n - m)) (g_D(w0) - lambda w0) - mu delta,
     and a direction the retained curvature does not train (G_R = 0 there) moves by delta, less the
-    (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took."""
+    (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took.
+    ``scale`` (``gauss_newton.forget_push_scale``, c) weights the pushes: -c mu delta in grad F(w0)."""
     trajectory = problem.trajectory
     if how == "end":
         return anchor, {"how": "end", "equation": "U's loss gradient at the trained weights"}
@@ -635,8 +642,8 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         pushes = forget_pushes(problem.model, trajectory, lambda: block_gradient(
             problem.model, problem.task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
     end = g_forget - m * problem.weight_decay * w_start  # G_U(w0): U's loss gradient, no weight decay
-    return anchor - end / (n - m) + mu * pushes, {
-        "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m,
+    return anchor - end / (n - m) + scale * mu * pushes, {
+        "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m, "push_scale": scale,
         "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)"}
 
 
