@@ -157,32 +157,40 @@ def _recorded_run_case(softmax_unfinished):
     weights = [rates[0] / 2, (rates[0] + rates[1]) / 2, rates[1] / 2]   # the trapezium over the two stretches
     pushes = sum(wk * gk for wk, gk in zip(weights, g_u)) / n
     system = h_r + mu * torch.eye(650, dtype=torch.float64)
-    return model0, data, lam, forget, card, trajectory, w0, system, g_r - g_d, g_u[-1], pushes, mu, n - m
+    # D's pushes from the run's displacement: (c_0 - c_K) - lambda sum_k W_k c_k, lambda the card's recipe's decay
+    d_pushes = points[0] - points[-1] - lam * sum(wk * p for wk, p in zip(weights, points))
+    own = pushes - (m / n) * d_pushes
+    return model0, data, lam, forget, card, trajectory, w0, system, g_r - g_d, g_u[-1], pushes, mu, n - m, own
 
 
-def _recorded_run_settings(how, scale=None):
-    extra = {} if scale is None else {"forget_push_scale": scale}
+def _recorded_run_settings(how, scale=None, part=None):
+    extra = ({} if scale is None else {"forget_push_scale": scale}) | ({} if part is None else {"forget_push_part": part})
     return {**EXACT, "target": "retrain", "gauss_newton": {**EXACT["gauss_newton"], "forget_gradient": how, **extra}}
 
 
-@pytest.mark.parametrize("scale", [None, 3.0])
-def test_the_recorded_run_puts_the_forget_sets_pushes_in_the_one_window_step(softmax_unfinished, scale):
+@pytest.mark.parametrize("scale,part", [(None, None), (3.0, None), (3.0, "own")])
+def test_the_recorded_run_puts_the_forget_sets_pushes_in_the_one_window_step(softmax_unfinished, scale, part):
     """rhs = (g_R - g_D) + G_U(w0) / (n - m) - c mu (1/n) sum_k W_k G_U(c_k); the step -(H_R + mu I)^{-1} rhs
-    (c = gauss_newton.forget_push_scale, 1 by default)."""
-    model0, data, lam, forget, card, trajectory, w0, system, one_window, g_u_end, pushes, mu, retained = \
+    (c = gauss_newton.forget_push_scale, 1 by default); with forget_push_part own the weight applies to U's pushes
+    beyond its share (m / n) delta_D of D's, delta_D from the recorded run's displacement."""
+    model0, data, lam, forget, card, trajectory, w0, system, one_window, g_u_end, pushes, mu, retained, own = \
         _recorded_run_case(softmax_unfinished)
     c = 1.0 if scale is None else scale
-    expected = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - c * mu * pushes)
+    weighted = c * pushes if part is None else (pushes - own) + c * own
+    expected = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * weighted)
     end = w0 - torch.linalg.solve(system, one_window)
-    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run", scale), card=card,
-               trajectory=trajectory)
+    out = _run(copy.deepcopy(model0), data, forget, lam, _recorded_run_settings("recorded_run", scale, part),
+               card=card, trajectory=trajectory)
     got = torch.cat([out.new_parameters["1.weight"].reshape(-1), out.new_parameters["1.bias"]])
     term = out.record["target"]["forget_gradient"]
     assert term["how"] == "recorded_run" and term["checkpoints"] == 3 and term["samples"] == len(forget)
-    assert term["push_scale"] == c
-    if scale is not None:   # the weight moves the step: the scaled solve is not the unscaled one
+    assert term["push_scale"] == c and term["push_part"] == (part or "all")
+    if scale is not None:   # the weight moves the step: the scaled solve is neither the unscaled one nor the other part's
         unscaled = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * pushes)
         assert float((expected - unscaled).norm()) > 0.2 * float((unscaled - w0).norm())
+        other = (pushes - own) + c * own if part is None else c * pushes
+        elsewhere = w0 - torch.linalg.solve(system, one_window + g_u_end / retained - mu * other)
+        assert float((expected - elsewhere).norm()) > 0.05 * float((expected - w0).norm())
     assert "forget_pushes" in out.record["timings"] and out.record["trust_region"]["accepted"]
     # the recorded pushes move the step well away from the end form's: a wrong sign, weight or factor shows
     assert float((expected - end).norm()) > 0.2 * float((end - w0).norm())

@@ -33,7 +33,7 @@ from pipeline.methods.trajectory_refit import _out_of_reach, forget_sample
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.param_block import ParamBlock
 from pipeline.recipe import Recipe
-from pipeline.target.recorded_pushes import checkpoint_weights, forget_pushes, kept_checkpoints
+from pipeline.target.recorded_pushes import checkpoint_weights, data_pushes, forget_pushes, kept_checkpoints
 from pipeline.tasks import DenseInputTask
 from pipeline.trajectory import Trajectory, TrajectoryRecorder, stretch_rates
 from pipeline.training import fit_sgd
@@ -78,6 +78,26 @@ def test_the_pushes_of_all_of_d_reproduce_the_run():
     assert len(trajectory.checkpoints) == 15 and trajectory.n == len(data)  # every 3rd epoch (40 / 16), and the 40th
     assert float((pushes - moved).norm()) <= 0.03 * float(moved.norm())
     assert float(moved.norm()) > 0.02  # it moved (0.04)
+
+
+def test_the_pushes_of_d_read_from_the_runs_displacement_are_its_gradient_passes():
+    """data_pushes: (c_0 - c_K) - lambda sum_k W_k c_k is (1 / n) sum_k W_k G_D(c_k), the trapezium over the
+    checkpoints of every sample's gradient (forget_pushes with U = D), with weight decay and momentum; a missing
+    decay term or a wrong weight is off by far more than the trapezium's own error."""
+    data = load_source("digits", {"dtype": "float64"})["train"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.05,
+              "trajectory_checkpoints": 16}
+    trajectory = _recorded_fit(model, data, recipe, 0)
+    problem = RemovalProblem(model, TASK, data, torch.arange(1, len(data)), 0.0, batch_size=4096)
+    problem.forget_positions = torch.arange(len(data))  # U = D
+    block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": None})
+    by_passes = forget_pushes(model, trajectory, lambda: block_gradient(model, TASK, problem.forget, block, 0.0))
+    from_run = data_pushes(trajectory, block.gather, recipe["weight_decay"])
+    undecayed = data_pushes(trajectory, block.gather, 0.0)
+    assert float((from_run - by_passes).norm()) <= 0.03 * float(by_passes.norm())
+    assert float((undecayed - by_passes).norm()) > 0.1 * float(by_passes.norm())   # the decay's share: 18 % here
 
 
 def test_pushes_that_are_not_finite_raise_and_leave_the_model_as_it_was():

@@ -82,7 +82,7 @@ from pipeline.privacy.noise import secret_gaussian_noise
 from pipeline.recipe import recipe_of, start_weights
 from pipeline.target import REPLAY_MAX_PARAMETERS, TargetKind, budget_damping, prepare_replay, replay_target, resolve_target
 from pipeline.target.oracles import ModuleBlockOracle, SubsampledCurvature
-from pipeline.target.recorded_pushes import forget_pushes
+from pipeline.target.recorded_pushes import data_pushes, forget_pushes
 from pipeline.tasks import Task
 
 __all__ = ["LFociNewton", "LFociNewtonSettings", "RemovalNotServed", "UnsolvedSystemError"]
@@ -125,6 +125,10 @@ class GaussNewtonStepSettings(BaseModel):
                                "the linearised run's own account; above 1 follows them further where the retained "
                                "curvature does not hold them back, a setting placed on tuning sets, as "
                                "trajectory-refit's scale is)")
+    forget_push_part: Literal["all", "own"] = Field(
+        "all", description="recorded_run: what forget_push_scale weights: all = c delta; own = U's pushes beyond its "
+                           "share of D's, (m / n) delta_D + c (delta - (m / n) delta_D), delta_D = D's pushes read from "
+                           "the recorded run's displacement (pipeline.target.recorded_pushes.data_pushes: no pass)")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
 
@@ -549,7 +553,8 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     record["target"]["mu"] = mu
     if mu > 0:  # the forget set's term: at the end of the run, or along the recorded run
         anchor, record["target"]["forget_gradient"] = _forget_term(
-            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings, gn.forget_push_scale)
+            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings, gn.forget_push_scale,
+            gn.forget_push_part)
     rhs = g_retain - anchor
     noised = noise_cal.sigma > 0
     try:
@@ -617,7 +622,7 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
 
 def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Tensor, g_forget: torch.Tensor,
                  w_start: torch.Tensor, mu: float, timings: dict[str, float],
-                 scale: float = 1.0) -> tuple[torch.Tensor, dict[str, Any]]:
+                 scale: float = 1.0, part: str = "all") -> tuple[torch.Tensor, dict[str, Any]]:
     """The one-window anchor with U's term read where ``how`` says, and its record.
 
     The one-window right side g_R(w0) - g_D(w0) holds U's loss gradient at the trained weights only, as
@@ -627,7 +632,9 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         grad F(w0) = (m / (n - m)) (g_D(w0) - lambda w0) - mu delta,
     and a direction the retained curvature does not train (G_R = 0 there) moves by delta, less the
     (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took.
-    ``scale`` (``gauss_newton.forget_push_scale``, c) weights the pushes: -c mu delta in grad F(w0)."""
+    ``scale`` (``gauss_newton.forget_push_scale``, c) weights the pushes: -c mu delta in grad F(w0); with ``part``
+    ``own`` only U's own part, -mu ((m / n) delta_D + c (delta - (m / n) delta_D)), delta_D = D's pushes over the
+    recorded run (``data_pushes``: read from the run's displacement, no pass; n the set the run saw)."""
     trajectory = problem.trajectory
     if how == "end":
         return anchor, {"how": "end", "equation": "U's loss gradient at the trained weights"}
@@ -642,8 +649,17 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         pushes = forget_pushes(problem.model, trajectory, lambda: block_gradient(
             problem.model, problem.task, forget, block, 0.0, reduction="sum", batch_size=problem.batch_size))
     end = g_forget - m * problem.weight_decay * w_start  # G_U(w0): U's loss gradient, no weight decay
-    return anchor - end / (n - m) + scale * mu * pushes, {
+    record: dict[str, Any] = {}
+    if part == "own" and scale != 1.0:
+        decay = recipe_of(problem.card).weight_decay if problem.card is not None else problem.weight_decay
+        share = (m / trajectory.n) * data_pushes(trajectory, block.gather, decay)
+        weighted = share + scale * (pushes - share)
+        record["share_of_d_norm_ratio"] = _norm(share) / max(_norm(pushes), 1e-300)   # ||(m/n) delta_D|| / ||delta||
+    else:
+        weighted = scale * pushes
+    return anchor - end / (n - m) + mu * weighted, {
         "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m, "push_scale": scale,
+        "push_part": part, **record,
         "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)"}
 
 

@@ -9,7 +9,12 @@ ran on. Their sum is the trapezium over the checkpoints,
     delta = (1 / n) sum_k W_k G_U(c_k),      W_k = (C_{k-1} + C_k) / 2  (C_{-1} = C_E = 0),
 
 read at fewer checkpoints by interpolating the left-out ones' G_U between their kept neighbours
-(``checkpoint_weights``). trajectory-refit adds back a share of delta (``pipeline.methods.trajectory_refit``);
+(``checkpoint_weights``). The same sum over all of D needs no pass: the run's own displacement less its weight
+decay's share,
+
+    delta_D = (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k       (``data_pushes``),
+
+so that U's pushes split into its share of D's, (m / n) delta_D, and its own, delta - (m / n) delta_D. trajectory-refit adds back a share of delta (``pipeline.methods.trajectory_refit``);
 lfoci-newton's one-window target reads U's term as mu delta (``pipeline.methods.lfoci_newton``, ``_forget_term``).
 """
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 
 from pipeline.trajectory import Trajectory, load_checkpoint
 
-__all__ = ["checkpoint_weights", "forget_pushes", "kept_checkpoints"]
+__all__ = ["checkpoint_weights", "data_pushes", "forget_pushes", "kept_checkpoints"]
 
 
 def kept_checkpoints(count: int, wanted: int | None) -> list[int]:
@@ -70,3 +75,23 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
     if not bool(torch.isfinite(total).all()):
         raise FloatingPointError("the forget set's recorded pushes are not finite; nothing was changed")
     return total / trajectory.n
+
+
+def data_pushes(trajectory: Trajectory, gather: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                weight_decay: float) -> torch.Tensor:
+    """delta_D = (1 / n) sum_k W_k G_D(c_k), D's pushes over the recorded run, read from the run itself: heavy-ball
+    SGD moved the weights by c_K - c_0 = -sum_t c_t (mean batch gradient + lambda w_t), so over the trapezium's weights
+    (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k, ``lambda`` the recipe's weight decay; ``gather``
+    maps a checkpoint (name -> tensor) to the block's flat vector. CPU float64; no forward or backward pass."""
+    count = len(trajectory.checkpoints)
+    weights = checkpoint_weights(trajectory.rates, list(range(count)))
+
+    def at(k: int) -> torch.Tensor:
+        return gather(trajectory.checkpoints[k]).to("cpu", torch.float64)
+
+    decayed = sum((weight * at(k) for k, weight in weights.items() if weight != 0.0),
+                  torch.zeros_like(at(count - 1)))
+    total = at(0) - at(count - 1) - weight_decay * decayed
+    if not bool(torch.isfinite(total).all()):
+        raise FloatingPointError("the recorded run's displacement is not finite")
+    return total
