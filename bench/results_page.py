@@ -5,7 +5,8 @@
     python -m bench.results_page --results DIR        # from another results folder
 
 The default run also rewrites README.md's short results table (``readme_table``: at most ten rows, the
-end-to-end benchmark's cells, and its U-LiRA games where they were played; between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) from the same JSON;
+end-to-end benchmark's cells, and its U-LiRA games where they were played; then a second table of the identities
+cells run on another processor, ``SECOND_MACHINE_CELLS``; between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) from the same JSON;
 ``--readme PATH`` rewrites that file's table even with ``--out`` or ``--results`` given.
 
 One section per benchmark script, one subsection per JSON file: the command that produced it
@@ -74,6 +75,15 @@ README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recor
 README_BEST_OF = ("gradient-ascent", "neggrad-plus", "random-labels", "scrub", "l1-sparse")
 README_DEFAULT = "lfoci-newton"
 COMMAND = "python -m bench.results_page"
+# README's second, smaller table: the identities cells run on another processor, whose original differs from the
+# first table's (the same command and seeds; its kernels round differently), each against that run's own Retrain;
+# variants measured there stand beside each other, never beside the first table's rows
+SECOND_MACHINE_CELLS = tuple((f"deep_identities_partial_{sc}_lean.json", sc)
+                             for sc in ("identity", "random_1pct", "random_10pct", "subject"))
+SECOND_MACHINE_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    (name, sc): (f"deep_identities_partial_{sc}_lean_2x.json",) for name, sc in SECOND_MACHINE_CELLS}
+SECOND_MACHINE_ROWS = ("original", "retrain-reseed", "lfoci-newton-recorded-run-lean",
+                       "lfoci-newton-recorded-run-lean-2x")
 
 
 # -- small formatting helpers ---------------------------------------------------------------------
@@ -436,10 +446,37 @@ def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any]
 
 
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
-    """README.md's short results table (at most ten rows): the end-to-end benchmark's cells; a file or scenario
-    that cannot be read gets its column marked, never a crash."""
+    """README.md's results: the short table of the end-to-end benchmark's cells (at most ten rows) with its
+    U-LiRA games, then the second machine's identities cells (``SECOND_MACHINE_CELLS``); a file or scenario that
+    cannot be read gets its column marked, never a crash."""
+    accuracy = [_original_test_accuracy(results_dir, cells[-1][0])
+                for cells in (README_CELLS, SECOND_MACHINE_CELLS)]   # the identities cells of each table
+    second = _cells_table(results_dir, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
+                          "The identities benchmark on a second processor, whose original differs from the table's "
+                          f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
+                          "each row against that run's own Retrain.", with_ulira=False)
+    return (_cells_table(results_dir, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
+                         "Networks trained end to end (every layer the recipe trains saw the data).")
+            + "\n" + second)
+
+
+def _original_test_accuracy(results_dir: Path, name: str) -> str:
+    """The original's test accuracy a result file records, as "77.0 %" ("unknown" where it cannot be read)."""
+    try:
+        value = json.loads((results_dir / name).read_text())["original_accuracy"]["test"]
+        return f"{float(value):.1f} %"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def _cells_table(results_dir: Path, cell_files: tuple[tuple[str, str], ...],
+                 companions: dict[tuple[str, str], tuple[str, ...]], rows: tuple[str, ...],
+                 best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True) -> str:
+    """One README table: the ``rows`` of ``cell_files``' cells with their ``companions``' rows merged (checked:
+    the same sets and reference rows), a best-of row over ``best_of`` (none where empty), the notes of companions
+    left out and, ``with_ulira``, the cells' U-LiRA games."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    for name in dict.fromkeys([n for n, _ in README_CELLS] + [c for cs in README_COMPANIONS.values() for c in cs]):
+    for name in dict.fromkeys([n for n, _ in cell_files] + [c for cs in companions.values() for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
         except (OSError, ValueError):
@@ -448,24 +485,24 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []
     merged_in: list[str] = []
-    for name, sc in README_CELLS:
+    for name, sc in cell_files:
         d = loaded[name]
         ok = isinstance(d, dict) and "dataset_title" in d and _has_summary(d, sc)
         cells.append((name, d if ok else None, sc))
         if not ok:
             blocks.append(None)
             continue
-        block, joined, left_out = merged_block(d, sc, {c: loaded[c] for c in README_COMPANIONS.get((name, sc), ())})
+        block, joined, left_out = merged_block(d, sc, {c: loaded[c] for c in companions.get((name, sc), ())})
         blocks.append(block)
         merged_in += [c for c in joined if c not in merged_in]
         notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
-    primary = dict.fromkeys(n for n, _ in README_CELLS)
-    lines = ["Networks trained end to end (every layer the recipe trains saw the data). Avg. Gap to Retrain in "
+    primary = dict.fromkeys(n for n, _ in cell_files)
+    lines = [f"{lead} Avg. Gap to Retrain in "
              f"points (SalUn's; lower is better; mean over {sets} reported forget sets, settings chosen on disjoint "
              "tuning sets) and, in brackets, Retrain's seconds over the removal's: cold (everything the request "
              f"needs, its preparation included) / per request over a campaign of {requests} requests; `-`: not run "
-             f"in that cell. {README_DEFAULT} is the default. From "
+             f"in that cell.{f' {README_DEFAULT} is the default.' if README_DEFAULT in rows else ''} From "
              + ", ".join(f"[{name}](bench/results/{name})" for name in primary)
              + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}](bench/results/{name})"
                                                                    for name in merged_in)
@@ -476,13 +513,14 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
              "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"
                                             for name, d, sc in cells) + " |",
              "|---|" + "---|" * len(cells)]
-    for row in README_ROWS:
+    for row in rows:
         label = f"{row} (default)" if row == README_DEFAULT else row
         lines.append(f"| {label} | " + " | ".join(readme_cell(block["summary"].get(row)) if block is not None else "-"
                                                   for block in blocks) + " |")
-    lines.append(f"| best of {', '.join(README_BEST_OF)} | "
-                 + " | ".join(best_of_cell(block["summary"]) if block is not None else "-" for block in blocks) + " |")
-    return "\n".join(lines + (["", *notes] if notes else []) + readme_ulira(cells)) + "\n"
+    if best_of:
+        lines.append(f"| best of {', '.join(best_of)} | " + " | ".join(
+            best_of_cell(block["summary"], best_of) if block is not None else "-" for block in blocks) + " |")
+    return "\n".join(lines + (["", *notes] if notes else []) + (readme_ulira(cells) if with_ulira else [])) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:
