@@ -660,7 +660,9 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
     return anchor - end / (n - m) + mu * weighted, {
         "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m, "push_scale": scale,
         "push_part": part, **record,
-        "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)"}
+        "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)" + (
+            "" if scale == 1.0 else f", weighted by c = {scale:g}" + (
+                " beyond U's share (m / n) delta_D of D's pushes" if part == "own" else ""))}
 
 
 def _emptied_in_block(problem: RemovalProblem, gn: GaussNewtonStepSettings, block: Any,

@@ -14,8 +14,9 @@ decay's share,
 
     delta_D = (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k       (``data_pushes``),
 
-so that U's pushes split into its share of D's, (m / n) delta_D, and its own, delta - (m / n) delta_D. trajectory-refit adds back a share of delta (``pipeline.methods.trajectory_refit``);
-lfoci-newton's one-window target reads U's term as mu delta (``pipeline.methods.lfoci_newton``, ``_forget_term``).
+so that U's pushes split into its share of D's, (m / n) delta_D, and its own, delta - (m / n) delta_D.
+trajectory-refit adds back a share of delta (``pipeline.methods.trajectory_refit``); lfoci-newton's one-window
+target reads U's term as mu delta (``pipeline.methods.lfoci_newton``, ``_forget_term``).
 """
 from __future__ import annotations
 
