@@ -83,7 +83,7 @@ def test_the_pushes_of_all_of_d_reproduce_the_run():
 def test_the_pushes_of_d_read_from_the_runs_displacement_are_its_gradient_passes():
     """data_pushes: (c_0 - c_K) - lambda sum_k W_k c_k is (1 / n) sum_k W_k G_D(c_k), the trapezium over the
     checkpoints of every sample's gradient (forget_pushes with U = D), with weight decay and momentum; a missing
-    decay term or a wrong weight is off by far more than the trapezium's own error."""
+    decay term is off by far more than the trapezium's own error (18 % against 3 %)."""
     data = load_source("digits", {"dtype": "float64"})["train"]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()

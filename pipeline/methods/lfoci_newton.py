@@ -121,13 +121,13 @@ class GaussNewtonStepSettings(BaseModel):
                            "curvature the step is those pushes, the retained curvature holds back the stiff directions); "
                            "a model without a recorded trajectory takes end and the record says why")
     forget_push_scale: float = Field(
-        1.0, gt=0, description="recorded_run: the weight c of U's recorded pushes in the right side, -c mu delta (1: "
+        1.0, gt=0, description="recorded_run: the weight kappa of U's recorded pushes in the right side, -kappa mu delta (1: "
                                "the linearised run's own account; above 1 follows them further where the retained "
                                "curvature does not hold them back, a setting placed on tuning sets, as "
                                "trajectory-refit's scale is)")
     forget_push_part: Literal["all", "own"] = Field(
-        "all", description="recorded_run: what forget_push_scale weights: all = c delta; own = U's pushes beyond its "
-                           "share of D's, (m / n) delta_D + c (delta - (m / n) delta_D), delta_D = D's pushes read from "
+        "all", description="recorded_run: what forget_push_scale weights: all = kappa delta; own = U's pushes beyond its "
+                           "share of D's, (m / n) delta_D + kappa (delta - (m / n) delta_D), delta_D = D's pushes read from "
                            "the recorded run's displacement (pipeline.target.recorded_pushes.data_pushes: no pass)")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
@@ -632,8 +632,8 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         grad F(w0) = (m / (n - m)) (g_D(w0) - lambda w0) - mu delta,
     and a direction the retained curvature does not train (G_R = 0 there) moves by delta, less the
     (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took.
-    ``scale`` (``gauss_newton.forget_push_scale``, c) weights the pushes: -c mu delta in grad F(w0); with ``part``
-    ``own`` only U's own part, -mu ((m / n) delta_D + c (delta - (m / n) delta_D)), delta_D = D's pushes over the
+    ``scale`` (``gauss_newton.forget_push_scale``, kappa) weights the pushes: -kappa mu delta in grad F(w0); with ``part``
+    ``own`` only U's own part, -mu ((m / n) delta_D + kappa (delta - (m / n) delta_D)), delta_D = D's pushes over the
     recorded run (``data_pushes``: read from the run's displacement, no pass; n the set the run saw)."""
     trajectory = problem.trajectory
     if how == "end":
@@ -661,7 +661,7 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         "how": "recorded_run", "checkpoints": len(trajectory.checkpoints), "samples": m, "push_scale": scale,
         "push_part": part, **record,
         "equation": "-G_U(w0) / (n - m) replaced by -mu (1 / n) sum_k W_k G_U(c_k) (U's recorded pushes)" + (
-            "" if scale == 1.0 else f", weighted by c = {scale:g}" + (
+            "" if scale == 1.0 else f", weighted by kappa = {scale:g}" + (
                 " beyond U's share (m / n) delta_D of D's pushes" if part == "own" else ""))}
 
 

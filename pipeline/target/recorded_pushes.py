@@ -14,7 +14,9 @@ decay's share,
 
     delta_D = (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k       (``data_pushes``),
 
-so that U's pushes split into its share of D's, (m / n) delta_D, and its own, delta - (m / n) delta_D.
+so that U's pushes split into its share of D's, (m / n) delta_D, and its own, delta - (m / n) delta_D. (A model with
+batch normalisation: the displacement holds the run's training-mode gradients, batch statistics included; delta
+reads G_U in the mode the model is in.)
 trajectory-refit adds back a share of delta (``pipeline.methods.trajectory_refit``); lfoci-newton's one-window
 target reads U's term as mu delta (``pipeline.methods.lfoci_newton``, ``_forget_term``).
 """
@@ -81,7 +83,8 @@ def forget_pushes(model: nn.Module, trajectory: Trajectory, forget_gradient: Cal
 def data_pushes(trajectory: Trajectory, gather: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                 weight_decay: float) -> torch.Tensor:
     """delta_D = (1 / n) sum_k W_k G_D(c_k), D's pushes over the recorded run, read from the run itself: heavy-ball
-    SGD moved the weights by c_K - c_0 = -sum_t c_t (mean batch gradient + lambda w_t), so over the trapezium's weights
+    SGD moved the weights by c_K - c_0 = -sum_t s_t (mean batch gradient + lambda w_t), s_t the share of step t's
+    gradient the final weights carry (``pipeline.trajectory``), so over the trapezium's weights
     (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k, ``lambda`` the recipe's weight decay; ``gather``
     maps a checkpoint (name -> tensor) to the block's flat vector. CPU float64; no forward or backward pass."""
     count = len(trajectory.checkpoints)
