@@ -449,38 +449,39 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     """README.md's results: the short table of the end-to-end benchmark's cells (at most ten rows) with its
     U-LiRA games, then the second machine's identities cells (``SECOND_MACHINE_CELLS``); a file or scenario that
     cannot be read gets its column marked, never a crash."""
-    accuracy = [_original_test_accuracy(results_dir, cells[-1][0])
-                for cells in (README_CELLS, SECOND_MACHINE_CELLS)]   # the identities cells of each table
-    second = _cells_table(results_dir, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
-                          "The identities benchmark on a second processor, whose original differs from the table's "
-                          f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
-                          "each row against that run's own Retrain.", with_ulira=False)
-    return (_cells_table(results_dir, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
-                         "Networks trained end to end (every layer the recipe trains saw the data).")
-            + "\n" + second)
-
-
-def _original_test_accuracy(results_dir: Path, name: str) -> str:
-    """The original's test accuracy a result file records, as "77.0 %" ("unknown" where it cannot be read)."""
-    try:
-        value = json.loads((results_dir / name).read_text())["original_accuracy"]["test"]
-        return f"{float(value):.1f} %"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown"
-
-
-def _cells_table(results_dir: Path, cell_files: tuple[tuple[str, str], ...],
-                 companions: dict[tuple[str, str], tuple[str, ...]], rows: tuple[str, ...],
-                 best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True) -> str:
-    """One README table: the ``rows`` of ``cell_files``' cells with their ``companions``' rows merged (checked:
-    the same sets and reference rows), a best-of row over ``best_of`` (none where empty), the notes of companions
-    left out and, ``with_ulira``, the cells' U-LiRA games."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    for name in dict.fromkeys([n for n, _ in cell_files] + [c for cs in companions.values() for c in cs]):
+    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values()]
+    for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS)] + [c for cs in companions for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
         except (OSError, ValueError):
             loaded[name] = None
+    accuracy = [_original_test_accuracy(loaded[cells[-1][0]])
+                for cells in (README_CELLS, SECOND_MACHINE_CELLS)]   # the identities cells of each table
+    second = _cells_table(loaded, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
+                          "The identities benchmark on a second processor, whose original differs from the table's "
+                          f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
+                          "each row against that run's own Retrain.", with_ulira=False)
+    return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
+                         "Networks trained end to end (every layer the recipe trains saw the data).")
+            + "\n" + second)
+
+
+def _original_test_accuracy(d: dict[str, Any] | None) -> str:
+    """The original's test accuracy a result records, as "77.0 %" ("unknown" where it has none)."""
+    try:
+        return f"{float(d['original_accuracy']['test']):.1f} %"  # type: ignore[index]
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tuple[str, str], ...],
+                 companions: dict[tuple[str, str], tuple[str, ...]], rows: tuple[str, ...],
+                 best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True) -> str:
+    """One README table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
+    ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
+    best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
+    cells' U-LiRA games."""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []

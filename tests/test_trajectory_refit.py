@@ -62,11 +62,13 @@ def test_stretch_rates_are_the_heavy_ball_carry():
     assert stretch_rates(steps, beta, 2 * per) == pytest.approx([sum(carry[:6]), sum(carry[6:])])
 
 
-def test_the_pushes_of_all_of_d_reproduce_the_run():
+def _pushes_of_all_of_d(weight_decay: float):
+    """Softmax regression on digits trained full-batch by heavy-ball SGD (40 epochs, 16 checkpoints kept), and the
+    pushes of U = D over its recorded run: (D, start state, model, trajectory, block, pushes)."""
     data = load_source("digits", {"dtype": "float64"})["train"]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
-    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.0,
+    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": weight_decay,
               "trajectory_checkpoints": 16}
     start = {k: v.clone() for k, v in model.state_dict().items()}
     trajectory = _recorded_fit(model, data, recipe, 0)
@@ -74,6 +76,11 @@ def test_the_pushes_of_all_of_d_reproduce_the_run():
     problem.forget_positions = torch.arange(len(data))  # U = D (the problem itself refuses to remove everything)
     block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": None})
     pushes = forget_pushes(model, trajectory, lambda: block_gradient(model, TASK, problem.forget, block, 0.0))
+    return data, start, model, trajectory, block, pushes
+
+
+def test_the_pushes_of_all_of_d_reproduce_the_run():
+    data, start, model, trajectory, block, pushes = _pushes_of_all_of_d(0.0)
     moved = block.gather({k: start[k] - v for k, v in model.state_dict().items()})
     assert len(trajectory.checkpoints) == 15 and trajectory.n == len(data)  # every 3rd epoch (40 / 16), and the 40th
     assert float((pushes - moved).norm()) <= 0.03 * float(moved.norm())
@@ -84,17 +91,8 @@ def test_the_pushes_of_d_read_from_the_runs_displacement_are_its_gradient_passes
     """data_pushes: (c_0 - c_K) - lambda sum_k W_k c_k is (1 / n) sum_k W_k G_D(c_k), the trapezium over the
     checkpoints of every sample's gradient (forget_pushes with U = D), with weight decay and momentum; a missing
     decay term is off by far more than the trapezium's own error (18 % against 3 %)."""
-    data = load_source("digits", {"dtype": "float64"})["train"]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
-    recipe = {"epochs": 40, "lr": 0.002, "batch_size": len(data), "momentum": 0.5, "weight_decay": 0.05,
-              "trajectory_checkpoints": 16}
-    trajectory = _recorded_fit(model, data, recipe, 0)
-    problem = RemovalProblem(model, TASK, data, torch.arange(1, len(data)), 0.0, batch_size=4096)
-    problem.forget_positions = torch.arange(len(data))  # U = D
-    block = ParamBlock.from_rows(model, {"1.weight": None, "1.bias": None})
-    by_passes = forget_pushes(model, trajectory, lambda: block_gradient(model, TASK, problem.forget, block, 0.0))
-    from_run = data_pushes(trajectory, block.gather, recipe["weight_decay"])
+    _, _, _, trajectory, block, by_passes = _pushes_of_all_of_d(0.05)
+    from_run = data_pushes(trajectory, block.gather, 0.05)
     undecayed = data_pushes(trajectory, block.gather, 0.0)
     assert float((from_run - by_passes).norm()) <= 0.03 * float(by_passes.norm())
     assert float((undecayed - by_passes).norm()) > 0.1 * float(by_passes.norm())   # the decay's share: 18 % here

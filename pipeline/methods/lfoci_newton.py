@@ -552,9 +552,8 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
                                     else "grad_P L_D\\U(w') = 0")
     record["target"]["mu"] = mu
     if mu > 0:  # the forget set's term: at the end of the run, or along the recorded run
-        anchor, record["target"]["forget_gradient"] = _forget_term(
-            problem, block, gn.forget_gradient, anchor, g_forget, w_start, mu, timings, gn.forget_push_scale,
-            gn.forget_push_part)
+        anchor, record["target"]["forget_gradient"] = _forget_term(problem, block, gn, anchor, g_forget, w_start, mu,
+                                                                    timings)
     rhs = g_retain - anchor
     noised = noise_cal.sigma > 0
     try:
@@ -620,10 +619,10 @@ def _gauss_newton_removal(problem: RemovalProblem, settings: LFociNewtonSettings
     return RemovalOutcome(new_parameters, record, release)
 
 
-def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Tensor, g_forget: torch.Tensor,
-                 w_start: torch.Tensor, mu: float, timings: dict[str, float],
-                 scale: float = 1.0, part: str = "all") -> tuple[torch.Tensor, dict[str, Any]]:
-    """The one-window anchor with U's term read where ``how`` says, and its record.
+def _forget_term(problem: RemovalProblem, block: Any, gn: GaussNewtonStepSettings, anchor: torch.Tensor,
+                 g_forget: torch.Tensor, w_start: torch.Tensor, mu: float,
+                 timings: dict[str, float]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The one-window anchor with U's term read where ``gn.forget_gradient`` says, and its record.
 
     The one-window right side g_R(w0) - g_D(w0) holds U's loss gradient at the trained weights only, as
     -G_U(w0) / (n - m) (g_R = (n g_D - g_U) / (n - m), g_U = G_U + m lambda w0 over U). ``recorded_run`` puts U's
@@ -632,10 +631,10 @@ def _forget_term(problem: RemovalProblem, block: Any, how: str, anchor: torch.Te
         grad F(w0) = (m / (n - m)) (g_D(w0) - lambda w0) - mu delta,
     and a direction the retained curvature does not train (G_R = 0 there) moves by delta, less the
     (m / (n - m)) reweighting of D's residual: the recorded run's own pushes of U, which Retrain never took.
-    ``scale`` (``gauss_newton.forget_push_scale``, kappa) weights the pushes: -kappa mu delta in grad F(w0); with ``part``
+    ``gn.forget_push_scale`` (kappa) weights the pushes: -kappa mu delta in grad F(w0); with ``gn.forget_push_part``
     ``own`` only U's own part, -mu ((m / n) delta_D + kappa (delta - (m / n) delta_D)), delta_D = D's pushes over the
     recorded run (``data_pushes``: read from the run's displacement, no pass; n the set the run saw)."""
-    trajectory = problem.trajectory
+    trajectory, how, scale, part = problem.trajectory, gn.forget_gradient, gn.forget_push_scale, gn.forget_push_part
     if how == "end":
         return anchor, {"how": "end", "equation": "U's loss gradient at the trained weights"}
     why = ("no recorded training trajectory" if trajectory is None else

@@ -87,15 +87,10 @@ def data_pushes(trajectory: Trajectory, gather: Callable[[dict[str, torch.Tensor
     gradient the final weights carry (``pipeline.trajectory``), so over the trapezium's weights
     (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k, ``lambda`` the recipe's weight decay; ``gather``
     maps a checkpoint (name -> tensor) to the block's flat vector. CPU float64; no forward or backward pass."""
-    count = len(trajectory.checkpoints)
-    weights = checkpoint_weights(trajectory.rates, list(range(count)))
-
-    def at(k: int) -> torch.Tensor:
-        return gather(trajectory.checkpoints[k]).to("cpu", torch.float64)
-
-    decayed = sum((weight * at(k) for k, weight in weights.items() if weight != 0.0),
-                  torch.zeros_like(at(count - 1)))
-    total = at(0) - at(count - 1) - weight_decay * decayed
+    points = [gather(c).to("cpu", torch.float64) for c in trajectory.checkpoints]
+    weights = checkpoint_weights(trajectory.rates, list(range(len(points))))
+    decayed = torch.stack([weights[k] * point for k, point in enumerate(points)]).sum(0)
+    total = points[0] - points[-1] - weight_decay * decayed
     if not bool(torch.isfinite(total).all()):
         raise FloatingPointError("the recorded run's displacement is not finite")
     return total
