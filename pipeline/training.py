@@ -73,7 +73,10 @@ def fit_lbfgs(
     max_steps: int = 500, tolerance: float = 1e-10, batch_size: int = 4096,
     callback: Callable[[int, float], None] | None = None,
 ) -> FitReport:
-    """Full-batch L-BFGS on L_D until the gradient norm is below ``tolerance`` (or max_steps)."""
+    """Full-batch L-BFGS on L_D until the gradient norm is below ``tolerance`` (or max_steps), or until a step
+    leaves the weights exactly as they were: then its line search found no decrease at float precision, and every
+    later step would repeat it (measured on the 64-32-10 test MLP: from step 36 on, 965 steps of 1,000 moved
+    nothing and took 13 of its 14 s)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.LBFGS(params, lr=1.0, max_iter=50, history_size=50,
                             tolerance_grad=tolerance, tolerance_change=0.0, line_search_fn="strong_wolfe")
@@ -87,13 +90,14 @@ def fit_lbfgs(
     steps = 0
     with bar(max_steps, "training (L-BFGS)", unit="step") as progress:
         for steps in range(1, max_steps + 1):
+            before = [p.detach().clone() for p in params]
             loss = opt.step(closure)
             gnorm = gradient_norm(model, task, data, weight_decay, batch_size)
             progress.set_postfix(objective=f"{float(loss.detach()):.4g}", grad=f"{gnorm:.2g}", refresh=False)
             progress.update(1)
             if callback is not None:
                 callback(steps, float(loss))
-            if gnorm <= tolerance:
+            if gnorm <= tolerance or all(torch.equal(p, b) for p, b in zip(params, before)):
                 break
     final = float(objective(model, task, data, weight_decay, batch_size).detach())
     return FitReport(final, gradient_norm(model, task, data, weight_decay, batch_size), steps)

@@ -1,5 +1,6 @@
 """The damped Newton fit (the retraining oracles' solver) reaches its tolerance even where L_D's
-rounding hides the last steps' decrease from the Armijo test."""
+rounding hides the last steps' decrease from the Armijo test; the L-BFGS fit stops where a step
+moves nothing."""
 from __future__ import annotations
 
 import math
@@ -52,3 +53,20 @@ def test_newton_with_exact_rounding_is_unchanged_and_reports_where_it_ends(digit
     assert report.gradient_norm <= 1e-11 and report.steps < 30, report
     again = fit_newton(model, softmax_task(), digits, LAMBDA, tolerance=1e-12)
     assert again.steps == 1 and again.gradient_norm == pytest.approx(report.gradient_norm, rel=1e-6, abs=1e-15)
+
+
+def test_lbfgs_stops_at_the_first_step_that_leaves_the_weights_as_they_were(digits):
+    """fit_lbfgs asked for a gradient norm it cannot reach (0): it stops at the first step whose line search
+    moved nothing (at float precision no decrease is left; every later step would repeat it), far before
+    max_steps, and every step before that one moved the weights."""
+    model = softmax_model(2)
+    seen: list[torch.Tensor] = []
+
+    def record(step: int, loss: float) -> None:
+        seen.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+
+    report = training.fit_lbfgs(model, softmax_task(), digits, LAMBDA, tolerance=0.0, max_steps=1000, callback=record)
+    assert report.steps == len(seen) < 1000, report
+    assert torch.equal(seen[-1], seen[-2])
+    assert all(not torch.equal(a, b) for a, b in zip(seen[:-2], seen[1:-1]))
+    assert report.gradient_norm <= 1e-8, report  # where it stalls the fit is tight (measured: 3.2e-9, step 3)
