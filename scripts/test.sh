@@ -3,7 +3,8 @@
 # The order is shuffled by pytest-randomly (a dev dependency); the seed is printed first:
 # replay an order with --randomly-seed=N, or keep the file order with -p no:randomly.
 # The whole suite (no arguments) runs its files in parallel on min(cores, 4) pytest-xdist workers (one
-# file per worker at a time, so a module's fixtures are built once); UNLEARN_TEST_WORKERS=N sets the
+# file per worker at a time, so a module's fixtures are built once; the longest files first, LONGEST_FILES in
+# tests/conftest.py, the others in their shuffled order); UNLEARN_TEST_WORKERS=N sets the
 # count, 0 runs in this process. With arguments it runs in this process: under xdist a path that does
 # not exist is not an error, only "no tests ran", which would pass as pytest's exit code 5.
 set -uo pipefail
@@ -18,7 +19,9 @@ case "$workers" in
 esac
 [ "$workers" -gt 4 ] && workers=4
 parallel=()
-[ "$workers" -ge 2 ] && [ "$#" -eq 0 ] && parallel=(-n "$workers" --dist loadfile)
+# --no-loadscope-reorder: xdist would otherwise hand out the files by their number of tests (most first), over
+# the shuffle and LONGEST_FILES, which left the few-test, longest files (the kill audits) for the end
+[ "$workers" -ge 2 ] && [ "$#" -eq 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${parallel[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

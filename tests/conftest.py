@@ -38,7 +38,8 @@ def pytest_configure(config) -> None:
 # The suite's longest files, in seconds (their tests and module fixtures, summed from the junit report of
 # `pytest -n 2 --dist loadfile` on 2 cores, 2026-11-30). They are handed to the pytest-xdist workers first,
 # longest first, so that the files left for the end are short ones and the workers finish together
-# (measured: the last file alone had held one worker for about 50 s after the other was done).
+# (scripts/test.sh passes --no-loadscope-reorder: xdist's own order, most tests first, had left the kill
+# audits, one or two tests each and a minute or more, for the end).
 LONGEST_FILES = {
     "test_newton_mlp.py": 240, "test_target_retrain.py": 118, "test_unlearn_random_kills.py": 102,
     "test_cluster_ray.py": 100, "test_benchmark_model_examples.py": 73, "test_method_configs.py": 73,
