@@ -27,10 +27,15 @@ import torch  # noqa: E402
 OBJECT_STORE_BYTES = 256 * 2**20
 
 
+def _xdist_workers() -> int:
+    """How many pytest-xdist workers this run has (0 outside xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+
+
 def pytest_configure(config) -> None:
     """Under pytest-xdist (scripts/test.sh runs a worker per core): torch's intra-op threads split the
     cores between the workers instead of each taking them all."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    workers = _xdist_workers()
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
@@ -53,7 +58,7 @@ LONGEST_FILES = {
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist, the longest files (``LONGEST_FILES``) first, longest first; a stable sort, so the
     other files keep pytest-randomly's shuffled order, and every file its shuffled tests."""
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0) > 1:
+    if _xdist_workers() > 1:
         items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))
 
 

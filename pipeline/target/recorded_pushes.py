@@ -86,11 +86,15 @@ def data_pushes(trajectory: Trajectory, gather: Callable[[dict[str, torch.Tensor
     SGD moved the weights by c_K - c_0 = -sum_t s_t (mean batch gradient + lambda w_t), s_t the share of step t's
     gradient the final weights carry (``pipeline.trajectory``), so over the trapezium's weights
     (1 / n) sum_k W_k G_D(c_k) = (c_0 - c_K) - lambda sum_k W_k c_k, ``lambda`` the recipe's weight decay; ``gather``
-    maps a checkpoint (name -> tensor) to the block's flat vector. CPU float64; no forward or backward pass."""
-    points = [gather(c).to("cpu", torch.float64) for c in trajectory.checkpoints]
-    weights = checkpoint_weights(trajectory.rates, list(range(len(points))))
-    decayed = torch.stack([weights[k] * point for k, point in enumerate(points)]).sum(0)
-    total = points[0] - points[-1] - weight_decay * decayed
+    maps a checkpoint (name -> tensor) to the block's flat vector. CPU float64; no forward or backward pass; each
+    checkpoint gathered once, and no more than three block-sized vectors held at a time."""
+    weights = checkpoint_weights(trajectory.rates, list(range(len(trajectory.checkpoints))))
+    first = point = decayed = None
+    for k, checkpoint in enumerate(trajectory.checkpoints):
+        point = gather(checkpoint).to("cpu", torch.float64)
+        first = point if first is None else first
+        decayed = weights[k] * point if decayed is None else decayed.add_(point, alpha=weights[k])
+    total = first - point - weight_decay * decayed
     if not bool(torch.isfinite(total).all()):
         raise FloatingPointError("the recorded run's displacement is not finite")
     return total
