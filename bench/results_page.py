@@ -189,6 +189,22 @@ def render_trajectory_pushes(d: dict[str, Any]) -> list[str]:
             lines.append(f"| {label} | {fmt(point.get('scale'))} | {fmt(point.get('forget'))} | "
                          f"{fmt(point.get('retained_probe'))} |")
     return lines
+def render_rewind_curve(d: dict[str, Any]) -> list[str]:
+    """The forget set's fit along the recorded run, then the recipe's later epochs on D \\ U from each checkpoint."""
+    refs = d.get("references") or {}
+    lines = [f"{d.get('dataset')}, {d.get('scenario')} (m = {d.get('m')} of n = {d.get('n')}, the first tuning set); "
+             f"Retrain {fmt(d.get('retrain_seconds'))} s; original Avg. Gap {fmt((refs.get('original') or {}).get('AvgGap'))}, "
+             f"retrain-reseed {fmt((refs.get('retrain-reseed') or {}).get('AvgGap'))}.", "",
+             "| checkpoint after epoch | accuracy on U | on D \\ U (sample) | on the test set |", "|---|---|---|---|"]
+    lines += [f"| {t.get('epoch')} | {fmt(t.get('forget_accuracy'))} | {fmt(t.get('retained_accuracy'))} | "
+              f"{fmt(t.get('test_accuracy'))} |" for t in d.get("timeline") or []]
+    lines += ["", "| rewound to epoch | UA | RA | TA | MIA | Avg. Gap | share of Retrain's seconds |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.get('epoch')} | {fmt(r.get('UA'))} | {fmt(r.get('RA'))} | {fmt(r.get('TA'))} | {fmt(r.get('MIA'))} | "
+              f"{fmt(r.get('AvgGap'))} | {fmt(r.get('retrain_share'))} |" for r in d.get("rewind") or []]
+    return lines
+
+
 STREAM_DRIFT = [
     ("model", "model.preset"), ("dtype", "model.dtype"), ("training samples", "model.n_train"),
     ("requests", "requests"), ("batch size", "batch"), ("batches", "batches"),
@@ -223,6 +239,8 @@ BENCHMARKS: list[tuple[str, str, str | None, Callable[[dict[str, Any]], list[str
      lambda d: figure_table(d, STREAM_DRIFT)),
     ("trajectory_pushes", "Trajectory-refit's pushes against the run's own", "bench/trajectory_pushes.py",
      render_trajectory_pushes),
+    ("rewind_curve", "How early the recipe fits a forget set, and what its later epochs undo", "bench/rewind_curve.py",
+     render_rewind_curve),
     ("gpu_reid", "One removal on the ResNet-50 re-ID model", "bench/bench_gpu_reid.py", summariser("gpu_reid")),
     ("gpu_check", "GPU check", None, summariser("generic")),
     ("huge_layers", "Huge layers: VGG-16 on the CPU", "bench/bench_huge_layers.py", summariser("huge_layers")),

@@ -68,6 +68,9 @@ BENCHMARKS: dict[str, dict[str, Any]] = {
     "stream_drift": {"module": "stream_drift", "default": [], "quick": None, "smoke": None},
     "trajectory_pushes": {"module": "trajectory_pushes", "default": ["--threads", "1"],
                           "quick": ["--quick", "--threads", "1"], "smoke": ["--smoke"]},
+    "rewind_curve": {"module": "rewind_curve", "default": ["--dataset", "identities", "--scenario", "random_10pct",
+                                                          "--threads", "1", "--epochs", "0,2,4,6,8,10,12,14,16"],
+                     "quick": None, "smoke": ["--smoke"]},
 }
 TIMEOUTS = {"default": 4 * 3600, "quick": 900, "smoke": 300}
 

@@ -70,18 +70,23 @@ class InitSpec(BaseModel):
 FitFn = Callable[..., FitReport]
 
 
-def _fit_lbfgs(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None) -> FitReport:
+def _fit_lbfgs(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None,
+               start_epoch: int = 0) -> FitReport:
+    if start_epoch:
+        raise ValueError("recipe: optimizer 'lbfgs' has no epochs to start from (start_epoch is for 'sgd')")
     model.eval()  # full-batch: deterministic forward (no dropout, BN running statistics)
     return fit_lbfgs(model, task, data, recipe.weight_decay, max_steps=recipe.max_steps,
                      tolerance=recipe.tolerance, batch_size=recipe.batch_size or 4096)
 
 
-def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None) -> FitReport:
+def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, recorder: Any = None,
+             start_epoch: int = 0) -> FitReport:
     if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1:
         raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
     return fit_sgd(model, task, data, recipe.weight_decay, epochs=recipe.epochs, lr=recipe.lr,
                    batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed,
-                   report_samples=recipe.report_samples, callback=None if recorder is None else recorder.callback())
+                   report_samples=recipe.report_samples, callback=None if recorder is None else recorder.callback(),
+                   start_epoch=start_epoch)
 
 
 OPTIMIZERS: dict[str, FitFn] = {"lbfgs": _fit_lbfgs, "sgd": _fit_sgd}
@@ -125,7 +130,7 @@ def start_weights(card: "ModelCard") -> dict[str, torch.Tensor]:
 
 
 def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe,
-        recorder: "TrajectoryRecorder | None" = None) -> FitReport:
+        recorder: "TrajectoryRecorder | None" = None, start_epoch: int = 0) -> FitReport:
     """Fit in place with the recipe's optimiser; every random draw from the recipe's seed.
 
     Frozen layers in front (``requires_grad`` False, e.g. a text encoder's lower layers) whose
@@ -133,7 +138,9 @@ def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe,
     statistics) compute the same outputs at every step: they run once over ``data``
     (``pipeline.frozen_prefix``) and the optimiser fits the trainable suffix over their cached
     outputs, the same objective and the same steps at a fraction of the cost. ``recorder``: collects an SGD
-    run's epoch checkpoints (``pipeline.trajectory``; the full model's parameter names)."""
+    run's epoch checkpoints (``pipeline.trajectory``; the full model's parameter names). ``start_epoch`` (SGD): the
+    recipe's epochs from that one on, from the weights the model holds (``pipeline.training.fit_sgd``; dropout draws
+    start from the seed)."""
     from pipeline.frozen_prefix import cache_frozen_prefix, deterministic_prefix
     from pipeline.param_block import ParamBlock
 
@@ -149,8 +156,8 @@ def fit(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe,
                 prefix = cache_frozen_prefix(model, task, data, block, recipe.batch_size or 256)
                 model.train(was)
         if prefix is None:
-            return OPTIMIZERS[recipe.optimizer](model, task, data, recipe, recorder)
-        return OPTIMIZERS[recipe.optimizer](prefix.suffix, prefix.task, prefix.train, recipe, recorder)
+            return OPTIMIZERS[recipe.optimizer](model, task, data, recipe, recorder, start_epoch)
+        return OPTIMIZERS[recipe.optimizer](prefix.suffix, prefix.task, prefix.train, recipe, recorder, start_epoch)
 
 
 @dataclass

@@ -10,6 +10,7 @@ added to the objective, not through the optimiser, so the convention is the same
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -184,9 +185,14 @@ def fit_sgd(
     model: nn.Module, task: Task, data: SampleSet, weight_decay: float, *,
     epochs: int, lr: float, batch_size: int, momentum: float = 0.9, seed: int = 0,
     callback: Callable[[int, float], None] | None = None, report_samples: int | None = None,
-    on_batch: Callable[[int, Tensor, Tensor], None] | None = None,
+    on_batch: Callable[[int, Tensor, Tensor], None] | None = None, start_epoch: int = 0,
 ) -> FitReport:
     """Mini-batch SGD with momentum on L_D (seeded shuffling); cosine learning-rate decay.
+
+    ``start_epoch`` k: the same run's epochs k..epochs-1 from the weights the model holds (e.g. the run's recorded
+    checkpoint after epoch k, ``pipeline.trajectory``): epoch e draws the order and the rate the whole run's epoch e
+    would (the first k orders are drawn and dropped); the momentum buffer starts at zero (a checkpoint does not keep
+    it), so with momentum 0 the resumed run ends on the whole run's weights exactly.
 
     ``on_batch(step, positions, per_sample_losses)``: told of every step before its backward pass (the batch's
     positions in ``data`` and its per-sample losses, with their graph; the weights are the step's), e.g. to read
@@ -195,14 +201,21 @@ def fit_sgd(
     The report (final objective and gradient norm at the trained weights, in eval mode) is measured on
     all of ``data``, or on a seeded subsample of ``report_samples`` of it (the same seed as the
     shuffling): on a large set the full measurement costs about a third of an epoch of training."""
+    if not 0 <= start_epoch <= epochs:
+        raise ValueError(f"start_epoch must be within 0..epochs ({epochs}), got {start_epoch}")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs))
     gen = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():  # stepped before any optimiser step on purpose: the earlier epochs' rates
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+        for _ in range(start_epoch):  # the epochs before start_epoch: their orders drawn, their rates passed
+            torch.randperm(len(data), generator=gen)
+            sched.step()
     model.train()
     per_epoch = (len(data) + batch_size - 1) // batch_size
-    with bar(epochs * per_epoch, "training (SGD)", unit="batch") as progress:
-        for epoch in range(epochs):
+    with bar((epochs - start_epoch) * per_epoch, "training (SGD)", unit="batch") as progress:
+        for epoch in range(start_epoch, epochs):
             order = torch.randperm(len(data), generator=gen)
             running, seen = 0.0, 0
             for start in range(0, len(data), batch_size):
