@@ -189,6 +189,8 @@ def render_trajectory_pushes(d: dict[str, Any]) -> list[str]:
             lines.append(f"| {label} | {fmt(point.get('scale'))} | {fmt(point.get('forget'))} | "
                          f"{fmt(point.get('retained_probe'))} |")
     return lines
+
+
 def render_rewind_curve(d: dict[str, Any]) -> list[str]:
     """The forget set's fit along the recorded run, then the recipe's later epochs on D \\ U from each checkpoint."""
     refs = d.get("references") or {}

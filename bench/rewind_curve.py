@@ -10,7 +10,7 @@ scenario's first declared tuning set U (drawn as the benchmark draws it: never a
   * timeline: accuracy on U, on a seeded sample of D \\ U and on the test set at every recorded checkpoint;
   * rewind curve: from the checkpoint after epoch k, the recipe's epochs k..E-1 on D \\ U alone
     (``pipeline.recipe.fit`` with ``start_epoch=k``: Retrain's orders and rates for those epochs, the momentum restarted
-    at zero: a checkpoint does not keep it), scored as the benchmark scores a row against Retrain of the same recipe
+    at zero: a checkpoint does not keep it, so for k > 0 these are not exactly Retrain's later epochs), scored as the benchmark scores a row against Retrain of the same recipe
     (UA, RA, TA, MIA, Avg. Gap; retrain-reseed beside it), with its seconds and their share of Retrain's. Epoch 0 is
     Retrain itself (its Avg. Gap 0 is a check of the harness), epoch E the original.
 This is a measurement of the recipe, not a removal method: a rewind costs (E - k) / E of Retrain.
@@ -43,10 +43,10 @@ def checkpoint_epochs(epochs: int, checkpoints: int, recorded: int) -> list[int]
     """The epoch each recorded checkpoint follows (``pipeline.trajectory``: every ceil(E / checkpoints) epochs and the
     last; the first checkpoint is the start, epoch 0)."""
     every = max(1, math.ceil(epochs / max(1, checkpoints)))
-    out = [min(i * every, epochs) for i in range(recorded)]
-    if out[-1] != epochs:
-        raise ValueError(f"{recorded} recorded checkpoints do not end at epoch {epochs} (every {every} epochs)")
-    return out
+    if recorded != 1 + math.ceil(epochs / every):
+        raise ValueError(f"{recorded} recorded checkpoints for {epochs} epochs; the recorder keeps "
+                         f"{1 + math.ceil(epochs / every)} (every {every} epochs and the last)")
+    return [min(i * every, epochs) for i in range(recorded)]
 
 
 def run(dataset: str, scenario: str, profile: str = "full", epochs: list[int] | None = None) -> dict[str, Any]:
@@ -56,6 +56,8 @@ def run(dataset: str, scenario: str, profile: str = "full", epochs: list[int] | 
     started = time.perf_counter()
     original = ctx.original(0)
     trajectory, recipe = ctx.trajectories[0], ctx.recipe(0)
+    if trajectory is None:
+        raise ValueError(f"{dataset}: its recipe records no trajectory (an SGD recipe with trajectory_checkpoints >= 1)")
     at = checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints, len(trajectory.checkpoints))
     asked = sorted(set(at if epochs is None else epochs))
     unknown = [k for k in asked if k not in at]

@@ -83,6 +83,8 @@ def _fit_sgd(model: nn.Module, task: Task, data: SampleSet, recipe: Recipe, reco
              start_epoch: int = 0) -> FitReport:
     if recipe.epochs < 1 or recipe.lr <= 0 or recipe.batch_size < 1:
         raise ValueError("recipe: optimizer 'sgd' needs epochs >= 1, lr > 0 and batch_size >= 1")
+    if recorder is not None and start_epoch:
+        raise ValueError("a trajectory is recorded from a run's start: no recorder with start_epoch > 0")
     return fit_sgd(model, task, data, recipe.weight_decay, epochs=recipe.epochs, lr=recipe.lr,
                    batch_size=recipe.batch_size, momentum=recipe.momentum, seed=recipe.seed,
                    report_samples=recipe.report_samples, callback=None if recorder is None else recorder.callback(),

@@ -242,5 +242,5 @@ def fit_sgd(
         measured, used = data.take(pick.sort().values), int(report_samples)
     with torch.no_grad():  # a value only: no graph over the whole set
         final = float(objective(model, task, measured, weight_decay))
-    return FitReport(final, gradient_norm(model, task, measured, weight_decay, batch_size=max(batch_size, 256)), epochs,
-                     used)
+    return FitReport(final, gradient_norm(model, task, measured, weight_decay, batch_size=max(batch_size, 256)),
+                     epochs - start_epoch, used)

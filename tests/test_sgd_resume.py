@@ -42,19 +42,22 @@ def test_a_run_resumed_at_a_recorded_checkpoint_ends_on_the_whole_runs_weights(d
         load_checkpoint(resumed, checkpoints[k])
         fit(resumed, softmax_task(), digits, recipe, start_epoch=k)
         assert torch.equal(weights(resumed), weights(whole)), k
-    # a wrong order (another seed) or rate (the schedule restarted) ends elsewhere
-    for changed in (recipe.model_copy(update={"seed": 4}), recipe.model_copy(update={"epochs": 3})):
+    # the wrong orders (another seed) or the wrong rates (the schedule restarted: a fresh 3-epoch run from epoch 2's
+    # checkpoint, the same 3 epochs of data) end elsewhere
+    for changed, start in ((recipe.model_copy(update={"seed": 4}), 2), (recipe.model_copy(update={"epochs": 3}), 0)):
         resumed = mlp(1)
         load_checkpoint(resumed, checkpoints[2])
-        fit(resumed, softmax_task(), digits, changed, start_epoch=2)
+        fit(resumed, softmax_task(), digits, changed, start_epoch=start)
         assert (weights(resumed) - weights(whole)).norm() > 1e-3 * weights(whole).norm()
+    with pytest.raises(ValueError, match="recorded from a run's start"):
+        fit(mlp(1), softmax_task(), digits, recipe, TrajectoryRecorder(mlp(1), recipe), start_epoch=2)
 
 
 def test_start_epoch_at_the_end_trains_nothing_and_outside_the_run_is_refused(digits):
     model = mlp(0)
     before = weights(model).clone()
-    fit_sgd(model, softmax_task(), digits, 1e-3, epochs=3, lr=0.1, batch_size=64, start_epoch=3)
-    assert torch.equal(weights(model), before)
+    report = fit_sgd(model, softmax_task(), digits, 1e-3, epochs=3, lr=0.1, batch_size=64, start_epoch=3)
+    assert torch.equal(weights(model), before) and report.steps == 0
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="start_epoch"):
             fit_sgd(copy.deepcopy(model), softmax_task(), digits, 1e-3, epochs=3, lr=0.1, batch_size=64,
