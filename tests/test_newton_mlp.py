@@ -157,7 +157,7 @@ def _retained_objective_and_gradient(model, task, data, rows):
     for name, r in rows.items():
         g = grads[name]
         sq += float(g.pow(2).sum() if r is None else g[torch.as_tensor(r)].pow(2).sum())
-    return float(loss), sq ** 0.5
+    return float(loss.detach()), sq ** 0.5
 
 
 def test_mlp_lfoci_block_converges_on_its_rows_and_moves_nothing_else(mlp_digits):

@@ -169,7 +169,7 @@ def test_first_fast_removal_after_a_refresh_is_one_lfoci_newton_step(sgd_mlp, di
     outcome = method.run(problem, method.Settings(selection="parameters", parameters=HEAD, target="minimiser",
                                                   newton_max_steps=1, max_backtracks=0, min_gradient_reduction=0.0))
     theirs = torch.cat([outcome.new_parameters["3.weight"].reshape(-1), outcome.new_parameters["3.bias"]])
-    moved = float(torch.linalg.vector_norm(theirs - torch.cat([sgd_mlp[3].weight.reshape(-1), sgd_mlp[3].bias])))
+    moved = float(torch.linalg.vector_norm(theirs - torch.cat([sgd_mlp[3].weight.reshape(-1), sgd_mlp[3].bias]).detach()))
     assert moved > 1e-4
     assert float(torch.linalg.vector_norm(state.theta - theirs)) <= 1e-8 * moved
 

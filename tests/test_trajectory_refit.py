@@ -350,7 +350,7 @@ def test_the_emptied_class_row_is_replayed_where_the_retrains_put_it(class_3, cl
     emptied = out.record["emptied_classes"]
     print(f"\nrow 3 from the retrains' mean row (norm {float(centre.norm()):.3f}, their spread {spread:.3f}): replayed "
           f"{mine:.3f}, corrected {theirs:.3f}; bias retrains {[round(float(r[8].bias[3].detach()), 3) for r in class_3_retrains]}"
-          f" replayed {float(model[8].bias[3]):.3f} corrected {float(corrected[8].bias[3]):.3f}; log-odds of 3 on its "
+          f" replayed {float(model[8].bias[3].detach()):.3f} corrected {float(corrected[8].bias[3].detach()):.3f}; log-odds of 3 on its "
           f"images retrains {retrains} replayed {_log_odds(model, x, 3).mean().item():.2f} corrected "
           f"{_log_odds(corrected, x, 3).mean().item():.2f}; {emptied}")
     assert emptied["applied"] and emptied["classes"] == [3] and emptied["parameters"] == ["8.weight", "8.bias"]
