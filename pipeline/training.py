@@ -97,7 +97,7 @@ def fit_lbfgs(
             progress.set_postfix(objective=f"{float(loss.detach()):.4g}", grad=f"{gnorm:.2g}", refresh=False)
             progress.update(1)
             if callback is not None:
-                callback(steps, float(loss))
+                callback(steps, float(loss.detach()))
             if gnorm <= tolerance or all(torch.equal(p, b) for p, b in zip(params, before)):
                 break
     final = float(objective(model, task, data, weight_decay, batch_size).detach())

@@ -33,7 +33,7 @@ def _xdist_workers() -> int:
 
 
 def pytest_configure(config) -> None:
-    """Under pytest-xdist (scripts/test.sh runs a worker per core and one more): torch's intra-op threads split the
+    """Under pytest-xdist (scripts/test.sh runs a worker per core): torch's intra-op threads split the
     cores between the workers instead of each taking them all."""
     workers = _xdist_workers()
     if workers > 1:
