@@ -53,16 +53,19 @@ def run(dataset: str, scenario: str, profile: str = "full", epochs: list[int] | 
     ctx = setup(dataset, profile)
     if scenario not in DATASETS[dataset].scenarios:
         raise ValueError(f"--scenario: {dataset} has {DATASETS[dataset].scenarios}, not '{scenario}'")
-    started = time.perf_counter()
-    original = ctx.original(0)
-    trajectory, recipe = ctx.trajectories[0], ctx.recipe(0)
-    if trajectory is None:
+    recipe = ctx.recipe(0)
+    if recipe.optimizer != "sgd" or recipe.trajectory_checkpoints < 1:
         raise ValueError(f"{dataset}: its recipe records no trajectory (an SGD recipe with trajectory_checkpoints >= 1)")
-    at = checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints, len(trajectory.checkpoints))
+    every = max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints))
+    at = checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints, 1 + math.ceil(recipe.epochs / every))
     asked = sorted(set(at if epochs is None else epochs))
     unknown = [k for k in asked if k not in at]
-    if unknown:
+    if unknown:  # before anything is trained
         raise ValueError(f"--epochs: {unknown} are not recorded checkpoints (recorded after epochs {at})")
+    started = time.perf_counter()
+    original = ctx.original(0)
+    trajectory = ctx.trajectories[0]
+    checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints, len(trajectory.checkpoints))  # as recorded
     _, tuning = draw_forget_sets(scenario, ctx.train, ctx.num_classes, int(ctx.profile["sets"]), 1)
     fs = tuning[0]
     ev = set_eval(ctx, fs)
