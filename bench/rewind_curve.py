@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 import time
 from pathlib import Path
@@ -33,20 +32,21 @@ from bench.deep_forgetting import (
     DATASETS, RESEED, _accuracy, add_gaps, draw_forget_sets, environment, score, set_eval, setup, strip_logits,
 )
 from pipeline.recipe import fit
-from pipeline.trajectory import load_checkpoint
+from pipeline.trajectory import checkpoint_epochs as recorded_after
+from pipeline.trajectory import checkpoint_every, load_checkpoint
 
 RETAIN_PROBE = 1024  # the timeline's seeded sample of D \ U
 PROBE_SEED = 4343
 
 
-def checkpoint_epochs(epochs: int, checkpoints: int, recorded: int) -> list[int]:
-    """The epoch each recorded checkpoint follows (``pipeline.trajectory``: every ceil(E / checkpoints) epochs and the
-    last; the first checkpoint is the start, epoch 0)."""
-    every = max(1, math.ceil(epochs / max(1, checkpoints)))
-    if recorded != 1 + math.ceil(epochs / every):
-        raise ValueError(f"{recorded} recorded checkpoints for {epochs} epochs; the recorder keeps "
-                         f"{1 + math.ceil(epochs / every)} (every {every} epochs and the last)")
-    return [min(i * every, epochs) for i in range(recorded)]
+def checkpoint_epochs(epochs: int, checkpoints: int, recorded: int | None = None) -> list[int]:
+    """The epoch each recorded checkpoint follows (``pipeline.trajectory.checkpoint_epochs``), checked against the
+    ``recorded`` count where one is given."""
+    at = recorded_after(epochs, checkpoints)
+    if recorded is not None and recorded != len(at):
+        raise ValueError(f"{recorded} recorded checkpoints for {epochs} epochs; the recorder keeps {len(at)} "
+                         f"(every {checkpoint_every(epochs, checkpoints)} epochs and the last)")
+    return at
 
 
 def run(dataset: str, scenario: str, profile: str = "full", epochs: list[int] | None = None) -> dict[str, Any]:
@@ -56,8 +56,7 @@ def run(dataset: str, scenario: str, profile: str = "full", epochs: list[int] | 
     recipe = ctx.recipe(0)
     if recipe.optimizer != "sgd" or recipe.trajectory_checkpoints < 1:
         raise ValueError(f"{dataset}: its recipe records no trajectory (an SGD recipe with trajectory_checkpoints >= 1)")
-    every = max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints))
-    at = checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints, 1 + math.ceil(recipe.epochs / every))
+    at = checkpoint_epochs(recipe.epochs, recipe.trajectory_checkpoints)
     asked = sorted(set(at if epochs is None else epochs))
     unknown = [k for k in asked if k not in at]
     if unknown:  # before anything is trained

@@ -27,10 +27,21 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from pipeline.recipe import Recipe
 
-__all__ = ["TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "copy_trajectory", "read_trajectory",
-           "save_trajectory", "stretch_rates"]
+__all__ = ["TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "checkpoint_epochs", "checkpoint_every",
+           "copy_trajectory", "read_trajectory", "save_trajectory", "stretch_rates"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
+
+
+def checkpoint_every(epochs: int, checkpoints: int) -> int:
+    """The recorder's spacing: a checkpoint every ceil(epochs / checkpoints) epochs (and after the last)."""
+    return max(1, math.ceil(epochs / max(1, checkpoints)))
+
+
+def checkpoint_epochs(epochs: int, checkpoints: int) -> list[int]:
+    """The epoch each recorded checkpoint follows, the start (epoch 0) first: every ``checkpoint_every`` epochs and
+    the last."""
+    return [*range(0, epochs, checkpoint_every(epochs, checkpoints)), epochs]
 
 
 def stretch_rates(step_rates: list[float], momentum: float, per: int) -> list[float]:
@@ -77,7 +88,7 @@ class TrajectoryRecorder:
         self.model = model
         self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
         self.epochs = recipe.epochs
-        self.every = max(1, math.ceil(recipe.epochs / recipe.trajectory_checkpoints))
+        self.every = checkpoint_every(recipe.epochs, recipe.trajectory_checkpoints)
         self.schedule = ReplaySchedule(recipe.epochs, recipe.lr, recipe.momentum, recipe.batch_size,
                                        recipe.weight_decay)
         self.checkpoints: list[dict[str, Tensor]] = [self._snapshot()]
@@ -111,7 +122,7 @@ def retrain_rates(trajectory: Trajectory, recipe: "Recipe", n: int) -> list[floa
 
     schedule = ReplaySchedule(recipe.epochs, recipe.lr, recipe.momentum, recipe.batch_size, recipe.weight_decay)
     steps = schedule.step_rates(n)
-    every = max(1, math.ceil(recipe.epochs / max(1, recipe.trajectory_checkpoints)))
+    every = checkpoint_every(recipe.epochs, recipe.trajectory_checkpoints)
     rates = stretch_rates(steps, schedule.momentum, every * len(steps) // recipe.epochs)
     if len(rates) == len(trajectory.rates):
         return rates

@@ -6,8 +6,9 @@
 # file per worker at a time, so a module's fixtures are built once; the longest files first, LONGEST_FILES in
 # tests/conftest.py, the others in their shuffled order); UNLEARN_TEST_WORKERS=N sets the
 # count, 0 runs in this process. (A worker more than cores was measured on 2 cores: pytest 11:49 and 14:26 in two
-# fresh-clone runs against 13-14 min with 2 workers; the Ray-cluster tests' workers then compete for the cores.) With arguments it runs in this process: under xdist a path that does
-# not exist is not an error, only "no tests ran", which would pass as pytest's exit code 5.
+# fresh-clone runs against 13-14 min with 2 workers; the Ray-cluster tests' workers then compete for the cores.)
+# With arguments it runs in this process: under xdist a path that does not exist is not an error, only "no tests
+# ran", which would pass as pytest's exit code 5.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
