@@ -309,7 +309,8 @@ class ModelCost:
     # -- stage plans: (fixed bytes, bytes per item) ----------------------------------------------
     # Multipliers of the one-sample forward cost: a no-grad pass keeps at most all of its outputs
     # alive; a gradient pass keeps them for backward and makes as many gradients (x3 with the
-    # temporaries); forward-over-reverse (jvp of grad) doubles that with the tangents.
+    # temporaries); forward-over-reverse (jvp of grad) doubles that with the tangents, and so does one
+    # vector's reverse-over-reverse product (the gradient pass's graph kept, then differentiated again).
     FORWARD, GRADIENT, HVP_PRIMAL, HVP_TANGENT = 1.5, 4.0, 4.0, 6.0
 
     def forward_plan(self) -> tuple[float, float]:
