@@ -5,8 +5,10 @@
 # The installer is uv (pip installs it into the venv first): on 2 cores it resolves, unpacks and
 # compiles the bytecode of the whole set in about 80 s where pip took about 130 s. uv does not read
 # pip's configuration, so the indexes, find-links, constraints and certificate pip would use here
-# (`pip config list`, PIP_* variables included) are handed to it; where uv cannot be installed or
-# fails, pip installs everything as before.
+# (`pip config list`, PIP_* variables included) are handed to it, with pip's rule for choosing among
+# indexes (the best version over all of them: uv's own rule takes the first index that has a package, and
+# a local mirror's older ray and a dp-accounting without its accountants came in); where uv cannot be
+# installed or fails, pip installs everything as before.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -47,7 +49,7 @@ install_with_uv() {
   mapfile -t settings < <(pip_settings_for_uv)
   cert="$("$py" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | head -1)"
   [ -n "$cert" ] && [ -z "${SSL_CERT_FILE:-}" ] && export SSL_CERT_FILE="$cert"
-  local uv=("$venv/bin/uv" pip install --quiet --python "$py" --compile-bytecode "${settings[@]}")
+  local uv=("$venv/bin/uv" pip install --quiet --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${settings[@]}")
   "${uv[@]}" "${project[@]}" && "${uv[@]}" --no-deps "${data[@]}"
 }
 
