@@ -494,6 +494,8 @@ class Context:
     tick: Callable[[str], None] = lambda what: None
     batch_size: int = 512
     retrain_seconds: dict[str, list[float]] = field(default_factory=dict)  # scenario -> Retrain seconds measured
+    # scenario -> every Retrain timed on it (seed 0 and retrain-reseed): {"seconds", "retained": |D \ U|}
+    retrain_timings: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     # (row, settings, scenario or "*" for the preparation) -> why: a removal that ran past the time limit is not
     # tried again on that scenario's later requests (each would spend the whole limit again); recorded as such
     timed_out: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)  # -> (why, the limit)
@@ -932,6 +934,7 @@ def tune_scenario(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[st
         seed = 500 + fs.index
         refs, _, _, retrain_s = references(ctx, fs, ev, seed, reseed=False, mia="tuning_mia")
         ctx.retrain_seconds.setdefault(scenario, []).append(retrain_s)
+        ctx.retrain_timings.setdefault(scenario, []).append({"seconds": retrain_s, "retained": len(ev.retain)})
         out.setdefault("references", []).append({k: {m: v for m, v in r.items() if m != "_logits"} for k, r in refs.items()})
         phi_retrain, phi_reference = retrained_phi(ctx, fs, ev, refs["retrain"]["_logits"]["forget"],
                                                    int(ctx.profile["tuning_retrains"]))
@@ -980,6 +983,8 @@ def run_set(ctx: Context, fs: ForgetSet, ulira_shadows: int) -> dict[str, Any]:
     seed = fs.index
     rows, retrained, reseeded, retrain_s = references(ctx, fs, ev, seed, reseed=True)
     ctx.retrain_seconds.setdefault(fs.scenario, []).append(retrain_s)
+    ctx.retrain_timings.setdefault(fs.scenario, []).extend(
+        {"seconds": float(rows[k]["seconds"]), "retained": len(ev.retain)} for k in ("retrain", "retrain-reseed"))
     records: dict[str, Any] = {}
     unlearned: dict[str, dict[str, Any]] = {}
     for row in ctx.rows:
@@ -1081,7 +1086,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
     from pipeline.removal import remove
 
     out: dict[str, Any] = {"requests": len(sets), "sizes": [len(fs.ids) for fs in sets],
-                           "labels": [fs.label for fs in sets], "rows": {}}
+                           "labels": [fs.label for fs in sets], "retained_before": len(ctx.train), "rows": {}}
     for row in ctx.rows:
         raw = ctx.chosen[(row, scenario)]
         base = ctx.trained(0)
@@ -1166,10 +1171,12 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
 RETRAIN_CHARGE = (
     "Retrain's seconds are the fastest timing of the same work in the run: for a reported set's cold ratio, the "
     "lesser of its Retrain and its retrain-reseed (the same retained data and recipe, another seed), timed next to "
-    "its removals; for the campaign's per-request ratio, the least of every Retrain timed on the scenario (its "
-    "tuning and reported sets' Retrains and retrain-reseeds). Another process on the machine can only slow a run, "
-    "so the fastest timing is the nearest to what Retrain costs alone: a removal is never credited with a Retrain "
-    "that something else slowed. Refusals and errors are charged their attempt and then that Retrain.")
+    "its removals; for a campaign, each request is charged the Retrain that would serve it, on what D still holds "
+    "after it (the requests before it removed), at the fastest rate timed on the scenario (seconds per retained "
+    "sample: the recipe's steps an epoch are proportional to the retained samples), and the per-request ratio is "
+    "the campaign's Retrain seconds over its own. Another process on the machine can only slow a run, so the "
+    "fastest timing is the nearest to what Retrain costs alone: a removal is never credited with a Retrain that "
+    "something else slowed. Refusals and errors are charged their attempt and then that Retrain.")
 
 
 def set_retrain_charge(run: dict[str, Any]) -> float:
@@ -1179,11 +1186,11 @@ def set_retrain_charge(run: dict[str, Any]) -> float:
     return min(timed) if timed else float(run.get("retrain_seconds") or 0.0)
 
 
-def scenario_retrain_charge(block: dict[str, Any]) -> float:
-    """Seconds a campaign's requests are charged for Retrain: the least Retrain timed on the scenario."""
-    timed = [float(t) for t in (block.get("retrain_seconds") or []) if t and t > 0]
-    timed += [set_retrain_charge(run) for run in block.get("runs") or []]
-    return min(timed) if timed else 0.0
+def retrain_rate(block: dict[str, Any]) -> float:
+    """Retrain's seconds per retained sample on a scenario: the least over every Retrain timed on it."""
+    rates = [float(t["seconds"]) / float(t["retained"]) for t in block.get("retrain_timings") or []
+             if t.get("seconds") and t.get("retained")]
+    return min(rates) if rates else 0.0
 
 
 def charge_set(run: dict[str, Any]) -> None:
@@ -1200,48 +1207,24 @@ def charge_set(run: dict[str, Any]) -> None:
 
 
 def charge_campaign(block: dict[str, Any]) -> None:
-    """The campaign's seconds per request (an unserved request: its attempt, then Retrain) and its ratio."""
+    """Each campaign request's Retrain (``RETRAIN_CHARGE``), the seconds per request (an unserved request: its
+    attempt, then that Retrain) and the per-request ratio."""
     camp = block.get("campaign")
     if not camp:
         return
-    charged = scenario_retrain_charge(block)
+    rate = retrain_rate(block)
+    retained = int(camp["retained_before"]) - np.cumsum([int(m) for m in camp["sizes"]])
+    charged = [rate * float(r) for r in retained]
+    camp["retrain_seconds_per_retained_sample"] = rate
     camp["retrain_seconds_charged"] = charged
     for row in camp["rows"].values():
         if "attempt_seconds" not in row:
             continue
-        row["request_seconds"] = [float(a) + (0.0 if ok else charged)
-                                  for a, ok in zip(row["attempt_seconds"], row["served"])]
-        per_request = (float(row["preparation_seconds"]) + sum(row["request_seconds"])) / max(1, int(camp["requests"]))
-        row["per_request_seconds"] = per_request
-        row["request_x"] = charged / per_request if per_request > 0 else None
-
-
-def recharged(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` (a run's JSON) with every ratio re-derived from its recorded seconds by ``charge``. A file written
-    before the attempts were recorded apart held the scenario's mean Retrain in an unserved row's cold seconds and in
-    an unserved request's seconds: that charge is taken back out first, so the attempt is what was measured."""
-    for block in result.get("scenarios", {}).values():
-        if not block.get("runs"):
-            continue
-        if "retrain_charge" not in block:
-            for run in block["runs"]:
-                for name, row in run["rows"].items():
-                    if name not in REFERENCE_ROWS and not row.get("served") and "cold_seconds" in row:
-                        row.setdefault("attempt_seconds", max(0.0, float(row["cold_seconds"]) - float(run["retrain_seconds"])))
-            camp = block.get("campaign") or {}
-            before = float(camp.get("retrain_seconds_charged") or 0.0)
-            for row in (camp.get("rows") or {}).values():
-                if "request_seconds" in row and "attempt_seconds" not in row:
-                    row["attempt_seconds"] = [max(0.0, float(t) - (0.0 if ok else before))
-                                              for t, ok in zip(row["request_seconds"], row["served"])]
-        charge(block)
-    return result
-
-
-def charged_how(result: dict[str, Any]) -> str:
-    """What a file's ratios charge for Retrain (files written before ``RETRAIN_CHARGE``: the scenario's mean)."""
-    return next((b["retrain_charge"] for b in result.get("scenarios", {}).values() if b.get("retrain_charge")),
-                "Retrain seconds: the mean of the Retrains timed on the scenario; refusals and errors are charged it.")
+        row["request_seconds"] = [float(a) + (0.0 if ok else c)
+                                  for a, ok, c in zip(row["attempt_seconds"], row["served"], charged)]
+        total = float(row["preparation_seconds"]) + sum(row["request_seconds"])
+        row["per_request_seconds"] = total / max(1, int(camp["requests"]))
+        row["request_x"] = sum(charged) / total if total > 0 else None
 
 
 def charge(block: dict[str, Any]) -> None:
@@ -1251,6 +1234,53 @@ def charge(block: dict[str, Any]) -> None:
     charge_campaign(block)
     block["summary"] = aggregate(block["runs"], block.get("campaign"))
     block["retrain_charge"] = RETRAIN_CHARGE
+
+
+def recharged(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` (a run's JSON) with every ratio re-derived from its recorded seconds by ``charge``. A file written
+    before the attempts were recorded apart held the scenario's mean Retrain in an unserved row's cold seconds and in
+    an unserved request's seconds: that charge is taken back out first, so the attempt is what was measured. A file
+    written before the timings were recorded with their retained sizes has them rebuilt (``_timings_of``)."""
+    n = int(result.get("data", {}).get("n_train") or 0)
+    for scenario, block in result.get("scenarios", {}).items():
+        if not block.get("runs"):
+            continue
+        camp = block.get("campaign") or {}
+        if "retrain_charge" not in block:
+            for run in block["runs"]:
+                for name, row in run["rows"].items():
+                    if name not in REFERENCE_ROWS and not row.get("served") and "cold_seconds" in row:
+                        row.setdefault("attempt_seconds", max(0.0, float(row["cold_seconds"]) - float(run["retrain_seconds"])))
+            before = float(camp.get("retrain_seconds_charged") or 0.0)
+            for row in (camp.get("rows") or {}).values():
+                if "request_seconds" in row and "attempt_seconds" not in row:
+                    row["attempt_seconds"] = [max(0.0, float(t) - (0.0 if ok else before))
+                                              for t, ok in zip(row["request_seconds"], row["served"])]
+        if "retrain_timings" not in block:
+            block["retrain_timings"] = _timings_of(result, scenario, block, n)
+        if camp and "retained_before" not in camp:
+            camp["retained_before"] = n
+        charge(block)
+    return result
+
+
+def _timings_of(result: dict[str, Any], scenario: str, block: dict[str, Any], n: int) -> list[dict[str, float]]:
+    """An older file's Retrain timings with their retained sizes: its tuning sets' Retrains (the first entries of
+    the scenario's ``retrain_seconds``, in the tuning sets' order) and each reported set's Retrain and
+    retrain-reseed; the reported sets' alone where the tuning sets' cannot be matched to their seconds."""
+    timed = [{"seconds": float(run["rows"][k]["seconds"]), "retained": n - int(run["m"])}
+             for run in block["runs"] for k in ("retrain", "retrain-reseed") if (run["rows"].get(k) or {}).get("seconds")]
+    tuning = ((result.get("tuning") or {}).get("scenarios") or {}).get(scenario, {}).get("sets") or []
+    seconds = block.get("retrain_seconds") or []
+    if tuning and len(seconds) == len(tuning) + len(block["runs"]):
+        timed = [{"seconds": float(t), "retained": n - int(fs["m"])} for t, fs in zip(seconds, tuning)] + timed
+    return timed
+
+
+def charged_how(result: dict[str, Any]) -> str:
+    """What a file's ratios charge for Retrain (files written before ``RETRAIN_CHARGE``: the scenario's mean)."""
+    return next((b["retrain_charge"] for b in result.get("scenarios", {}).values() if b.get("retrain_charge")),
+                "Retrain seconds: the mean of the Retrains timed on the scenario; refusals and errors are charged it.")
 
 
 def aggregate(runs: list[dict[str, Any]], camp: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -1371,6 +1401,7 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
                 runs.append(run_set(ctx, fs, game))
             camp = campaign(ctx, sc, p["campaign"]) if p["campaign"] else None  # --campaign 0: no per-request figure
             block = {"runs": runs, "campaign": camp, "retrain_seconds": ctx.retrain_seconds.get(sc),
+                     "retrain_timings": ctx.retrain_timings.get(sc),
                      "ulira": next((r["ulira"] for r in runs if "ulira" in r), None)}
             charge(block)
             orig, reseed = block["summary"]["original"].get("AvgGap"), block["summary"]["retrain-reseed"].get("AvgGap")
@@ -1510,10 +1541,11 @@ def render_markdown(result: dict[str, Any]) -> str:
         flag = block.get("cannot_discriminate")
         camp = block.get("campaign") or {}
         timed = block.get("retrain_seconds") or [0]
-        head = (f"**{scenario}** (m = {', '.join(str(m) for m in ms)}; Retrain {min(timed):.0f}-{max(timed):.0f} s, "
-                + (f"charged {camp['retrain_seconds_charged']:.0f} s per campaign request; "
-                   if camp.get("retrain_seconds_charged") else "")
-                + f"campaign of {camp.get('requests', 0)} requests)")
+        charged = camp.get("retrain_seconds_charged")
+        head = (f"**{scenario}** (m = {', '.join(str(m) for m in ms)}; Retrain {min(timed):.0f}-{max(timed):.0f} s; "
+                f"campaign of {camp.get('requests', 0)} requests"
+                + (f", each charged a Retrain of {min(charged):.0f}-{max(charged):.0f} s" if isinstance(charged, list)
+                   and charged else "") + ")")
         if flag:
             head += " — **cannot discriminate**: the original row is within max(1.0, 2 x retrain-reseed) of Retrain"
         lines += ["", head, "", "| row | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",

@@ -533,8 +533,9 @@ def test_committed_grids_are_what_the_rule_picks_from_the_committed_sweep(datase
 
 
 def _charged_block() -> dict:
-    """A scenario's block as a run records it: two reported sets (Retrain and retrain-reseed timed on each), a
-    served row and a refused one, and a campaign of three requests, one of them refused."""
+    """A scenario's block as a run records it: D of 104 samples; a tuning set's Retrain and two reported sets' Retrain
+    and retrain-reseed, each on 100 retained samples; a served row and a refused one; and a campaign of three
+    requests of 4 samples each, one of them refused."""
     def run(retrain: float, reseed: float, served_s: float, attempt: float) -> dict:
         return {"m": 4, "retrain_seconds": retrain, "rows": {
             "original": {"AvgGap": 9.0, "seconds": 0.0}, "retrain": {"AvgGap": 0.0, "seconds": retrain},
@@ -543,16 +544,19 @@ def _charged_block() -> dict:
                      "cold_seconds": served_s, "served": True},
             "refused": {"needs_retrain": "no local step", "attempt_seconds": attempt, "served": False}}}
 
+    timings = [(70.0, 100), (100.0, 100), (80.0, 100), (60.0, 100), (90.0, 100)]
     return {"runs": [run(100.0, 80.0, 10.0, 4.0), run(60.0, 90.0, 6.0, 3.0)], "retrain_seconds": [70.0, 100.0, 60.0],
-            "campaign": {"requests": 3, "rows": {
+            "retrain_timings": [{"seconds": t, "retained": r} for t, r in timings],
+            "campaign": {"requests": 3, "sizes": [4, 4, 4], "retained_before": 104, "rows": {
                 "fast": {"preparation_seconds": 3.0, "attempt_seconds": [2.0, 5.0, 2.0], "served": [True, False, True]},
                 "broken": {"error": "preparation: RowTimeout"}}}}
 
 
 def test_ratios_charge_the_fastest_retrain_of_the_same_work() -> None:
     """A reported set's cold ratio charges the lesser of its Retrain and retrain-reseed (both timed next to its
-    removals); the campaign charges the least Retrain timed on the scenario; an unserved row or request pays its
-    attempt and then that Retrain. Exact figures on a hand-made block."""
+    removals). A campaign's request is charged the Retrain of what D holds after it, at the least seconds per
+    retained sample timed on the scenario; an unserved row or request pays its attempt and then that Retrain.
+    Exact figures on a hand-made block."""
     from bench.deep_forgetting import charge
 
     block = _charged_block()
@@ -563,22 +567,25 @@ def test_ratios_charge_the_fastest_retrain_of_the_same_work() -> None:
     assert first["rows"]["refused"]["cold_seconds"] == pytest.approx(84.0)   # the attempt, then Retrain
     assert first["rows"]["refused"]["cold_x"] == pytest.approx(80.0 / 84.0)
     camp = block["campaign"]
-    assert camp["retrain_seconds_charged"] == 60.0   # min over 70, 100, 60 and the sets' 80, 60
+    assert camp["retrain_seconds_per_retained_sample"] == pytest.approx(0.6)  # 60 s on 100 samples, the least
+    assert camp["retrain_seconds_charged"] == pytest.approx([60.0, 57.6, 55.2])  # on 100, 96 and 92 retained
     fast = camp["rows"]["fast"]
-    assert fast["request_seconds"] == [2.0, 65.0, 2.0]
-    assert fast["per_request_seconds"] == pytest.approx((3.0 + 69.0) / 3)
-    assert fast["request_x"] == pytest.approx(60.0 / 24.0)
+    assert fast["request_seconds"] == pytest.approx([2.0, 62.6, 2.0])
+    assert fast["per_request_seconds"] == pytest.approx((3.0 + 66.6) / 3)
+    assert fast["request_x"] == pytest.approx(172.8 / 69.6)
     assert "request_x" not in camp["rows"]["broken"]
     summary = block["summary"]
-    assert summary["fast"]["cold_x"]["mean"] == pytest.approx(9.0) and summary["fast"]["request_x"]["mean"] == pytest.approx(2.5)
+    assert summary["fast"]["cold_x"]["mean"] == pytest.approx(9.0)
+    assert summary["fast"]["request_x"]["mean"] == pytest.approx(172.8 / 69.6)
     assert summary["fast"]["served"]["mean"] == pytest.approx(100.0 * 4 / 5)
     assert "fastest timing" in block["retrain_charge"]
 
 
 def test_a_file_written_under_the_mean_charge_is_recharged_from_its_attempts() -> None:
     """``recharged`` takes an older file's charge (the scenario's mean Retrain, folded into an unserved row's cold
-    seconds and an unserved request's seconds) back out, then charges as a run does now: the same figures as a
-    block recorded with its attempts apart, and a second pass changes nothing."""
+    seconds and an unserved request's seconds) back out, rebuilds its Retrain timings with their retained sizes
+    from its tuning sets and reported sets, then charges as a run does now: the same figures as a block recorded
+    with its attempts and timings apart, and a second pass changes nothing."""
     import copy
 
     from bench.deep_forgetting import charge, recharged
@@ -586,16 +593,21 @@ def test_a_file_written_under_the_mean_charge_is_recharged_from_its_attempts() -
     now = _charged_block()
     charge(now)
     old = _charged_block()
+    del old["retrain_timings"]
     mean = 77.0  # what the file charged: its scenario's mean Retrain
     for run in old["runs"]:
         row = run["rows"]["refused"]
         row["cold_seconds"] = row.pop("attempt_seconds") + run["retrain_seconds"]
     camp = old["campaign"]
+    del camp["retained_before"]
     camp["retrain_seconds_charged"] = mean
     fast = camp["rows"]["fast"]
     fast["request_seconds"] = [a + (0.0 if ok else mean) for a, ok in zip(fast.pop("attempt_seconds"), fast["served"])]
-    result = recharged({"scenarios": {"subject": old}})
+    result = recharged({"data": {"n_train": 104}, "tuning": {"scenarios": {"subject": {"sets": [{"m": 4}]}}},
+                        "scenarios": {"subject": old}})
     got = result["scenarios"]["subject"]
     assert got["summary"] == now["summary"] and got["campaign"] == now["campaign"]
     assert [r["rows"]["refused"]["attempt_seconds"] for r in got["runs"]] == [4.0, 3.0]
+    assert sorted((t["seconds"], t["retained"]) for t in got["retrain_timings"]) == sorted(
+        (t["seconds"], t["retained"]) for t in now["retrain_timings"])
     assert recharged(copy.deepcopy(result)) == result
