@@ -1224,7 +1224,7 @@ def charge_campaign(block: dict[str, Any]) -> None:
                                   for a, ok, c in zip(row["attempt_seconds"], row["served"], charged)]
         total = float(row["preparation_seconds"]) + sum(row["request_seconds"])
         row["per_request_seconds"] = total / max(1, int(camp["requests"]))
-        row["request_x"] = sum(charged) / total if total > 0 else None
+        row["request_x"] = sum(charged) / total if total > 0 and rate > 0 else None  # no Retrain timed: no ratio
 
 
 def charge(block: dict[str, Any]) -> None:
@@ -1238,9 +1238,10 @@ def charge(block: dict[str, Any]) -> None:
 
 def recharged(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` (a run's JSON) with every ratio re-derived from its recorded seconds by ``charge``. A file written
-    before the attempts were recorded apart held the scenario's mean Retrain in an unserved row's cold seconds and in
-    an unserved request's seconds: that charge is taken back out first, so the attempt is what was measured. A file
-    written before the timings were recorded with their retained sizes has them rebuilt (``_timings_of``)."""
+    before the attempts were recorded apart held its set's Retrain in an unserved row's cold seconds and the
+    scenario's mean Retrain (``retrain_seconds_charged``) in an unserved request's seconds: that charge is taken back
+    out first, so the attempt is what was measured. A file written before the timings were recorded with their
+    retained sizes has them rebuilt (``_timings_of``)."""
     n = int(result.get("data", {}).get("n_train") or 0)
     for scenario, block in result.get("scenarios", {}).items():
         if not block.get("runs"):
@@ -1251,12 +1252,16 @@ def recharged(result: dict[str, Any]) -> dict[str, Any]:
                 for name, row in run["rows"].items():
                     if name not in REFERENCE_ROWS and not row.get("served") and "cold_seconds" in row:
                         row.setdefault("attempt_seconds", max(0.0, float(row["cold_seconds"]) - float(run["retrain_seconds"])))
-            before = float(camp.get("retrain_seconds_charged") or 0.0)
+            before = camp.get("retrain_seconds_charged")
             for row in (camp.get("rows") or {}).values():
                 if "request_seconds" in row and "attempt_seconds" not in row:
+                    if before is None and not all(row["served"]):
+                        raise ValueError(f"scenario {scenario}: campaign.retrain_seconds_charged is missing, so the "
+                                         "Retrain charged to its unserved requests cannot be taken back out")
+                    before = float(before or 0.0)
                     row["attempt_seconds"] = [max(0.0, float(t) - (0.0 if ok else before))
                                               for t, ok in zip(row["request_seconds"], row["served"])]
-        if "retrain_timings" not in block:
+        if not block.get("retrain_timings"):
             block["retrain_timings"] = _timings_of(result, scenario, block, n)
         if camp and "retained_before" not in camp:
             camp["retained_before"] = n
@@ -1267,14 +1272,18 @@ def recharged(result: dict[str, Any]) -> dict[str, Any]:
 def _timings_of(result: dict[str, Any], scenario: str, block: dict[str, Any], n: int) -> list[dict[str, float]]:
     """An older file's Retrain timings with their retained sizes: its tuning sets' Retrains (the first entries of
     the scenario's ``retrain_seconds``, in the tuning sets' order) and each reported set's Retrain and
-    retrain-reseed; the reported sets' alone where the tuning sets' cannot be matched to their seconds."""
+    retrain-reseed. Where the tuning sets cannot be matched to their seconds (the counts differ), ``ValueError``: a
+    timing without its retained size would be charged at the wrong rate."""
     timed = [{"seconds": float(run["rows"][k]["seconds"]), "retained": n - int(run["m"])}
              for run in block["runs"] for k in ("retrain", "retrain-reseed") if (run["rows"].get(k) or {}).get("seconds")]
     tuning = ((result.get("tuning") or {}).get("scenarios") or {}).get(scenario, {}).get("sets") or []
     seconds = block.get("retrain_seconds") or []
-    if tuning and len(seconds) == len(tuning) + len(block["runs"]):
-        timed = [{"seconds": float(t), "retained": n - int(fs["m"])} for t, fs in zip(seconds, tuning)] + timed
-    return timed
+    if len(seconds) != len(tuning) + len(block["runs"]):
+        raise ValueError(f"scenario {scenario}: {len(seconds)} Retrain seconds for {len(tuning)} tuning and "
+                         f"{len(block['runs'])} reported sets; the tuning sets' timings cannot be told apart")
+    if n <= 0:
+        raise ValueError("data.n_train is missing: the retained sizes of the Retrain timings cannot be rebuilt")
+    return [{"seconds": float(t), "retained": n - int(fs["m"])} for t, fs in zip(seconds, tuning)] + timed
 
 
 def charged_how(result: dict[str, Any]) -> str:
@@ -1529,7 +1538,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines.append("Cells: mean ± std over the reported forget sets (served ones for metrics). KL: mean KL(model || "
                  "Retrain) in units of KL(retrain-reseed || Retrain) on the same set. ULiRA: attack accuracy "
                  "[95 % interval], 50 = indistinguishable. cold x: Retrain seconds / (preparation + removal); "
-                 "per-request x: Retrain seconds / mean seconds per request over the campaign. "
+                 "per-request x: the campaign's Retrain seconds over its own (preparation included). "
                  + charged_how(result) + " served: requests served (reported sets + campaign).")
     if result.get("skipped_rows"):
         lines.append("Not applicable (skipped): " + "; ".join(f"{k}: {v}" for k, v in result["skipped_rows"].items()) + ".")
@@ -1688,8 +1697,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(render_markdown(json.loads(Path(p).read_text())) for p in args.render))
         return 0
     if args.recharge is not None:
-        for path in args.recharge:
-            written = write_outputs(recharged(json.loads(path.read_text())), path.stem, path.parent)
+        done = {}
+        for path in args.recharge:  # every file re-derived before any is written: one that cannot be leaves all as they were
+            try:
+                done[path] = recharged(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError) as err:
+                print(f"--recharge {path}: {type(err).__name__}: {err}; no file was rewritten", file=sys.stderr)
+                return 2
+        for path, result in done.items():
+            written = write_outputs(result, path.stem, path.parent)
             print(f"recharged {written['json']}", file=sys.stderr)
         return 0
     if args.threads:

@@ -533,81 +533,114 @@ def test_committed_grids_are_what_the_rule_picks_from_the_committed_sweep(datase
 
 
 def _charged_block() -> dict:
-    """A scenario's block as a run records it: D of 104 samples; a tuning set's Retrain and two reported sets' Retrain
-    and retrain-reseed, each on 100 retained samples; a served row and a refused one; and a campaign of three
-    requests of 4 samples each, one of them refused."""
-    def run(retrain: float, reseed: float, served_s: float, attempt: float) -> dict:
-        return {"m": 4, "retrain_seconds": retrain, "rows": {
+    """A scenario's block as a run records it now. D holds 104 samples. Two tuning sets (m = 4 and 2) with their
+    Retrains, two reported sets (m = 4 and 8) with their Retrain and retrain-reseed: the least seconds (58 s, on 96
+    retained samples) is not the least rate (61.2 s on 102: 0.6 s a sample). A served row and a refused one; a
+    campaign of three requests of 4, 8 and 2 samples, the second refused."""
+    def run(m: int, retrain: float, reseed: float, served_s: float, attempt: float) -> dict:
+        return {"m": m, "retrain_seconds": retrain, "rows": {
             "original": {"AvgGap": 9.0, "seconds": 0.0}, "retrain": {"AvgGap": 0.0, "seconds": retrain},
             "retrain-reseed": {"AvgGap": 1.0, "seconds": reseed},
             "fast": {"UA": 1.0, "AvgGap": 2.0, "seconds": served_s, "preparation_seconds": 0.0,
                      "cold_seconds": served_s, "served": True},
             "refused": {"needs_retrain": "no local step", "attempt_seconds": attempt, "served": False}}}
 
-    timings = [(70.0, 100), (100.0, 100), (80.0, 100), (60.0, 100), (90.0, 100)]
-    return {"runs": [run(100.0, 80.0, 10.0, 4.0), run(60.0, 90.0, 6.0, 3.0)], "retrain_seconds": [70.0, 100.0, 60.0],
+    timings = [(70.0, 100), (61.2, 102), (100.0, 100), (80.0, 100), (58.0, 96), (90.0, 96)]
+    return {"runs": [run(4, 100.0, 80.0, 10.0, 4.0), run(8, 58.0, 90.0, 6.0, 3.0)],
+            "retrain_seconds": [70.0, 61.2, 100.0, 58.0],
             "retrain_timings": [{"seconds": t, "retained": r} for t, r in timings],
-            "campaign": {"requests": 3, "sizes": [4, 4, 4], "retained_before": 104, "rows": {
+            "campaign": {"requests": 3, "sizes": [4, 8, 2], "retained_before": 104, "rows": {
                 "fast": {"preparation_seconds": 3.0, "attempt_seconds": [2.0, 5.0, 2.0], "served": [True, False, True]},
                 "broken": {"error": "preparation: RowTimeout"}}}}
 
 
 def test_ratios_charge_the_fastest_retrain_of_the_same_work() -> None:
     """A reported set's cold ratio charges the lesser of its Retrain and retrain-reseed (both timed next to its
-    removals). A campaign's request is charged the Retrain of what D holds after it, at the least seconds per
-    retained sample timed on the scenario; an unserved row or request pays its attempt and then that Retrain.
-    Exact figures on a hand-made block."""
+    removals). A campaign's request is charged the Retrain of what D holds after it (the requests before it and
+    itself removed), at the least seconds per retained sample timed on the scenario; an unserved row or request
+    pays its attempt and then that Retrain. Exact figures on a hand-made block."""
     from bench.deep_forgetting import charge
 
     block = _charged_block()
     charge(block)
     first, second = block["runs"]
-    assert first["retrain_seconds_charged"] == 80.0 and second["retrain_seconds_charged"] == 60.0
-    assert first["rows"]["fast"]["cold_x"] == pytest.approx(8.0) and second["rows"]["fast"]["cold_x"] == pytest.approx(10.0)
+    assert first["retrain_seconds_charged"] == 80.0 and second["retrain_seconds_charged"] == 58.0
+    assert first["rows"]["fast"]["cold_x"] == pytest.approx(8.0)
+    assert second["rows"]["fast"]["cold_x"] == pytest.approx(58.0 / 6.0)
     assert first["rows"]["refused"]["cold_seconds"] == pytest.approx(84.0)   # the attempt, then Retrain
     assert first["rows"]["refused"]["cold_x"] == pytest.approx(80.0 / 84.0)
     camp = block["campaign"]
-    assert camp["retrain_seconds_per_retained_sample"] == pytest.approx(0.6)  # 60 s on 100 samples, the least
-    assert camp["retrain_seconds_charged"] == pytest.approx([60.0, 57.6, 55.2])  # on 100, 96 and 92 retained
+    assert camp["retrain_seconds_per_retained_sample"] == pytest.approx(0.6)  # a tuning set's: the least rate
+    assert camp["retrain_seconds_charged"] == pytest.approx([60.0, 55.2, 54.0])  # on 100, 92 and 90 retained
     fast = camp["rows"]["fast"]
-    assert fast["request_seconds"] == pytest.approx([2.0, 62.6, 2.0])
-    assert fast["per_request_seconds"] == pytest.approx((3.0 + 66.6) / 3)
-    assert fast["request_x"] == pytest.approx(172.8 / 69.6)
+    assert fast["request_seconds"] == pytest.approx([2.0, 60.2, 2.0])
+    assert fast["per_request_seconds"] == pytest.approx(67.2 / 3)
+    assert fast["request_x"] == pytest.approx(169.2 / 67.2)
     assert "request_x" not in camp["rows"]["broken"]
     summary = block["summary"]
-    assert summary["fast"]["cold_x"]["mean"] == pytest.approx(9.0)
-    assert summary["fast"]["request_x"]["mean"] == pytest.approx(172.8 / 69.6)
+    assert summary["fast"]["cold_x"]["mean"] == pytest.approx((8.0 + 58.0 / 6.0) / 2)
+    assert summary["fast"]["request_x"]["mean"] == pytest.approx(169.2 / 67.2)
     assert summary["fast"]["served"]["mean"] == pytest.approx(100.0 * 4 / 5)
-    assert "fastest timing" in block["retrain_charge"]
+    assert summary["refused"]["served"]["mean"] == 0.0 and "request_x" not in summary["refused"]
+    untimed = _charged_block()
+    untimed["retrain_timings"] = []
+    charge(untimed)  # no Retrain timed on the scenario: no per-request ratio, rather than 0
+    assert untimed["campaign"]["rows"]["fast"]["request_x"] is None
 
 
-def test_a_file_written_under_the_mean_charge_is_recharged_from_its_attempts() -> None:
-    """``recharged`` takes an older file's charge (the scenario's mean Retrain, folded into an unserved row's cold
-    seconds and an unserved request's seconds) back out, rebuilds its Retrain timings with their retained sizes
-    from its tuning sets and reported sets, then charges as a run does now: the same figures as a block recorded
-    with its attempts and timings apart, and a second pass changes nothing."""
+def _written_before(block: dict, *, attempts_apart: bool) -> dict:
+    """``block`` as an older run wrote it, before its timings were recorded with their retained sizes; and, where
+    not ``attempts_apart``, before the attempts were recorded apart: an unserved row's cold seconds held its set's
+    Retrain, an unserved request's seconds the scenario's mean Retrain (``retrain_seconds_charged``)."""
+    del block["retrain_timings"]
+    camp = block["campaign"]
+    del camp["retained_before"]
+    mean = 77.0
+    camp["retrain_seconds_charged"] = mean
+    if attempts_apart:  # as the first re-derivation left the committed files: the rule's text, a float charge
+        block["retrain_charge"] = "the least Retrain timed on the scenario"
+        return block
+    for run in block["runs"]:
+        row = run["rows"]["refused"]
+        row["cold_seconds"] = row.pop("attempt_seconds") + run["retrain_seconds"]
+    fast = camp["rows"]["fast"]
+    fast["request_seconds"] = [a + (0.0 if ok else mean) for a, ok in zip(fast.pop("attempt_seconds"), fast["served"])]
+    return block
+
+
+@pytest.mark.parametrize("attempts_apart", [False, True])
+def test_a_file_written_under_an_older_charge_is_recharged_from_its_attempts(attempts_apart: bool) -> None:
+    """``recharged`` takes an older file's charge back out of its unserved rows and requests, rebuilds its Retrain
+    timings with their retained sizes from its tuning sets (in their order) and reported sets, then charges as a run
+    does now: the same figures as a block recorded with its attempts and timings apart. A second pass changes
+    nothing."""
     import copy
 
     from bench.deep_forgetting import charge, recharged
 
     now = _charged_block()
     charge(now)
-    old = _charged_block()
-    del old["retrain_timings"]
-    mean = 77.0  # what the file charged: its scenario's mean Retrain
-    for run in old["runs"]:
-        row = run["rows"]["refused"]
-        row["cold_seconds"] = row.pop("attempt_seconds") + run["retrain_seconds"]
-    camp = old["campaign"]
-    del camp["retained_before"]
-    camp["retrain_seconds_charged"] = mean
-    fast = camp["rows"]["fast"]
-    fast["request_seconds"] = [a + (0.0 if ok else mean) for a, ok in zip(fast.pop("attempt_seconds"), fast["served"])]
-    result = recharged({"data": {"n_train": 104}, "tuning": {"scenarios": {"subject": {"sets": [{"m": 4}]}}},
-                        "scenarios": {"subject": old}})
+    tuning = {"scenarios": {"subject": {"sets": [{"m": 4}, {"m": 2}]}}}
+    result = recharged({"data": {"n_train": 104}, "tuning": tuning,
+                        "scenarios": {"subject": _written_before(_charged_block(), attempts_apart=attempts_apart)}})
     got = result["scenarios"]["subject"]
     assert got["summary"] == now["summary"] and got["campaign"] == now["campaign"]
+    assert got["retrain_timings"] == now["retrain_timings"]
     assert [r["rows"]["refused"]["attempt_seconds"] for r in got["runs"]] == [4.0, 3.0]
-    assert sorted((t["seconds"], t["retained"]) for t in got["retrain_timings"]) == sorted(
-        (t["seconds"], t["retained"]) for t in now["retrain_timings"])
     assert recharged(copy.deepcopy(result)) == result
+
+
+def test_an_older_file_whose_charge_cannot_be_rebuilt_is_refused() -> None:
+    """Timings that cannot be matched to their tuning sets, or a campaign that does not say what it charged, raise
+    (naming the scenario) rather than charge a Retrain at the wrong rate or twice."""
+    from bench.deep_forgetting import recharged
+
+    old = _written_before(_charged_block(), attempts_apart=False)
+    with pytest.raises(ValueError, match="scenario subject: 4 Retrain seconds for 1 tuning and 2 reported sets"):
+        recharged({"data": {"n_train": 104}, "tuning": {"scenarios": {"subject": {"sets": [{"m": 4}]}}},
+                   "scenarios": {"subject": old}})
+    old = _written_before(_charged_block(), attempts_apart=False)
+    del old["campaign"]["retrain_seconds_charged"]
+    with pytest.raises(ValueError, match="scenario subject: campaign.retrain_seconds_charged is missing"):
+        recharged({"data": {"n_train": 104}, "tuning": {"scenarios": {"subject": {"sets": [{"m": 4}, {"m": 2}]}}},
+                   "scenarios": {"subject": old}})
