@@ -414,6 +414,10 @@ def test_every_committed_tuning_grid_is_valid_settings_and_a_bad_point_is_named(
     for dataset in deep_forgetting.DATASETS:
         tuning = deep_forgetting.load_tuning(dataset)
         assert tuning["size"] >= 1 and tuning["rows"]
+    others = sorted((deep_forgetting.CONFIGS / "tuning").rglob("*/*.yaml"))  # the sweeps' and the timings' grids
+    assert {p.parent.name for p in others} == {"sweeps", "timing"}
+    for path in others:
+        assert deep_forgetting.load_tuning("identities", path)["rows"], path
     bad = tmp_path / "grid.yaml"
     bad.write_text("size: 2\ndefault: {base: {}, lr_factors: [1.0, 3.0]}\nrows:\n  scrub:\n"
                    "    base: {epochs: 1}\n    grid: [{lr: 0.001, max_steps: 1}, {lr: 0.01}]\n")
