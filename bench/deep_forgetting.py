@@ -984,7 +984,7 @@ def run_set(ctx: Context, fs: ForgetSet, ulira_shadows: int) -> dict[str, Any]:
     rows, retrained, reseeded, retrain_s = references(ctx, fs, ev, seed, reseed=True)
     ctx.retrain_seconds.setdefault(fs.scenario, []).append(retrain_s)
     ctx.retrain_timings.setdefault(fs.scenario, []).extend(
-        {"seconds": float(rows[k]["seconds"]), "retained": len(ev.retain)} for k in ("retrain", "retrain-reseed"))
+        {"seconds": t, "retained": len(ev.retain)} for t in timed_retrains(rows))
     records: dict[str, Any] = {}
     unlearned: dict[str, dict[str, Any]] = {}
     for row in ctx.rows:
@@ -1179,10 +1179,14 @@ RETRAIN_CHARGE = (
     "something else slowed. Refusals and errors are charged their attempt and then that Retrain.")
 
 
+def timed_retrains(rows: dict[str, Any]) -> list[float]:
+    """The seconds of a reported set's timed Retrains: its Retrain and its retrain-reseed (where it has one)."""
+    return [float(rows[k]["seconds"]) for k in ("retrain", "retrain-reseed") if (rows.get(k) or {}).get("seconds")]
+
+
 def set_retrain_charge(run: dict[str, Any]) -> float:
     """Seconds a reported set's removals are charged for Retrain: the lesser of its Retrain and retrain-reseed."""
-    rows = run["rows"]
-    timed = [float(rows[k]["seconds"]) for k in ("retrain", "retrain-reseed") if (rows.get(k) or {}).get("seconds")]
+    timed = timed_retrains(run["rows"])
     return min(timed) if timed else float(run.get("retrain_seconds") or 0.0)
 
 
@@ -1274,8 +1278,7 @@ def _timings_of(result: dict[str, Any], scenario: str, block: dict[str, Any], n:
     the scenario's ``retrain_seconds``, in the tuning sets' order) and each reported set's Retrain and
     retrain-reseed. Where the tuning sets cannot be matched to their seconds (the counts differ), ``ValueError``: a
     timing without its retained size would be charged at the wrong rate."""
-    timed = [{"seconds": float(run["rows"][k]["seconds"]), "retained": n - int(run["m"])}
-             for run in block["runs"] for k in ("retrain", "retrain-reseed") if (run["rows"].get(k) or {}).get("seconds")]
+    timed = [{"seconds": t, "retained": n - int(run["m"])} for run in block["runs"] for t in timed_retrains(run["rows"])]
     tuning = ((result.get("tuning") or {}).get("scenarios") or {}).get(scenario, {}).get("sets") or []
     seconds = block.get("retrain_seconds") or []
     if len(seconds) != len(tuning) + len(block["runs"]):
