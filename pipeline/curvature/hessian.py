@@ -4,7 +4,8 @@ For a block P of coordinates (``pipeline.param_block``) and a set of samples S, 
 per-sample objective f(w, z) = loss(w, z) + (lambda/2)||w||^2:
     gradient  g_P(S) = sum_{z in S} grad_P f(w, z)   = sum_z grad_P loss(w, z) + |S| lambda w_P
     Hessian   H_P(S) = sum_{z in S} hess_PP f(w, z)  = sum_z hess_PP loss(w, z) + |S| lambda I
-(``reduction="mean"`` divides both by |S|). Hessian-vector products are exact: forward-over-
+(``reduction="mean"`` divides both by |S|). Gradients are one reverse pass of autograd through the
+model's functional form. Hessian-vector products are exact: forward-over-
 reverse autodiff (``torch.func.jvp`` of ``torch.func.grad``, vmapped over the columns of a block of
 vectors) or, for one vector, reverse-over-reverse (autograd's double backward) on the model's functional
 form, never finite differences. Products run where the model lives (CPU or GPU); vectors, dense
@@ -58,6 +59,20 @@ class BlockObjective:
 
         return f
 
+    def gradient_sum(self, batch: Batch) -> Tensor:
+        """grad_P sum_{z in batch} loss(w, z), by one reverse pass of autograd: the block's parameters enter the
+        model's functional form as fresh leaves (their storage shared; nothing written) and ``gather`` takes the
+        block's entries of their gradients. The same gradient as ``torch.func.grad`` of ``loss_sum`` at delta = 0
+        without functorch's per-operation wrapping, which costs as much as the pass itself on small batches."""
+        args, kwargs = self.task.model_args(batch)
+        names = [part.name for part in self.block.parts]
+        leaves = {name: self.params[name].detach().requires_grad_(True) for name in names}
+        with torch.enable_grad():
+            out = functional_call(self.model, {**self.params, **leaves, **self.buffers}, args, kwargs)
+            loss = self.task.per_sample_loss(output_logits(out), batch).sum()
+            grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        return self.block.gather({n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads)})
+
 
 def gradient_batch_size(model: nn.Module, task: Task, data: SampleSet, block: ParamBlock, batch_size: int) -> int:
     """Samples per gradient pass: ``batch_size`` or fewer, so that one pass fits the budget."""
@@ -80,8 +95,7 @@ def block_gradient(
     batch_size = gradient_batch_size(model, task, data, block, batch_size)
     total = torch.zeros(block.numel, dtype=torch.float64)
     for batch in data.batches(batch_size):
-        g = grad(obj.loss_sum(batch))(obj.zeros())
-        total += g.detach().to("cpu", torch.float64)
+        total += obj.gradient_sum(batch).detach().to("cpu", torch.float64)
     total += len(data) * weight_decay * obj.w_block.to("cpu", torch.float64)
     if reduction == "mean":
         total /= len(data)
