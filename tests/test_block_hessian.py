@@ -1,15 +1,16 @@
 """BlockHessian's products against torch.func.hessian's dense Hessian of the same objective: one vector
 (reverse-over-reverse, each conjugate-gradient product) and a block of columns (forward-over-reverse, vmapped)
 are the same exact matrix, on a partial block, over uneven batches, with the weight decay; where double backward
-could be silently wrong or change the model, the one-vector product takes the forward-over-reverse form."""
+could be silently wrong or change the model, the one-vector product takes the forward-over-reverse form.
+block_gradient (one reverse pass) against torch.func.grad of the same objective."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, hessian
+from torch.func import functional_call, grad, hessian
 
-from pipeline.curvature import BlockHessian
+from pipeline.curvature import BlockHessian, block_gradient
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import DenseInputTask
 from tests.kit import digits64
@@ -77,6 +78,42 @@ def test_a_convolution_with_batch_norm_in_eval_mode(data):
     block = ParamBlock.from_rows(model, {"1.weight": [1, 3], "2.weight": None, "5.weight": [0, 9]})
     _check_products(model, DenseInputTask(loss="cross_entropy"), data, block, "mean")
     assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_block_gradient_is_the_functional_gradient_on_rows_with_a_frozen_layer(data, reduction):
+    """block_gradient against torch.func.grad of sum_z loss(w + E_P delta, z) at delta = 0 plus the decay: rows of a
+    convolution, the batch norm's scale (eval mode) and a whole bias, beside a frozen layer, over uneven batches. The
+    tolerance tells a missing decay term, a missing 1/n or rows out of order; nothing of the model is written."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(144, 10)).double()
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-0.5, 0.5)
+        model[2].running_var.uniform_(0.5, 2.0)
+    model[1].bias.requires_grad_(False)  # a frozen parameter in front of the block's
+    model.eval()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    task = DenseInputTask(loss="cross_entropy")
+    block = ParamBlock.from_rows(model, {"1.weight": [3, 0], "2.weight": None, "5.bias": None})
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def objective(delta):
+        out = functional_call(model, {**block.insert(params, delta), **buffers}, (data.columns["x"],))
+        return task.per_sample_loss(out, data.columns).sum()
+
+    loss_part = grad(objective)(torch.zeros(block.numel, dtype=torch.float64))
+    decay = len(data) * LAMBDA * block.gather(params)
+    scale = 1.0 / len(data) if reduction == "mean" else 1.0
+    got = block_gradient(model, task, data, block, LAMBDA, reduction=reduction, batch_size=16)
+    assert torch.allclose(got, scale * (loss_part + decay), rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(got, scale * loss_part, rtol=1e-6)  # the decay is there
+    assert not torch.allclose(got, scale * (loss_part.flip(0) + decay), rtol=1e-6)  # in the block's order
+    if reduction == "mean":
+        assert not torch.allclose(got, loss_part + decay, rtol=1e-6)
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_module_in_training_mode_with_buffers_takes_the_forward_over_reverse_form(data):
