@@ -620,6 +620,49 @@ def test_the_row_replay_is_gradient_flow_on_the_rows_loss(bias, smoothing):
     assert not torch.allclose(rows["0.weight"], initial["0.weight"][3:], atol=1e-3)  # it moved
 
 
+def _one_stretch_replay(others_start: float, others_end: float):
+    """One emptied class (the last of 6) on 64 fixed features of spread lambda_max ~ 40 over one stretch of rate 4 and 5
+    recipe steps, the other classes' logits ``others_start`` -> ``others_end`` on every sample: the replay's rows and
+    record, the count the worst-case bound (p (1 - p) <= 1/4) asks for, and the rows of an Euler loop at that count."""
+    from pipeline.target.emptied_classes import CheckpointViews, integrate_rows
+
+    torch.manual_seed(11)
+    n, d, classes = 64, 5, 6
+    h = torch.cat([6.0 * torch.randn(n, d, dtype=torch.float64), torch.ones(n, 1, dtype=torch.float64)], 1)
+    wd, rate, steps, smooth = 0.01, 4.0, 5, 0.1 / classes
+    first = {"w": torch.zeros(classes, d, dtype=torch.float64), "b": torch.zeros(classes, dtype=torch.float64)}
+    logits = [torch.full((n, classes), value, dtype=torch.float64) for value in (others_start, others_end)]
+    views = CheckpointViews(torch.arange(n), [h, h], logits)
+    rows, how = integrate_rows(views, Trajectory([first, first], [rate], n), ("w", "b"), [classes - 1], wd, steps, 0.1)
+    worst = math.ceil(rate * (0.25 * float(torch.linalg.eigvalsh(h.T @ h / n)[-1]) + wd))
+    theta = torch.zeros(1, d + 1, dtype=torch.float64)
+    others = [torch.logsumexp(z[:, :-1], 1) for z in logits]
+    for k in range(worst):
+        other = torch.lerp(others[0], others[1], (k + 0.5) / worst)
+        p = torch.exp(h @ theta.T - torch.logaddexp(other[:, None], h @ theta.T))
+        theta = theta - (rate / worst) * ((p - smooth).T @ h / n + wd * theta)
+    return rows, how, worst, steps, theta
+
+
+def test_the_replay_steps_by_the_probabilities_it_meets():
+    """The sub-steps' stability bound reads the emptied class's probability on the sample (a class no retained sample
+    has is improbable on them), not its worst case 1/4: an improbable class takes the recipe's steps, where the worst
+    case asks for many more, and lands where the worst case's count does; a class whose probability rises along the
+    stretch (the other classes' logits fall) is integrated again at the count its probabilities ask for."""
+    rows, how, worst, steps, reference = _one_stretch_replay(12.0, 12.0)
+    assert worst > 4 * steps  # the worst case's bound would take more than four times the recipe's steps
+    assert how["substeps"] == steps and how["stretch_integrations"] == 1
+    assert 0 < how["step_times_lipschitz"] <= 1.0
+    assert torch.allclose(rows["w"][0], reference[0, :-1], rtol=1e-2, atol=1e-6)
+    assert torch.allclose(rows["b"], reference[0, -1:], rtol=1e-2, atol=1e-6)
+    assert float(rows["b"]) > 0.01  # it moved: the smoothed target pushes the improbable row up
+
+    rows, how, worst, steps, reference = _one_stretch_replay(12.0, -5.0)  # p from ~1e-6 to ~1 along the stretch
+    assert how["substeps"] == worst and how["stretch_integrations"] == 2
+    assert 0 < how["step_times_lipschitz"] <= 1.0
+    assert torch.allclose(rows["w"][0], reference[0, :-1], rtol=1e-9, atol=1e-12)
+
+
 def test_the_replay_interpolates_the_other_classes_between_checkpoints_in_order():
     """Checkpoints whose other rows differ (a lone Linear layer: h fixed, the other classes' log-sum-exp moving): the
     replay's sub-step k of stretch e reads LSE_others = lerp(LSE(c_e), LSE(c_{e+1}), (k + 1/2) / count). Reference:

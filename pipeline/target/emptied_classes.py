@@ -17,8 +17,13 @@ h(x) and the other classes' logits at each checkpoint of the original's trajecto
 drops U's rows with ``CheckpointViews.take``; the original's run differs from Retrain's by U's pushes, which the row
 replaces), linearly interpolated inside a
 stretch, explicit Euler sub-steps of the stretch's rate (at least the recipe's steps, more where the row loss's
-curvature needs them for stability: at most 1 / L each, L = (1/4) lambda_max(mean (h,1)(h,1)^T) + lambda for one row;
-``max_substeps`` in all), from the recorded initial row.
+curvature needs them for stability: at most 1 / L each, ``max_substeps`` in all), from the recorded initial row. The
+row loss's Hessian is mean_x J(x) (x) (h,1)(h,1)^T + lambda I, J(x) = diag(p_C) - p_C p_C^T the softmax Jacobian on the
+rows C, whose largest eigenvalue is at most max_c p_c(x) (and at most 1/4 for one row, 1/2 for several), so
+L = q lambda_max(mean (h,1)(h,1)^T) + lambda with q the largest probability of an emptied class on the sample along the
+stretch (capped at 1/4 or 1/2). A class no retained sample has is improbable on them (on the identities, q is 1e-3 to
+9e-3 all run), so a stretch is integrated with q read at its start, times ``PROBABILITY_MARGIN``, and again with more
+sub-steps wherever the probabilities it meets, times that margin, ask for more.
 
 The time is Retrain's: the recipe on D \\ U takes ceil((n - m) / B) steps an epoch, not ceil(n / B)
 (``pipeline.trajectory.retrain_rates``; a Fashion-MNIST class is a tenth of D). Features are read as training
@@ -46,6 +51,10 @@ from torch import Tensor, nn
 from pipeline.decision_layer import decision_layer_block
 from pipeline.eval_mode import eval_mode_restored
 from pipeline.trajectory import load_checkpoint
+
+#: the largest probability of an emptied class read at a stretch's start, or met along it, is taken times this in the
+#: step's stability bound (the probabilities between sub-steps, and a rise within the stretch)
+PROBABILITY_MARGIN = 2.0
 
 __all__ = ["CheckpointViews", "checkpoint_views", "emptied_classes", "emptied_rows_record", "integrate_rows",
            "output_layer_names", "replayed_rows", "reset_emptied_rows"]
@@ -160,8 +169,9 @@ def integrate_rows(views: CheckpointViews, trajectory: Any, names: tuple[str, st
                    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Retrain's rows of ``classes`` by the row equation above over the checkpoint ``views`` of ``trajectory``, over
     ``rates`` (Retrain's stretch rates, ``pipeline.trajectory.retrain_rates``; the recorded ones when None), from the
-    recorded initial rows; ({name: rows}, what the record says: the sample, the sub-steps, and the largest step x L,
-    above 1 only where ``max_substeps`` capped a stretch)."""
+    recorded initial rows; ({name: rows}, what the record says: the sample, the sub-steps, the stretches integrated
+    (a stretch integrated again with more sub-steps counts twice), and the largest step x L met, L from the
+    probabilities met, above 1 only where ``max_substeps`` capped a stretch)."""
     if len(views.features) != len(trajectory.checkpoints):
         raise ValueError(f"{len(views.features)} checkpoint views for a trajectory of {len(trajectory.checkpoints)} "
                          "checkpoints")
@@ -181,33 +191,63 @@ def integrate_rows(views: CheckpointViews, trajectory: Any, names: tuple[str, st
     if not has_bias:  # no bias: its column of (h, 1) off, so theta's last entry stays 0
         pairs = [(torch.cat([h[:, :-1], torch.zeros_like(h[:, -1:])], 1), o) for h, o in pairs]
     smooth = label_smoothing / n_classes  # the smoothed target's s / K
-    # the row loss's gradient is Lipschitz with L <= c lambda_max(mean h h^T) + lambda, c = 1/4 for one row
-    # (p (1 - p) <= 1/4), 1/2 for several (the softmax Jacobian's largest eigenvalue): steps of at most 1 / L
-    curvature = 0.25 if len(classes) == 1 else 0.5
-    lipschitz = [curvature * _largest_eigenvalue(h) / h.shape[0] + weight_decay for h, _ in pairs]
-    substeps_total, worst = 0, 0.0
+    # the row loss's gradient is Lipschitz with L <= q lambda_max(mean h h^T) + lambda, q the largest probability of
+    # an emptied class met along the stretch, at most 1/4 for one row (p (1 - p) <= 1/4) and 1/2 for several (the
+    # softmax Jacobian's largest eigenvalue): steps of at most 1 / L
+    ceiling = 0.25 if len(classes) == 1 else 0.5
+    spread = [_largest_eigenvalue(h) / h.shape[0] for h, _ in pairs]
+    substeps_total, worst, tries = 0, 0.0, 0
     rates = list(trajectory.rates) if rates is None else list(rates)
     if len(rates) != len(trajectory.rates):
         raise ValueError(f"{len(rates)} stretch rates for a trajectory of {len(trajectory.rates)} stretches")
+    cap = max(1, max_substeps // max(1, len(rates)))
     for e, rate in enumerate(rates):
         (h0, o0), (h1, o1) = pairs[e], pairs[e + 1]
-        count = max(int(steps_per_stretch), math.ceil(rate * max(lipschitz[e], lipschitz[e + 1])))
-        count = min(count, max(1, max_substeps // max(1, len(rates))))
-        step = rate / count
-        worst = max(worst, step * max(lipschitz[e], lipschitz[e + 1]))
-        for k in range(count):
-            a = (k + 0.5) / count
-            h, other = torch.lerp(h0, h1, a), torch.lerp(o0, o1, a)
-            zc = h @ theta.T
-            p = torch.exp(zc - torch.logaddexp(other, torch.logsumexp(zc, 1))[:, None])  # (|S|, |C|)
-            theta = theta - step * ((p - smooth).T @ h / h.shape[0] + weight_decay * theta)
+        width = max(spread[e], spread[e + 1])
+        factor = min(ceiling, PROBABILITY_MARGIN * _largest_probability(theta, h0, o0))
+        while True:
+            count = min(cap, max(int(steps_per_stretch), math.ceil(rate * (factor * width + weight_decay))))
+            step = rate / count
+            end, met = _euler_stretch(theta, (h0, o0), (h1, o1), count, step, smooth, weight_decay)
+            needed = min(ceiling, PROBABILITY_MARGIN * met)
+            tries += 1
+            if step * (needed * width + weight_decay) <= 1.0 or factor >= ceiling or count >= cap:
+                break
+            factor = min(ceiling, max(2.0 * factor, needed))  # rises to the ceiling's bound: the loop ends
+        theta = end
+        worst = max(worst, step * (min(ceiling, met) * width + weight_decay))
         substeps_total += count
     dtype = first[names[0]].dtype
     out = {names[0]: theta[:, :-1].to(dtype)}
     if has_bias:
         out[names[1]] = theta[:, -1].to(dtype)
     return out, {"samples": len(views), "substeps": substeps_total, "checkpoints": len(pairs),
-                 "step_times_lipschitz": worst}
+                 "stretch_integrations": tries, "step_times_lipschitz": worst}
+
+
+def _probabilities(theta: Tensor, h: Tensor, other: Tensor) -> Tensor:
+    """p_C(x) on the sample (|S|, |C|): the emptied rows' logits h theta^T against the other classes' log-sum-exp."""
+    zc = h @ theta.T
+    return torch.exp(zc - torch.logaddexp(other, torch.logsumexp(zc, 1))[:, None])
+
+
+def _largest_probability(theta: Tensor, h: Tensor, other: Tensor) -> float:
+    return float(_probabilities(theta, h, other).max())
+
+
+def _euler_stretch(theta: Tensor, start: tuple[Tensor, Tensor], end: tuple[Tensor, Tensor], count: int, step: float,
+                   smooth: float, weight_decay: float) -> tuple[Tensor, float]:
+    """``count`` explicit Euler sub-steps of ``step`` across one stretch (features and the other classes' log-sum-exp
+    interpolated linearly at each sub-step's midpoint); the rows at its end and the largest p_C met."""
+    (h0, o0), (h1, o1) = start, end
+    met = 0.0
+    for k in range(count):
+        a = (k + 0.5) / count
+        h, other = torch.lerp(h0, h1, a), torch.lerp(o0, o1, a)
+        p = _probabilities(theta, h, other)  # (|S|, |C|)
+        met = max(met, float(p.max()))
+        theta = theta - step * ((p - smooth).T @ h / h.shape[0] + weight_decay * theta)
+    return theta, met
 
 
 def _largest_eigenvalue(h: Tensor) -> float:
