@@ -204,7 +204,7 @@ def integrate_rows(views: CheckpointViews, trajectory: Any, names: tuple[str, st
     for e, rate in enumerate(rates):
         (h0, o0), (h1, o1) = pairs[e], pairs[e + 1]
         width = max(spread[e], spread[e + 1])
-        factor = min(ceiling, PROBABILITY_MARGIN * _largest_probability(theta, h0, o0))
+        factor = min(ceiling, PROBABILITY_MARGIN * float(_probabilities(theta, h0, o0).max()))
         while True:
             count = min(cap, max(int(steps_per_stretch), math.ceil(rate * (factor * width + weight_decay))))
             step = rate / count
@@ -229,10 +229,6 @@ def _probabilities(theta: Tensor, h: Tensor, other: Tensor) -> Tensor:
     """p_C(x) on the sample (|S|, |C|): the emptied rows' logits h theta^T against the other classes' log-sum-exp."""
     zc = h @ theta.T
     return torch.exp(zc - torch.logaddexp(other, torch.logsumexp(zc, 1))[:, None])
-
-
-def _largest_probability(theta: Tensor, h: Tensor, other: Tensor) -> float:
-    return float(_probabilities(theta, h, other).max())
 
 
 def _euler_stretch(theta: Tensor, start: tuple[Tensor, Tensor], end: tuple[Tensor, Tensor], count: int, step: float,
