@@ -885,6 +885,58 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
     assert out.record["guard"] is None and out.record["scale"] == 1.0
 
 
+def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3):
+    """The accepted removal's last probe pass read each probe sample's loss at the weights it publishes; the next
+    version's prepared state keeps them, bound to that version's digest, and the next request on it reads the
+    original's probe loss from them (its U's samples dropped) instead of a pass: the losses a fresh pass over the new
+    model gives, the mean a pass over the retained probe gives. Not kept: for other weights, by a cold copy, or where
+    under half of the probe is retained."""
+    from dataclasses import replace
+
+    from pipeline.methods.base import TrainedModel
+    from pipeline.methods.trajectory_refit import ProbeLosses, TrajectoryRefitPrepared, kept_probe
+    from pipeline.removal import remove
+    from pipeline.training import sample_losses
+
+    train, y = class_3.train, class_3.train.columns["y"]
+    settings = {"scale": 0.1, "refit_epochs": 0.5, "probe_samples": 256}
+    trained = TrainedModel(copy.deepcopy(class_3.original), TASK, train, RECIPE["weight_decay"], 512,
+                           _card(len(train)), trajectory=class_3.trajectory)
+    first_ids = train.sample_ids[torch.nonzero(y == 5).flatten()[:6]].tolist()
+    first = remove(trained, first_ids, method="trajectory-refit", settings=settings, seed=1, batch_size=512)
+    assert first.record["guard"]["probe"].startswith("drawn for this request")
+    state = first.next_prepared()
+    assert isinstance(state, TrajectoryRefitPrepared) and state.retained_probe is not None
+    probe = state.retained_probe
+    assert probe.weights == state.binding.weights and len(probe.sample_ids) == 256
+    after = first.after
+    fresh = sample_losses(after.model, TASK, after.train.take(after.train.positions_of(probe.sample_ids)), 512)
+    assert torch.allclose(probe.losses, fresh, rtol=1e-5, atol=1e-7)  # the published weights' losses
+    assert float(probe.losses.mean()) == pytest.approx(first.record["guard"]["tried"][-1]["retained_probe_loss"])
+
+    later = after.train.sample_ids[torch.nonzero(after.train.columns["y"] == 7).flatten()].tolist()
+    second_ids = [i for i in later if i in set(probe.sample_ids.tolist())][:3] + later[:3]
+    retained = ~torch.isin(probe.sample_ids, torch.tensor(second_ids))
+    expected = float(sample_losses(after.model, TASK, after.train.take(after.train.positions_of(
+        probe.sample_ids[retained])), 512).mean())
+    second = remove(after, second_ids, method="trajectory-refit", settings=settings, prepared=state, seed=2,
+                    batch_size=512)
+    guard = second.record["guard"]
+    assert guard["probe"].startswith("kept from the removal") and guard["probe_samples"] == int(retained.sum()) < 256
+    assert guard["original_probe_loss"] == pytest.approx(expected, rel=1e-5)
+    assert second.record["preparation"]["built_for_this_request"] is False
+
+    assert state.fresh_copy().retained_probe is None  # a cold request's measurement reads nothing of another's
+    other = replace(first.outcome, carried={"retained_probe": replace(probe, weights="0" * 64)})
+    assert first.prepared.after_removal(after, first.removed, other, state.binding).retained_probe is None
+    assert kept_probe(state, after.train, 512) is None  # asked for another probe size
+    half = probe.sample_ids[: len(probe.sample_ids) // 2 + 1]
+    assert kept_probe(state, after.train.without(after.train.positions_of(half)), 256) is None
+    rest = kept_probe(state, after.train.without(after.train.positions_of(half[:100])), 256)
+    assert rest is not None and len(rest[0]) == 156
+    assert isinstance(probe, ProbeLosses)
+
+
 # -- (d) through unlearn train and unlearn forget's path ----------------------------------------------------
 def test_unlearn_train_records_it_and_remove_reads_it(trained_model_dir):
     from pipeline.models.card import read_card

@@ -225,6 +225,9 @@ class RemovalOutcome:
     user_weights: Any = None
     # the prepared state the removal started from (``run_removal`` sets it)
     prepared: Prepared | None = None
+    # what the removal computed at its new weights that the next version's prepared state may keep
+    # (``Prepared.after_removal`` reads it; never written to the record)
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 class RemovalMethod(ABC):

@@ -50,13 +50,18 @@ times it (the slack: a recipe not run to its optimum, the probe's noise), the re
 carried over the rounds left cannot reach the ceiling; still above, the model is put
 back, the scale multiplied by ``backtrack_factor`` and correction and refits run again (the pushes are kept),
 at most ``backtracks`` times; then the request is refused (``RemovalNotServed``: the model as it was). Every tried
-scale and its probe loss are in the record. First order in m / n around the recorded run; a removal from a
+scale and its probe loss are in the record. The probe is drawn once per model lineage: the accepted removal's last
+probe pass read each probe sample's loss at the weights it publishes, and the next version's prepared state keeps them
+(``TrajectoryRefitPrepared``, bound to those weights' digest), so a campaign's next request reads the original's probe
+loss from them (its U's samples dropped) instead of a pass; drawn anew where under half of it is still retained.
+First order in m / n around the recorded run; a removal from a
 version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,13 +79,13 @@ from pipeline.methods.emptied_rows import (
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, prepare_frozen_prefix
 from pipeline.methods.trust_region import draw, refit_block
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import Binding, Prepared
+from pipeline.prepared import Binding, Prepared, state_digest
 from pipeline.recipe import recipe_of
 from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
-from pipeline.training import mean_loss
+from pipeline.training import sample_losses
 
-__all__ = ["TrajectoryRefit", "TrajectoryRefitSettings", "forget_sample"]
+__all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
@@ -107,6 +112,51 @@ class TrajectoryRefitSettings(MethodSettings):
                                                                "times |U| / k (null: all of U)")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
+
+
+@dataclass(frozen=True)
+class ProbeLosses:
+    """The retained-loss guard's probe (``sample_ids``) and each sample's loss (float64) at the weights whose
+    ``pipeline.prepared.state_digest`` is ``weights``, drawn with ``probe_samples`` asked."""
+
+    weights: str
+    sample_ids: torch.Tensor
+    losses: torch.Tensor
+    probe_samples: int | None
+
+
+@dataclass
+class TrajectoryRefitPrepared(FrozenPrefixPrepared):
+    """trajectory-refit's preparation: the frozen prefix's outputs on D (``pipeline.methods.prefix_prepared``) and,
+    from the removal that made this version, the guard's probe losses at its weights (``retained_probe``; None on a
+    version no removal of this lineage made, or where the published weights are not those the probe read)."""
+
+    retained_probe: ProbeLosses | None = None
+
+    def fresh_copy(self) -> "TrajectoryRefitPrepared":
+        return replace(super().fresh_copy(), retained_probe=None)
+
+    def after_removal(self, trained: Any, removed: torch.Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
+        state = super().after_removal(trained, removed, outcome, binding)
+        probe = getattr(outcome, "carried", {}).get("retained_probe")
+        if isinstance(state, TrajectoryRefitPrepared) and isinstance(probe, ProbeLosses) and probe.weights == binding.weights:
+            state.retained_probe = probe
+        return state
+
+
+def kept_probe(prepared: Prepared, retain: SampleSet, probe_samples: int | None) -> tuple[SampleSet, float] | None:
+    """The guard's probe kept in ``prepared`` (the previous removal's, at the weights ``prepared`` holds for) and the
+    mean of its samples' losses there, both restricted to ``retain``: None where none is kept for these weights and
+    ``probe_samples``, or where under half of the probe asked for (``probe_samples``, at most |retain|) is retained."""
+    kept = prepared.retained_probe if isinstance(prepared, TrajectoryRefitPrepared) else None
+    if kept is None or kept.weights != prepared.binding.weights or kept.probe_samples != probe_samples:
+        return None
+    retained = torch.isin(kept.sample_ids, retain.sample_ids)
+    wanted = len(retain) if probe_samples is None else min(probe_samples, len(retain))
+    if 2 * int(retained.sum()) < wanted:
+        return None
+    probe = retain.take(retain.positions_of(kept.sample_ids[retained], field="retained probe"))
+    return probe, float(kept.losses[retained].mean())
 
 
 def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: int) -> bool:
@@ -144,9 +194,9 @@ class TrajectoryRefit(RemovalMethod):
         return None
 
     def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]
-                binding: Binding) -> FrozenPrefixPrepared:
+                binding: Binding) -> TrajectoryRefitPrepared:
         """The frozen prefix's outputs on D, where the model has frozen layers (the refit runs over them)."""
-        return prepare_frozen_prefix(trained, binding)
+        return prepare_frozen_prefix(trained, binding, TrajectoryRefitPrepared)
 
     def remove(self, problem: RemovalProblem, settings: TrajectoryRefitSettings,  # type: ignore[override]
                prepared: Prepared) -> RemovalOutcome:
@@ -169,7 +219,10 @@ class TrajectoryRefit(RemovalMethod):
         forget, retain = data.take(problem.forget_positions), data.without(problem.forget_positions)
         recipe = recipe_of(problem.card) if problem.card is not None else None
         guarded = settings.retained_loss_slack is not None
-        probe = draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None
+        kept = kept_probe(prepared, retain, settings.probe_samples) if guarded else None
+        probe = (kept[0] if kept is not None else
+                 draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None)
+        losses: torch.Tensor | None = None  # the probe's per-sample losses at the last pass
         tried: list[dict[str, float]] = []
 
         def refit_once() -> dict[str, Any]:
@@ -184,8 +237,10 @@ class TrajectoryRefit(RemovalMethod):
             return refit
 
         def probe_loss() -> float:
-            with problem.stage("guard", timings), torch.no_grad():
-                return float(mean_loss(work, task, probe, problem.batch_size))
+            nonlocal losses
+            with problem.stage("guard", timings):
+                losses = sample_losses(work, task, probe, problem.batch_size)
+            return float(losses.mean())
 
         try:
             emptied = plan_emptied_rows(problem, settings.emptied_classes, settings.emptied_class_samples, timings,
@@ -201,7 +256,7 @@ class TrajectoryRefit(RemovalMethod):
                 refit = refit_once()
                 refit["rounds"] = 1
             else:
-                before = probe_loss()
+                before = kept[1] if kept is not None else probe_loss()
                 ceiling = (1.0 + settings.retained_loss_slack) * before
                 while True:
                     block.add_to_model(work, scale * pushes)
@@ -238,9 +293,13 @@ class TrajectoryRefit(RemovalMethod):
             "forget_gradient": {"samples": len(sample), "of": len(forget)},
             "emptied_classes": emptied.record,
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
-            "guard": None if probe is None else {"probe_samples": len(probe), "original_probe_loss": before,
-                                                 "ceiling": ceiling, "tried": tried},
+            "guard": None if probe is None else {
+                "probe_samples": len(probe), "original_probe_loss": before, "ceiling": ceiling, "tried": tried,
+                "probe": ("kept from the removal that made this version: the original's losses read there" if kept
+                          is not None else "drawn for this request; the original's losses by a pass")},
             "refit": refit, "parameters": len(names), "block_numel": block.numel, "timings": timings,
             "seconds": time.perf_counter() - started,
         }
-        return RemovalOutcome({k: params[k].detach().clone() for k in names}, record)
+        carried = {} if losses is None else {"retained_probe": ProbeLosses(
+            state_digest(model), probe.sample_ids.clone(), losses, settings.probe_samples)}
+        return RemovalOutcome({k: params[k].detach().clone() for k in names}, record, carried=carried)
