@@ -186,3 +186,28 @@ def test_a_custom_function_is_never_differentiated_twice(data):
     with pytest.raises(RuntimeError):
         op.matvec(torch.randn(op.dim, dtype=torch.float64))
     assert op._twice_differentiable is False
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "both infinities"])
+def test_a_gradient_with_a_non_finite_entry_is_refused_and_an_overflowing_sum_is_not(data, bad):
+    """check_finite reads the sum first (a finite sum proves every entry finite): a NaN, an infinity, and +inf beside
+    -inf (whose sum is NaN) are refused by name; finite entries whose sum overflows pass, and a non-finite gradient
+    pass raises before anything is returned."""
+    from pipeline.curvature.solve import check_finite
+    from pipeline.errors import NonFiniteGradientError
+
+    t = torch.ones(1000, dtype=torch.float64)
+    if bad == "both infinities":
+        t[3], t[700] = float("inf"), -float("inf")
+    else:
+        t[500] = bad
+    with pytest.raises(NonFiniteGradientError, match="the gradient contains NaN or infinite"):
+        check_finite(t, "gradient")
+    huge = torch.full((4,), 1.0e308, dtype=torch.float64)
+    assert not torch.isfinite(huge.sum()) and check_finite(huge, "gradient") is huge
+
+    model = nn.Sequential(nn.Linear(data.columns["x"].shape[1], 10)).double()
+    with torch.no_grad():
+        model[0].weight[2, 5] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        block_gradient(model, DenseInputTask(loss="cross_entropy"), data, ParamBlock.all_parameters(model), 0.0)

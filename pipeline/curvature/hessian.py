@@ -93,10 +93,14 @@ def block_gradient(
     ``batch_size`` is lowered to fit the scoped memory budget."""
     obj = BlockObjective(model, task, block)
     batch_size = gradient_batch_size(model, task, data, block, batch_size)
-    total = torch.zeros(block.numel, dtype=torch.float64)
+    total: Tensor | None = None
     for batch in data.batches(batch_size):
-        total += obj.gradient_sum(batch).detach().to("cpu", torch.float64)
-    total += len(data) * weight_decay * obj.w_block.to("cpu", torch.float64)
+        part = obj.gradient_sum(batch).detach().to("cpu", torch.float64)
+        total = part if total is None else total.add_(part)
+    if total is None:
+        total = torch.zeros(block.numel, dtype=torch.float64)
+    if weight_decay:
+        total.add_(obj.w_block.to("cpu", torch.float64), alpha=len(data) * weight_decay)
     if reduction == "mean":
         total /= len(data)
     return check_finite(total, "gradient")
