@@ -896,7 +896,7 @@ def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3)
     from pipeline.methods.base import TrainedModel
     from pipeline.methods.trajectory_refit import ProbeLosses, TrajectoryRefitPrepared, kept_probe
     from pipeline.removal import remove
-    from pipeline.training import sample_losses
+    from pipeline.training import mean_loss, sample_losses
 
     train, y = class_3.train, class_3.train.columns["y"]
     settings = {"scale": 0.1, "refit_epochs": 0.5, "probe_samples": 256}
@@ -912,6 +912,10 @@ def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3)
     after = first.after
     fresh = sample_losses(after.model, TASK, after.train.take(after.train.positions_of(probe.sample_ids)), 512)
     assert torch.allclose(probe.losses, fresh, rtol=1e-5, atol=1e-7)  # the published weights' losses
+    with torch.no_grad():  # per sample, in the probe's order: their mean is mean_loss's, the first one the first's
+        probed = after.train.take(after.train.positions_of(probe.sample_ids))
+        assert float(fresh.mean()) == pytest.approx(float(mean_loss(after.model, TASK, probed)), rel=1e-5)
+        assert float(fresh[0]) == pytest.approx(float(mean_loss(after.model, TASK, probed.take([0]))), rel=1e-5)
     assert float(probe.losses.mean()) == pytest.approx(first.record["guard"]["tried"][-1]["retained_probe_loss"])
 
     later = after.train.sample_ids[torch.nonzero(after.train.columns["y"] == 7).flatten()].tolist()
