@@ -1039,6 +1039,38 @@ def test_new_versions_carry_the_trajectory(trained_model_dir, tmp_path):
         vs.verify("m", 1)
 
 
+def test_a_campaign_carries_the_guard_s_probe_from_batch_to_batch(trained_model_dir, tmp_path):
+    """Through `unlearn campaign`'s machine (version store, ledger, each version reloaded from its files): the
+    published version's weights are those the accepted removal's last probe pass read, so the next batch reads the
+    original's probe loss from the carried losses, and it is the loss a pass over the published version gives."""
+    from jobs.campaign_runner import run_campaign
+    from jobs.specs import CampaignSpec, load_spec
+    from pipeline.removal import load_trained
+    from pipeline.store.versions import VersionStore
+    from tests.unlearn_store_support import make_store, write_requests_csv, write_yaml
+
+    model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
+                                  data_options={"flatten": False}, recipe={**RECIPE, "epochs": 2, "seed": 0})
+    store = make_store(tmp_path / "store", model_dir, "cnn")
+    ids = load_trained(model_dir).train.sample_ids[:2].tolist()
+    write_requests_csv(tmp_path / "r.csv", [[ids[0]], [ids[1]]], prefix="r-")
+    spec = write_yaml(tmp_path / "c.yaml", {
+        "name": "c", "model": {"store": str(store), "name": "cnn"}, "batch_size": 1, "seed": 0,
+        "method": {"name": "trajectory-refit", "settings": {"probe_samples": 256, "refit_epochs": 0.25}},
+        "limits": {"budget": {"epsilon": 100.0, "allow_non_private": True}, "retain_accuracy_margin": None},
+        "requests": "r.csv"})
+    result = run_campaign(load_spec(spec, CampaignSpec), progress=False, echo=lambda _: None)
+    assert [b.state for b in result.batches] == ["applied", "applied"]
+    versions = VersionStore(store)
+    first, second = (versions.manifest("cnn", v)["record"]["guard"] for v in (1, 2))
+    assert first["probe"].startswith("drawn for this request")
+    assert second["probe"].startswith("kept from the removal") and second["probe_samples"] >= 255
+    # the original's loss of batch 2 is batch 1's accepted probe loss (exactly, unless batch 2's sample was in the probe)
+    exact = second["probe_samples"] == first["probe_samples"]
+    assert second["original_probe_loss"] == pytest.approx(first["tried"][-1]["retained_probe_loss"],
+                                                          rel=1e-9 if exact else 0.02)
+
+
 def test_the_recipe_bounds_the_checkpoints_kept():
     from pipeline.recipe import train
 
