@@ -37,17 +37,6 @@ def mean_loss(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 4
     return total / len(data)
 
 
-def sample_losses(model: nn.Module, task: Task, data: SampleSet, batch_size: int = 4096) -> Tensor:
-    """loss(w, z) for every z of ``data``, in its order, without gradients (float64, on CPU); ``batch_size`` is
-    lowered to fit the memory budget (``pipeline.memory``)."""
-    from pipeline import memory
-
-    batch_size = memory.forward_batch_size(model, task, data, batch_size)
-    with torch.no_grad():
-        parts = [task.per_sample_loss(task.forward(model, b), b).to("cpu", torch.float64) for b in data.batches(batch_size)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-
-
 def l2_penalty(model: nn.Module, weight_decay: float) -> Tensor:
     return 0.5 * weight_decay * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
 

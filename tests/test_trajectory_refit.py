@@ -896,7 +896,8 @@ def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3)
     from pipeline.methods.base import TrainedModel
     from pipeline.methods.trajectory_refit import ProbeLosses, TrajectoryRefitPrepared, kept_probe
     from pipeline.removal import remove
-    from pipeline.training import mean_loss, sample_losses
+    from pipeline.evaluate.predict import per_sample_losses
+    from pipeline.training import mean_loss
 
     train, y = class_3.train, class_3.train.columns["y"]
     settings = {"scale": 0.1, "refit_epochs": 0.5, "probe_samples": 256}
@@ -910,7 +911,8 @@ def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3)
     probe = state.retained_probe
     assert probe.weights == state.binding.weights and len(probe.sample_ids) == 256
     after = first.after
-    fresh = sample_losses(after.model, TASK, after.train.take(after.train.positions_of(probe.sample_ids)), 512)
+    fresh = per_sample_losses(after.model, TASK, after.train.take(after.train.positions_of(probe.sample_ids)),
+                              512).double()
     assert torch.allclose(probe.losses, fresh, rtol=1e-5, atol=1e-7)  # the published weights' losses
     with torch.no_grad():  # per sample, in the probe's order: their mean is mean_loss's, the first one the first's
         probed = after.train.take(after.train.positions_of(probe.sample_ids))
@@ -921,7 +923,7 @@ def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3)
     later = after.train.sample_ids[torch.nonzero(after.train.columns["y"] == 7).flatten()].tolist()
     second_ids = [i for i in later if i in set(probe.sample_ids.tolist())][:3] + later[:3]
     retained = ~torch.isin(probe.sample_ids, torch.tensor(second_ids))
-    expected = float(sample_losses(after.model, TASK, after.train.take(after.train.positions_of(
+    expected = float(per_sample_losses(after.model, TASK, after.train.take(after.train.positions_of(
         probe.sample_ids[retained])), 512).mean())
     second = remove(after, second_ids, method="trajectory-refit", settings=settings, prepared=state, seed=2,
                     batch_size=512)

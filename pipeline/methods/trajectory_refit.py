@@ -70,6 +70,7 @@ from pydantic import Field
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
 from pipeline.errors import RemovalNotServed
+from pipeline.evaluate.predict import per_sample_losses
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
@@ -83,7 +84,6 @@ from pipeline.prepared import Binding, Prepared, state_digest
 from pipeline.recipe import recipe_of
 from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
-from pipeline.training import sample_losses
 
 __all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample"]
 
@@ -239,7 +239,7 @@ class TrajectoryRefit(RemovalMethod):
         def probe_loss() -> float:
             nonlocal losses
             with problem.stage("guard", timings):
-                losses = sample_losses(work, task, probe, problem.batch_size)
+                losses = per_sample_losses(work, task, probe, problem.batch_size).double()
             return float(losses.mean())
 
         try:
