@@ -885,6 +885,69 @@ def test_the_guard_backtracks_an_over_forgetting_scale_and_refuses_when_none_ser
     assert out.record["guard"] is None and out.record["scale"] == 1.0
 
 
+def test_the_guard_backtracks_a_scale_that_unlearns_the_label_of_the_forget_set_s_siblings(class_3):
+    """U = 60 % of class 3 (a subject holding most of a label), its pushes at scale 0.3 with a quarter-epoch refit,
+    the loss slack widened to 3 so that only the siblings can tell: taken back at 0.3 and 0.09, the 54 retained 3s
+    (the siblings) are misclassified while the probe's mean loss over all 1,302 retained digits passes. Without the
+    sibling check the guard accepts 0.09 with them misclassified; with it, every try whose siblings fall more than
+    0.1 below the original's accuracy is rejected, backtracking at once where the probe's loss is already within
+    its slack (a scale's rounds go on only while that loss is above it), and the published model classifies them as
+    the record says, within the slack."""
+    from pipeline.evaluate.classification import task_accuracy
+
+    forget = class_3.forget[: int(0.6 * len(class_3.forget))]
+    fit = ClassFit(class_3.train, class_3.test, forget, class_3.original, class_3.trajectory)
+    siblings = class_3.forget[len(forget):]
+    xs, ys = class_3.train.columns["x"][siblings], class_3.train.columns["y"][siblings]
+    base = {"scale": 0.3, "refit_epochs": 0.25, "retained_loss_slack": 3.0, "probe_samples": None, "backtracks": 3}
+    unchecked, out = _remove(fit, {**base, "sibling_accuracy_slack": None})
+    assert out.record["guard"]["siblings"].startswith("no sibling check")
+    original = _accuracy(class_3.original, xs, ys)
+    assert out.record["scale"] > 0.05 and _accuracy(unchecked, xs, ys) < original - 0.3  # the label un-learnt
+
+    model, out = _remove(fit, base)
+    guard = out.record["guard"]
+    print(f"\nsiblings: original {original:.3f}, unchecked {_accuracy(unchecked, xs, ys):.3f}, checked "
+          f"{_accuracy(model, xs, ys):.3f}; tried {guard['tried']}")
+    checked = guard["siblings"]
+    assert checked["what"].startswith(f"{len(siblings)} of the {len(siblings)} retained samples")
+    assert checked["original_accuracy"] == pytest.approx(original) and checked["floor"] == pytest.approx(original - 0.1)
+    assert out.record["scale"] < 0.05 and guard["tried"][0]["scale"] == 0.3
+    for t in guard["tried"][:-1]:  # each rejected try fell short of the floor or the ceiling
+        assert t["sibling_accuracy"] < checked["floor"] or t["retained_probe_loss"] > guard["ceiling"]
+    for scale in {t["scale"] for t in guard["tried"]}:  # R refitted with the siblings short: no further round
+        rounds = [t for t in guard["tried"] if t["scale"] == scale]
+        assert all(t["retained_probe_loss"] > guard["ceiling"] for t in rounds[:-1])
+    assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
+    assert any(t["retained_probe_loss"] <= guard["ceiling"] and t["sibling_accuracy"] < checked["floor"]
+               for t in guard["tried"][:-1])  # a scale the loss alone would have accepted
+    assert guard["tried"][-1]["sibling_accuracy"] == pytest.approx(_accuracy(model, xs, ys))
+    assert _accuracy(model, xs, ys) >= checked["floor"] and _accuracy(model, xs, ys) > _accuracy(unchecked, xs, ys)
+    assert task_accuracy(model, TASK, class_3.train.take(siblings)) / 100 == pytest.approx(_accuracy(model, xs, ys))
+
+
+def test_the_sibling_probe_is_the_retained_samples_sharing_the_forget_set_s_labels(class_3):
+    from pipeline.methods.trajectory_refit import sibling_probe
+    from pipeline.tasks import DenseInputTask
+
+    train, y = class_3.train, class_3.train.columns["y"]
+    forget_pos = torch.cat([class_3.forget[:100], torch.nonzero(y == 5).flatten()[:3]])
+    forget, retain = train.take(forget_pos), train.without(forget_pos)
+    probe, what = sibling_probe(forget, retain, TASK, None, 0)
+    expected = int(((y == 3) | (y == 5)).sum()) - len(forget_pos)
+    assert len(probe) == expected and what.startswith(f"{expected} of the {expected}")
+    assert set(probe.columns["y"].tolist()) == {3, 5} and not torch.isin(probe.sample_ids, forget.sample_ids).any()
+    small, _ = sibling_probe(forget, retain, TASK, 16, 0)
+    assert len(small) == 16 and torch.isin(small.sample_ids, probe.sample_ids).all()
+    assert torch.equal(small.sample_ids, sibling_probe(forget, retain, TASK, 16, 0)[0].sample_ids)  # seeded
+    assert not torch.equal(small.sample_ids, sibling_probe(forget, retain, TASK, 16, 1)[0].sample_ids)
+    whole = train.take(class_3.forget)  # a class emptied: no sibling
+    none, why = sibling_probe(whole, train.without(class_3.forget), TASK, 64, 0)
+    assert none is None and "a class emptied" in why
+    none, why = sibling_probe(forget, retain, DenseInputTask(loss="mse"), 64, 0)
+    assert none is None and "not a single-label classification task" in why
+
+
 def test_the_guard_s_probe_and_its_losses_are_kept_for_the_next_version(class_3):
     """The accepted removal's last probe pass read each probe sample's loss at the weights it publishes; the next
     version's prepared state keeps them, bound to that version's digest, and the next request on it reads the

@@ -54,6 +54,15 @@ scale and its probe loss are in the record. The probe is drawn once per model li
 probe pass read each probe sample's loss at the weights it publishes, and the next version's prepared state keeps them
 (``TrajectoryRefitPrepared``, bound to those weights' digest), so a campaign's next request reads the original's probe
 loss from them (its U's samples dropped) instead of a pass; drawn anew where under half of it is still retained.
+Siblings. The probe is a random draw of R, so a correction that un-learns U's label rather than U's samples (a subject
+holding most of an identity's images: the identity's remaining images misclassified with it) hardly moves its mean
+loss. Retrain trains on those retained samples of U's labels, the siblings, and fits them as it fits the rest of R;
+so where a single-label classifier's U leaves siblings, a seeded draw of them (``sibling_probe_samples``) is scored
+too, and a round is accepted only where their accuracy is at most ``sibling_accuracy_slack`` below the original's
+on them. Where R's loss is already within the slack and the siblings fall short, the scale backtracks at once (the
+refit visits the siblings at their small share of R, so further rounds restore them slowly); where both fall short,
+the rounds go on as above (a random U's siblings are a random part of R, restored with it). A class U empties has no
+siblings: the replayed row serves it.
 First order in m / n around the recorded run; a removal from a
 version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
@@ -70,7 +79,7 @@ from pydantic import Field
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
 from pipeline.errors import RemovalNotServed
-from pipeline.evaluate.predict import per_sample_losses
+from pipeline.evaluate.predict import logits_of, per_sample_losses
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
@@ -85,10 +94,12 @@ from pipeline.recipe import recipe_of
 from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
 
-__all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample"]
+__all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample",
+           "sibling_probe"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
+SIBLING_STREAM = 36  # the guard's draw of U's siblings in D \ U (hashed with the removal seed)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
 
@@ -101,6 +112,12 @@ class TrajectoryRefitSettings(MethodSettings):
     retained_loss_slack: float | None = Field(
         0.25, ge=0, description="accept when the probe's mean loss after the removal <= (1 + this) x the "
                                 "original's (null: no guard)")
+    sibling_probe_samples: int | None = Field(64, gt=0, description="the guard's seeded draw of U's siblings: the "
+                                                                    "retained samples sharing a label with U (null: all)")
+    sibling_accuracy_slack: float | None = Field(
+        0.1, ge=0, le=1, description="accept only where the siblings' accuracy after the removal is at least the "
+                                     "original's minus this share (null: no sibling check; single-label "
+                                     "classification only)")
     refit_rounds: int = Field(4, ge=1, description="refits of refit_epochs each until the probe's loss is within the "
                                                    "slack; then the scale backtracks")
     backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
@@ -172,6 +189,21 @@ def _out_of_reach(previous: float, after: float, ceiling: float, rounds_left: in
     return after - rounds_left * max(drop, 0.0) > ceiling
 
 
+def sibling_probe(forget: SampleSet, retain: SampleSet, task: Any, count: int | None, seed: int
+                  ) -> tuple[SampleSet | None, str]:
+    """A seeded draw of at most ``count`` of U's siblings (the retained samples whose label is one of U's), and what
+    it is; None where the task is no single-label classifier or no retained sample shares U's labels."""
+    y = retain.columns.get("y")
+    if task.loss != "cross_entropy" or y is None or y.dim() != 1 or y.is_floating_point():
+        return None, "no sibling check: not a single-label classification task"
+    shared = torch.isin(y, forget.columns["y"].unique())
+    if not bool(shared.any()):
+        return None, "no sibling check: no retained sample shares a label with the forget set (a class emptied)"
+    siblings = retain.take(torch.nonzero(shared).flatten())
+    probe = draw(siblings, count, stream_seed(seed, SIBLING_STREAM))
+    return probe, f"{len(probe)} of the {len(siblings)} retained samples sharing a label with the forget set"
+
+
 def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
     """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
     unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
@@ -222,6 +254,9 @@ class TrajectoryRefit(RemovalMethod):
         kept = kept_probe(prepared, retain, settings.probe_samples) if guarded else None
         probe = (kept[0] if kept is not None else
                  draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None)
+        siblings, siblings_what = (sibling_probe(forget, retain, task, settings.sibling_probe_samples, problem.seed)
+                                   if guarded and settings.sibling_accuracy_slack is not None
+                                   else (None, "no sibling check (sibling_accuracy_slack or the guard off)"))
         losses: torch.Tensor | None = None  # the probe's per-sample losses at the last pass
         tried: list[dict[str, float]] = []
 
@@ -242,6 +277,12 @@ class TrajectoryRefit(RemovalMethod):
                 losses = per_sample_losses(work, task, probe, problem.batch_size).double()
             return float(losses.mean())
 
+        def sibling_accuracy() -> float:
+            """The siblings' accuracy, counted exactly (float64): k of n correct against the floor, no float32 rounding."""
+            with problem.stage("guard", timings):
+                logits = logits_of(work, task, siblings, problem.batch_size)
+            return float((logits.argmax(1) == siblings.columns["y"]).double().mean())
+
         try:
             emptied = plan_emptied_rows(problem, settings.emptied_classes, settings.emptied_class_samples, timings,
                                         prepared)
@@ -258,6 +299,9 @@ class TrajectoryRefit(RemovalMethod):
             else:
                 before = kept[1] if kept is not None else probe_loss()
                 ceiling = (1.0 + settings.retained_loss_slack) * before
+                if siblings is not None:
+                    siblings_before = sibling_accuracy()
+                    floor = siblings_before - settings.sibling_accuracy_slack - 1e-12  # k / n at the floor passes
                 while True:
                     block.add_to_model(work, scale * pushes)
                     previous = math.inf
@@ -266,6 +310,11 @@ class TrajectoryRefit(RemovalMethod):
                         after = probe_loss()
                         tried.append({"scale": scale, "retained_probe_loss": after})
                         within = math.isfinite(after) and after <= ceiling
+                        if siblings is not None:
+                            tried[-1]["sibling_accuracy"] = accuracy = sibling_accuracy()
+                            if within and not accuracy >= floor:  # R refitted, U's label still un-learnt: backtrack
+                                within = False
+                                break
                         if within or "skipped" in refit or _out_of_reach(
                                 previous, after, ceiling, settings.refit_rounds - round_):
                             break
@@ -275,9 +324,13 @@ class TrajectoryRefit(RemovalMethod):
                     model.load_state_dict(saved)
                     if len({t["scale"] for t in tried}) > settings.backtracks:
                         raise RemovalNotServed(
-                            f"the retained probe's loss after the removal exceeds (1 + {settings.retained_loss_slack}) "
-                            f"x the original's ({before:.4g}) at every tried scale and refit round: over-forgetting",
-                            {"original_probe_loss": before, "tried": tried})
+                            f"at every tried scale and refit round the retained probe's loss after the removal exceeds "
+                            f"(1 + {settings.retained_loss_slack}) x the original's ({before:.4g})"
+                            + ("" if siblings is None else f", or the accuracy on the forget set's siblings falls "
+                               f"more than {settings.sibling_accuracy_slack} below the original's "
+                               f"({siblings_before:.4g})") + ": over-forgetting",
+                            {"original_probe_loss": before, "tried": tried,
+                             **({} if siblings is None else {"original_sibling_accuracy": siblings_before})})
                     scale *= settings.backtrack_factor
                 refit["rounds"] = round_
             if held is not None:
@@ -296,7 +349,9 @@ class TrajectoryRefit(RemovalMethod):
             "guard": None if probe is None else {
                 "probe_samples": len(probe), "original_probe_loss": before, "ceiling": ceiling, "tried": tried,
                 "probe": ("kept from the removal that made this version: the original's losses read there" if kept
-                          is not None else "drawn for this request; the original's losses by a pass")},
+                          is not None else "drawn for this request; the original's losses by a pass"),
+                "siblings": siblings_what if siblings is None else {
+                    "what": siblings_what, "original_accuracy": siblings_before, "floor": floor}},
             "refit": refit, "parameters": len(names), "block_numel": block.numel, "timings": timings,
             "seconds": time.perf_counter() - started,
         }
