@@ -414,8 +414,8 @@ def test_every_committed_tuning_grid_is_valid_settings_and_a_bad_point_is_named(
     for dataset in deep_forgetting.DATASETS:
         tuning = deep_forgetting.load_tuning(dataset)
         assert tuning["size"] >= 1 and tuning["rows"]
-    others = sorted((deep_forgetting.CONFIGS / "tuning").rglob("*/*.yaml"))  # the sweeps' and the timings' grids
-    assert {p.parent.name for p in others} == {"sweeps", "timing"}
+    others = sorted((deep_forgetting.CONFIGS / "tuning").rglob("*/*.yaml"))  # the sweeps', timings' and brief runs' grids
+    assert {p.parent.name for p in others} == {"brief", "sweeps", "timing"}
     for path in others:
         assert deep_forgetting.load_tuning("identities", path)["rows"], path
     bad = tmp_path / "grid.yaml"
