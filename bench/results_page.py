@@ -80,10 +80,22 @@ COMMAND = "python -m bench.results_page"
 # variants measured there stand beside each other, never beside the first table's rows
 SECOND_MACHINE_CELLS = tuple((f"deep_identities_partial_{sc}_lean.json", sc)
                              for sc in ("identity", "random_1pct", "random_10pct", "subject"))
+# trajectory-refit timed there at the points its refit-length sweep placed (configs/tuning/timing/: a quarter epoch on
+# random 1 % and the subject, half an epoch on the identity), on the same reported sets
+SECOND_MACHINE_TIMING = {"identity": "deep_identities_partial_identity_grid-trajectory-refit-scale-0.1.json",
+                         "random_1pct": "deep_identities_partial_random_1pct_grid-trajectory-refit-quarter-scale-0.3.json",
+                         "subject": "deep_identities_partial_subject_grid-trajectory-refit-quarter-scale-0.1.json"}
 SECOND_MACHINE_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    (name, sc): (f"deep_identities_partial_{sc}_lean_2x.json",) for name, sc in SECOND_MACHINE_CELLS}
+    (name, sc): (f"deep_identities_partial_{sc}_lean_2x.json",
+                 *((SECOND_MACHINE_TIMING[sc],) if sc in SECOND_MACHINE_TIMING else ()))
+    for name, sc in SECOND_MACHINE_CELLS}
 SECOND_MACHINE_ROWS = ("original", "retrain-reseed", "lfoci-newton-recorded-run-lean",
-                       "lfoci-newton-recorded-run-lean-2x")
+                       "lfoci-newton-recorded-run-lean-2x", "trajectory-refit")
+# README's third table: the Fashion-MNIST cells run again with trajectory-refit-sampled's brief refit beside SalUn,
+# in one run on that processor (configs/tuning/brief/fmnist-cnn.yaml), each against that run's own Retrain
+BRIEF_FILE = "deep_fmnist-cnn_partial_class-random_1pct-random_10pct-subject_grid-fmnist-cnn.json"
+BRIEF_CELLS = tuple((BRIEF_FILE, sc) for sc in ("class", "random_1pct", "random_10pct", "subject"))
+BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit-sampled", "salun")
 
 
 # -- small formatting helpers ---------------------------------------------------------------------
@@ -471,7 +483,8 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     cannot be read gets its column marked, never a crash."""
     loaded: dict[str, dict[str, Any] | None] = {}
     companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values()]
-    for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS)] + [c for cs in companions for c in cs]):
+    for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS)]
+                              + [c for cs in companions for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
         except (OSError, ValueError):
@@ -481,10 +494,20 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     second = _cells_table(loaded, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
                           "The identities benchmark on a second processor, whose original differs from the table's "
                           f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
-                          "each row against that run's own Retrain.", with_ulira=False)
+                          "each row against that run's own Retrain; trajectory-refit there at the points its "
+                          "refit-length sweep on the tuning sets placed (a quarter epoch at scale 0.3 on random 1 % "
+                          "and 0.1 on the subject, half an epoch at 0.1 on the identity), with its later request "
+                          "costs (docs/FINDINGS.md).", with_ulira=False)
+    brief = _cells_table(loaded, BRIEF_CELLS, {}, BRIEF_ROWS, (),
+                         "The Fashion-MNIST cells run again, trajectory-refit-sampled with the refit its sweep on the "
+                         "tuning sets placed (none, a 64th or a 16th of the recipe's 4 epochs, tuned per scenario) "
+                         f"beside SalUn in the same run, on a processor whose original differs from the first table's "
+                         f"(test accuracy {_original_test_accuracy(loaded[BRIEF_FILE])} against "
+                         f"{_original_test_accuracy(loaded[README_CELLS[0][0]])}), each row against that run's own "
+                         "Retrain.", with_ulira=False)
     return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
                          "Networks trained end to end (every layer the recipe trains saw the data).")
-            + "\n" + second)
+            + "\n" + second + "\n" + brief)
 
 
 def _original_test_accuracy(d: dict[str, Any] | None) -> str:
