@@ -1671,6 +1671,18 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def sweep_of_another_grid(path: Path, grid: Path) -> bool:
+    """Whether ``path`` holds a sweep of another tuning grid than ``grid``, which a sweep of ``grid`` under the same
+    name would overwrite (the name says the scenarios, not the grid); an unreadable file counts as another's."""
+    if not path.exists():
+        return False
+    try:
+        recorded = Path(json.loads(path.read_text())["tuning"]["file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return (recorded if recorded.is_absolute() else ROOT / recorded).resolve() != grid.resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fmnist-cnn")
@@ -1721,6 +1733,9 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_partial" + ("_" + "-".join(scenarios) if scenarios else "")
     if args.tuning_only:
         stem += "_sweep"
+        grid = args.tuning_grid or CONFIGS / "tuning" / f"{args.dataset}.yaml"
+        if sweep_of_another_grid(args.out_dir / f"{stem}.json", grid):
+            stem += f"-{grid.stem}"   # never over the sweep of another grid
     elif args.tuning_grid is not None:   # a run on another grid never writes over one on the dataset's own
         stem += f"_grid-{args.tuning_grid.stem}"
     methods = args.methods.split(",") if args.methods else None

@@ -489,6 +489,16 @@ def test_a_tuning_only_sweep_runs_the_full_runs_tuning_sets_and_nothing_reported
     table = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.md").read_text()
     assert "Tuning only (a sweep)" in table and table.count("| finetune |") == len(points)
     assert "no reported set ran" in df.render_summary(out)   # what the results page shows of it
+    # a sweep of another grid over the same scenarios: a file of its own, the first left as it was
+    first = (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.json").read_bytes()
+    other = tmp_path / "other.yaml"
+    other.write_text(grid.read_text().replace("lr: 0.001", "lr: 0.002"))
+    assert df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject", "--methods",
+                    "finetune", "--tuning-only", "--tuning-grid", str(other), "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.json").read_bytes() == first
+    again = json.loads((tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep-other.json").read_text())
+    assert again["tuning"]["file"] == str(other)
+    assert df.sweep_of_another_grid(tmp_path / "deep_fmnist-cnn_smoke_partial_subject_sweep.json", grid) is False
     # the same grid with reported sets: a file of its own, never the default grid's
     assert df.main(["--dataset", "fmnist-cnn", "--smoke", "--threads", "1", "--scenarios", "subject", "--methods",
                     "finetune", "--campaign", "0", "--tuning-grid", str(grid), "--out-dir", str(tmp_path)]) == 0
