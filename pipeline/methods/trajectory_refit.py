@@ -79,7 +79,7 @@ from pydantic import Field
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
 from pipeline.errors import RemovalNotServed
-from pipeline.evaluate.predict import logits_of, per_sample_losses
+from pipeline.evaluate.predict import OUTPUT_KINDS, logits_of, per_sample_losses
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method, stream_seed,
 )
@@ -194,7 +194,7 @@ def sibling_probe(forget: SampleSet, retain: SampleSet, task: Any, count: int | 
     """A seeded draw of at most ``count`` of U's siblings (the retained samples whose label is one of U's), and what
     it is; None where the task is no single-label classifier or no retained sample shares U's labels."""
     y = retain.columns.get("y")
-    if task.loss != "cross_entropy" or y is None or y.dim() != 1 or y.is_floating_point():
+    if OUTPUT_KINDS.get(task.loss, ("",))[0] != "single" or y is None or y.dim() != 1 or y.is_floating_point():
         return None, "no sibling check: not a single-label classification task"
     shared = torch.isin(y, forget.columns["y"].unique())
     if not bool(shared.any()):
