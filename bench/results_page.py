@@ -67,8 +67,24 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",
                                                                    "deep_r8-minilm_partial_random_10pct_recorded_run.json"),
 }
+# trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
+# points configs/tuning/timing/ gives (placed by sweeps on the tuning sets), trajectory-refit-sampled beside it in the
+# same run: that row of these companions replaces the one the cell's own file holds (an older setting, before the
+# check), and the table's lead says so
+README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    (f"deep_identities_partial_{sc}.json", sc): (f"deep_identities_partial_{sc}_grid-{grid}.json", ("trajectory-refit",))
+    for sc, grid in (("identity", "trajectory-refit-and-sampled-scale-0.1"),
+                     ("random_1pct", "trajectory-refit-and-sampled-quarter-scale-0.3"),
+                     ("subject", "trajectory-refit-and-sampled-subject-swept"))}
+README_RETIMED_WHY = ("the current method, its guard's sibling check included, at the points its sweeps on the tuning "
+                      "sets placed: half an epoch at scale 0.1 on the identity, a quarter epoch at 0.3 on random 1 % "
+                      "and on the subject; trajectory-refit-sampled beside it in the same run, at 0.1 on the subject; "
+                      "the U-LiRA games below are the cell files' own rows")
+for _cell, (_retimed, _) in README_RETIMED.items():
+    README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
+               "trajectory-refit-sampled",
                "block-gauss-newton", "salun", "finetune")
 # one more README row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell
 # is in docs/RESULTS.md); the table stays short however many baselines a cell ran
@@ -453,10 +469,12 @@ def _has_summary(d: Any, scenario: str) -> bool:
     return isinstance(block, dict) and isinstance(block.get("summary"), dict)
 
 
-def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any]
+def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any],
+                 superseding: dict[str, tuple[str, ...]] | None = None
                  ) -> tuple[dict[str, Any], list[str], list[str]]:
-    """``d``'s block of ``scenario`` with the rows its companion files add (rows ``d`` has stay ``d``'s), the
-    companions merged, and one note per companion left out, naming it and why (never an exception)."""
+    """``d``'s block of ``scenario`` with the rows its companion files add (rows ``d`` has stay ``d``'s, except
+    those ``superseding`` names for a companion: that companion's figures replace them), the companions merged,
+    and one note per companion left out, naming it and why (never an exception)."""
     block = dict(d["scenarios"][scenario])
     summary, merged, notes = dict(block["summary"]), [], []
     for name, other in companions.items():
@@ -470,8 +488,12 @@ def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any]
         if why is not None:
             notes.append(f"{name}: not merged, {why}")
             continue
+        replaced = (superseding or {}).get(name, ())
         for row, agg in other["scenarios"][scenario]["summary"].items():
-            summary.setdefault(row, agg)
+            if row in replaced:
+                summary[row] = agg
+            else:
+                summary.setdefault(row, agg)
         merged.append(name)
     block["summary"] = summary
     return block, merged, notes
@@ -506,7 +528,8 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
                          f"{_original_test_accuracy(loaded[README_CELLS[0][0]])}), each row against that run's own "
                          "Retrain.", with_ulira=False)
     return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
-                         "Networks trained end to end (every layer the recipe trains saw the data).")
+                         "Networks trained end to end (every layer the recipe trains saw the data).",
+                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY)
             + "\n" + second + "\n" + brief)
 
 
@@ -520,15 +543,19 @@ def _original_test_accuracy(d: dict[str, Any] | None) -> str:
 
 def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tuple[str, str], ...],
                  companions: dict[tuple[str, str], tuple[str, ...]], rows: tuple[str, ...],
-                 best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True) -> str:
+                 best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True,
+                 retimed: dict[tuple[str, str], tuple[str, tuple[str, ...]]] | None = None,
+                 retimed_why: str = "") -> str:
     """One README table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
     ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
     best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
-    cells' U-LiRA games."""
+    cells' U-LiRA games. ``retimed``: per cell, a companion and the rows of it that replace the cell file's
+    (``retimed_why`` says what they are; the lead names the cells where they did)."""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []
     merged_in: list[str] = []
+    replaced: list[str] = []  # "row on cell from companion", where a retimed companion's rows replaced the file's
     for name, sc in cell_files:
         d = loaded[name]
         ok = isinstance(d, dict) and "dataset_title" in d and _has_summary(d, sc)
@@ -536,9 +563,13 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         if not ok:
             blocks.append(None)
             continue
-        block, joined, left_out = merged_block(d, sc, {c: loaded[c] for c in companions.get((name, sc), ())})
+        again = (retimed or {}).get((name, sc))
+        block, joined, left_out = merged_block(d, sc, {c: loaded[c] for c in companions.get((name, sc), ())},
+                                               None if again is None else {again[0]: again[1]})
         blocks.append(block)
         merged_in += [c for c in joined if c not in merged_in]
+        if again is not None and again[0] in joined:
+            replaced.append(f"{', '.join(again[1])} on {_cell_title(d, sc)} from [{again[0]}](bench/results/{again[0]})")
         notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
     primary = dict.fromkeys(n for n, _ in cell_files)
@@ -552,6 +583,7 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                                                                    for name in merged_in)
                 + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
                 if merged_in else "")
+             + (f"; in place of the cell file's own row, {'; '.join(replaced)} ({retimed_why})" if replaced else "")
              + ". Every table (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with the command and the machine of "
              f"each run: [docs/RESULTS.md](docs/RESULTS.md) (this table and that page are generated by `{COMMAND}`).",
              "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"

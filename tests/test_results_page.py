@@ -146,6 +146,10 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     assert notes == [] and joined == ["c.json"] and merged["summary"]["scrub"]["AvgGap"]["mean"] == 7.25
     assert merged["summary"]["salun"] == d["scenarios"][scenario]["summary"]["salun"]
     assert "scrub" not in d["scenarios"][scenario]["summary"]  # the loaded file is not changed
+    retimed, _, _ = results_page.merged_block(d, scenario, {"c.json": companion}, {"c.json": ("salun",)})
+    assert retimed["summary"]["salun"]["AvgGap"]["mean"] == 99.0  # named: the companion's figures replace the file's
+    assert retimed["summary"]["scrub"]["AvgGap"]["mean"] == 7.25 and retimed["summary"]["original"] == (
+        d["scenarios"][scenario]["summary"]["original"])   # the rest as without it
 
     other_sets = json.loads(json.dumps(companion))
     other_sets["declared_sets"][scenario]["reported"][1]["sample_ids"][0] += 1
@@ -176,8 +180,16 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     line = next(x for x in table.splitlines() if x.startswith("| scrub |"))
     assert "7.2 (30x / 40x)" in line and line.count(" - ") == len(results_page.README_CELLS) - 1
     assert "[c.json](bench/results/c.json) (run on the same reported forget sets" in table
+    assert "in place of the cell file's own row" not in table
+    monkeypatch.setattr(results_page, "README_RETIMED", {(name, scenario): ("c.json", ("salun",))})
+    monkeypatch.setattr(results_page, "README_RETIMED_WHY", "timed again")
+    table = results_page.readme_table(tmp_path)
+    assert "99.0" in next(x for x in table.splitlines() if x.startswith("| salun |"))
+    assert ("in place of the cell file's own row, salun on Identities, identity from [c.json](bench/results/c.json) "
+            "(timed again)") in table
     (tmp_path / "c.json").write_text(json.dumps(other_sets))
     table = results_page.readme_table(tmp_path)
+    assert "in place of the cell file's own row" not in table  # named only where its rows were merged
     assert "- Identities, identity: the rows of c.json: not merged, other reported forget sets." in table
     assert "[c.json](bench/results/c.json)" not in table  # named as a source only where its rows were merged
     assert "| scrub | " + " | ".join(["-"] * len(results_page.README_CELLS)) + " |" in table
