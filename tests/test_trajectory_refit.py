@@ -802,7 +802,7 @@ def test_the_sampled_variant_forgets_the_class_from_fewer_gradients(class_3):
     model, out = _remove(class_3, ref.settings.model_dump())
     record = out.record
     assert record["trajectory"]["read"] == [0, 3, 6, 9, 12] and record["trajectory"]["checkpoints"] == 13
-    assert record["forget_gradient"] == {"samples": 32, "of": len(class_3.forget)}
+    assert record["forget_gradient"] == {"samples": 32, "of": len(class_3.forget), "orthogonal_to": None}
     assert _accuracy(class_3.original, x, y) > 0.95 and _accuracy(model, x, y) <= 0.02
     guard = record["guard"]
     assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
@@ -1187,3 +1187,70 @@ def test_the_replay_s_step_bound_reads_the_smaller_gram_matrix():
     for shape in ((20, 7), (7, 20)):
         h = torch.randn(*shape, dtype=torch.float64)
         assert _largest_eigenvalue(h) == pytest.approx(float(torch.linalg.eigvalsh(h.T @ h)[-1]), rel=1e-10)
+
+
+def test_without_component_removes_the_direction_and_nothing_else():
+    from pipeline.methods.trajectory_refit import without_component
+
+    gen = torch.Generator().manual_seed(0)
+    g, d = torch.randn(50, generator=gen, dtype=torch.float64), torch.randn(50, generator=gen, dtype=torch.float64)
+    out = without_component(g, d)
+    assert abs(float(out @ d)) < 1e-12 * float(g.norm() * d.norm())
+    q = d / d.norm()  # g - q q^T g, written another way
+    assert torch.allclose(out, g - q * (q @ g), rtol=0, atol=1e-12)
+    assert torch.allclose(without_component(out, d), out, rtol=0, atol=1e-12)  # idempotent
+    assert torch.equal(without_component(g, torch.zeros(50, dtype=torch.float64)), g)
+
+
+def test_the_pushes_orthogonal_to_the_siblings_are_the_formula(class_3):
+    """U = 60 % of class 3 (a subject), no guard and no refit, so the published weights are the original's plus
+    scale x the pushes: with orthogonal_to_siblings, (1 / n) sum_k W_k (G_U(c_k) less its component along G_S(c_k)),
+    S the seeded draw of 16 of the retained 3s (``sibling_probe``), every gradient here by autograd over the
+    checkpoint's weights; a share of the unprojected pushes (U's images and their siblings share a label, so G_U
+    and G_S are far from orthogonal). A whole class leaves no siblings: the same weights with or without it."""
+    from pipeline.methods.trajectory_refit import sibling_probe
+
+    train, original, trajectory = class_3.train, class_3.original, class_3.trajectory
+    forget = class_3.forget[: int(0.6 * len(class_3.forget))]
+    fit = ClassFit(train, class_3.test, forget, original, trajectory)
+    scale = 0.3
+    base = {"scale": scale, "refit_epochs": 0.0, "retained_loss_slack": None, "checkpoints": 3,
+            "sibling_probe_samples": 16}
+    names = [k for k, p in original.named_parameters() if p.requires_grad]
+    start = torch.cat([original.state_dict()[k].reshape(-1).double() for k in names])
+
+    def moved(model: nn.Module) -> torch.Tensor:
+        return torch.cat([model.state_dict()[k].reshape(-1).double() for k in names]) - start
+
+    siblings, what = sibling_probe(train.take(forget), train.without(forget), TASK, 16, 0)
+    assert len(siblings) == 16
+
+    def gradient(ckpt: dict, rows: SampleSet) -> torch.Tensor:
+        params = {k: ckpt[k].detach().double().clone().requires_grad_(True) for k in names}
+        net = copy.deepcopy(original).double()
+        loss = nn.functional.cross_entropy(torch.func.functional_call(net, params, (rows.columns["x"].double(),)),
+                                           rows.columns["y"], reduction="sum")
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, [params[k] for k in names])])
+
+    weights = checkpoint_weights(trajectory.rates, kept_checkpoints(len(trajectory.checkpoints), 3))
+    plain = torch.zeros_like(start)
+    across = torch.zeros_like(start)
+    for k, w in weights.items():
+        g_u, g_s = gradient(trajectory.checkpoints[k], train.take(forget)), gradient(trajectory.checkpoints[k], siblings)
+        plain += w * g_u
+        across += w * (g_u - (g_u @ g_s) / (g_s @ g_s) * g_s)
+    plain, across = plain / trajectory.n, across / trajectory.n
+
+    model, out = _remove(fit, {**base, "orthogonal_to_siblings": True})
+    assert out.record["forget_gradient"]["orthogonal_to"].startswith("the summed gradient of 16 of the ")
+    assert torch.allclose(moved(model), scale * across, rtol=1e-4, atol=1e-7 * float(across.norm()))
+    unprojected, out = _remove(fit, base)
+    assert out.record["forget_gradient"]["orthogonal_to"] is None
+    assert torch.allclose(moved(unprojected), scale * plain, rtol=1e-4, atol=1e-7 * float(plain.norm()))
+    assert float((plain - across).norm()) > 0.1 * float(plain.norm())  # the projection matters here
+
+    whole = {**base, "orthogonal_to_siblings": True}
+    emptied, out = _remove(class_3, whole)
+    assert out.record["forget_gradient"]["orthogonal_to"].startswith("nothing: no retained sample shares a label")
+    assert all(torch.equal(a, b) for a, b in zip(emptied.state_dict().values(),
+                                                 _remove(class_3, base)[0].state_dict().values()))

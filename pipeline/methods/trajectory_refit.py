@@ -63,6 +63,16 @@ on them. Where R's loss is already within the slack and the siblings fall short,
 refit visits the siblings at their small share of R, so further rounds restore them slowly); where both fall short,
 the rounds go on as above (a random U's siblings are a random part of R, restored with it). A class U empties has no
 siblings: the replayed row serves it.
+Orthogonal to the siblings (``orthogonal_to_siblings``, off by default; the variant
+``configs/methods/trajectory-refit-sampled-orthogonal.yaml``). Where U leaves siblings, part of U's push at a checkpoint
+is the one its label's retained samples give too (the identity's look, not U's own images), and Retrain takes that part
+from them. Taking it back un-learns the label: the sibling check then sends the scale back until U itself is hardly
+moved (on the identities benchmark's subjects the forgotten images stay classified at every accepted scale). With the
+setting, each read G_U(c_k) loses its component along G_S(c_k), the summed gradient of the siblings' seeded draw
+(``sibling_probe_samples``, the check's own draw):
+    G_U <- G_U - (G_U . G_S / G_S . G_S) G_S,
+one more gradient over at most ``sibling_probe_samples`` samples per read checkpoint. A heuristic: one direction of
+the label's many; measured on the identities benchmark's tuning subjects (docs/NOTES.md).
 First order in m / n around the recorded run; a removal from a
 version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
@@ -95,7 +105,7 @@ from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
 
 __all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample",
-           "sibling_probe"]
+           "sibling_probe", "without_component"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
@@ -118,6 +128,10 @@ class TrajectoryRefitSettings(MethodSettings):
         0.1, ge=0, le=1, description="accept only where the siblings' accuracy after the removal is at least the "
                                      "original's minus this share (null: no sibling check; single-label "
                                      "classification only)")
+    orthogonal_to_siblings: bool = Field(
+        False, description="G_U at each read checkpoint less its component along the siblings' summed gradient there "
+                           "(the share of U's push that teaches U's label, which Retrain takes from the siblings too); "
+                           "no effect where U leaves no siblings or the task is no single-label classifier")
     refit_rounds: int = Field(4, ge=1, description="refits of refit_epochs each until the probe's loss is within the "
                                                    "slack; then the scale backtracks")
     backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
@@ -204,6 +218,15 @@ def sibling_probe(forget: SampleSet, retain: SampleSet, task: Any, count: int | 
     return probe, f"{len(probe)} of the {len(siblings)} retained samples sharing a label with the forget set"
 
 
+def without_component(gradient: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """g - (g . d / d . d) d: ``gradient`` with its component along ``direction`` removed (float64 inner products;
+    ``gradient`` itself where d = 0)."""
+    norm2 = float(direction.double() @ direction.double())
+    if norm2 == 0.0:
+        return gradient
+    return gradient - (float(gradient.double() @ direction.double()) / norm2) * direction
+
+
 def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
     """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
     unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
@@ -254,9 +277,12 @@ class TrajectoryRefit(RemovalMethod):
         kept = kept_probe(prepared, retain, settings.probe_samples) if guarded else None
         probe = (kept[0] if kept is not None else
                  draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None)
-        siblings, siblings_what = (sibling_probe(forget, retain, task, settings.sibling_probe_samples, problem.seed)
-                                   if guarded and settings.sibling_accuracy_slack is not None
+        checked = guarded and settings.sibling_accuracy_slack is not None
+        drawn, drawn_what = (sibling_probe(forget, retain, task, settings.sibling_probe_samples, problem.seed)
+                             if checked or settings.orthogonal_to_siblings else (None, ""))
+        siblings, siblings_what = ((drawn, drawn_what) if checked
                                    else (None, "no sibling check (sibling_accuracy_slack or the guard off)"))
+        pushed_siblings = drawn if settings.orthogonal_to_siblings else None  # drawn by the pushes
         losses: torch.Tensor | None = None  # the probe's per-sample losses at the last pass
         tried: list[dict[str, float]] = []
 
@@ -288,9 +314,16 @@ class TrajectoryRefit(RemovalMethod):
                                         prepared)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
-                pushes = forget_pushes(model, trajectory, lambda: share * block_gradient(
-                    work, task, sample, block, 0.0, reduction="sum", batch_size=problem.batch_size),
-                    settings.checkpoints)
+
+                def forget_gradient() -> torch.Tensor:
+                    g = share * block_gradient(work, task, sample, block, 0.0, reduction="sum",
+                                               batch_size=problem.batch_size)
+                    if pushed_siblings is None:
+                        return g
+                    along = block_gradient(work, task, pushed_siblings, block, 0.0, reduction="sum",
+                                           batch_size=problem.batch_size)
+                    return without_component(g, along)
+                pushes = forget_pushes(model, trajectory, forget_gradient, settings.checkpoints)
             scale = settings.scale
             if probe is None:
                 block.add_to_model(work, scale * pushes)
@@ -343,7 +376,9 @@ class TrajectoryRefit(RemovalMethod):
             "trajectory": {"checkpoints": len(trajectory.checkpoints), "n": trajectory.n,
                            "rates": [round(r, 6) for r in trajectory.rates],
                            "read": kept_checkpoints(len(trajectory.checkpoints), settings.checkpoints)},
-            "forget_gradient": {"samples": len(sample), "of": len(forget)},
+            "forget_gradient": {"samples": len(sample), "of": len(forget), "orthogonal_to": (
+                None if not settings.orthogonal_to_siblings else
+                f"the summed gradient of {drawn_what}" if pushed_siblings is not None else f"nothing: {drawn_what.removeprefix('no sibling check: ')}")},
             "emptied_classes": emptied.record,
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {
