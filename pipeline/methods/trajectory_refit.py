@@ -69,10 +69,12 @@ is the one its label's retained samples give too (the identity's look, not U's o
 from them. Taking it back un-learns the label: the sibling check then sends the scale back until U itself is hardly
 moved (on the identities benchmark's subjects the forgotten images stay classified at every accepted scale). With the
 setting, each read G_U(c_k) loses its component along G_S(c_k), the summed gradient of the siblings' seeded draw
-(``sibling_probe_samples``, the check's own draw):
+(``sibling_probe_samples``, null: all of them; the check's own draw):
     G_U <- G_U - (G_U . G_S / G_S . G_S) G_S,
-one more gradient over at most ``sibling_probe_samples`` samples per read checkpoint. A heuristic: one direction of
-the label's many; measured on the identities benchmark's tuning subjects (docs/NOTES.md).
+one more gradient over that draw per read checkpoint. The check then scores the samples the correction was made
+orthogonal to (to first order it leaves their summed loss alone), so it is a weaker check there than on siblings it
+never saw; a subject's siblings are usually fewer than the draw, so there are none left to hold out. A heuristic: one
+direction of the label's many; measured on the identities benchmark's tuning subjects (docs/NOTES.md).
 First order in m / n around the recorded run; a removal from a
 version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
