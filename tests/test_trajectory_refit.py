@@ -1254,3 +1254,22 @@ def test_the_pushes_orthogonal_to_the_siblings_are_the_formula(class_3):
     assert out.record["forget_gradient"]["orthogonal_to"].startswith("nothing: no retained sample shares a label")
     assert all(torch.equal(a, b) for a, b in zip(emptied.state_dict().values(),
                                                  _remove(class_3, base)[0].state_dict().values()))
+
+
+def test_the_orthogonal_pushes_and_the_sibling_check_read_one_draw(class_3):
+    """With the guard and its sibling check on, the pushes are made orthogonal to the same seeded draw of siblings the
+    check scores (both name it alike in the record), and what is published passes the check it reports."""
+    from pipeline.methods.trajectory_refit import sibling_probe
+
+    forget = class_3.forget[: int(0.6 * len(class_3.forget))]
+    fit = ClassFit(class_3.train, class_3.test, forget, class_3.original, class_3.trajectory)
+    model, out = _remove(fit, {"scale": 0.3, "refit_epochs": 0.25, "probe_samples": None, "sibling_probe_samples": 16,
+                               "backtracks": 3, "orthogonal_to_siblings": True, "checkpoints": 5})
+    guard = out.record["guard"]
+    drawn, _ = sibling_probe(fit.train.take(forget), fit.train.without(forget), TASK, 16, 0)
+    assert guard["tried"][-1]["sibling_accuracy"] == pytest.approx(_accuracy(model, drawn.columns["x"],
+                                                                             drawn.columns["y"]))
+    assert out.record["forget_gradient"]["orthogonal_to"] == f"the summed gradient of {guard['siblings']['what']}"
+    assert guard["siblings"]["what"].startswith("16 of the ")
+    assert guard["tried"][-1]["sibling_accuracy"] >= guard["siblings"]["floor"]
+    assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
