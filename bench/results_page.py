@@ -80,9 +80,15 @@ README_RETIMED_WHY = ("the current method, its guard's sibling check included, w
                       "its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random 1 %, 0.03 on the "
                       "subject (five tuning subjects); trajectory-refit-sampled beside it in the same run (0.1, 0.3, "
                       "0.1) and, on the subject, trajectory-refit-sampled-orthogonal (1.0, backtracked by its guard); "
-                      "the U-LiRA games below are the cell files' own rows")
+                      "the U-LiRA games below are the cell files' own rows, then those played again at these settings")
 for _cell, (_retimed, _) in README_RETIMED.items():
     README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
+# U-LiRA games played again at the settings of the retimed rows (README_RETIMED), on the cell's first reported set:
+# each file's game is a line after the cell file's own (checked: the same sets and reference rows)
+README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
+    ("deep_identities_partial_identity.json", "identity"): (
+        "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",),
+}
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
                "trajectory-refit-sampled", "trajectory-refit-sampled-orthogonal", "salun", "finetune")
@@ -418,24 +424,44 @@ def _counts(cells: list[tuple[str, dict[str, Any] | None, str]]) -> tuple[str, s
             span([int(b.get("campaign", {}).get("requests", 0)) for b in blocks] or [0]))
 
 
-def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]]) -> list[str]:
-    """One line per README cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row."""
+def _ulira_parts(game: dict[str, Any]) -> str:
+    """A U-LiRA game's rows among README_ROWS: the attack's accuracy (95 % interval), or why a row was not played."""
+    rows = game.get("rows", {})
+    parts = [f"{row} {rows[row]['accuracy']:.1f} [{rows[row]['ci95'][0]:.1f}, {rows[row]['ci95'][1]:.1f}]"
+             for row in README_ROWS if isinstance(rows.get(row), dict) and "accuracy" in rows[row]]
+    parts += [f"{row} not played ({', '.join(sorted(k for k in rows[row] if k != 'shadow'))} at shadow "
+              f"{rows[row].get('shadow')})" for row in README_ROWS
+              if isinstance(rows.get(row), dict) and "accuracy" not in rows[row]]
+    return ", ".join(parts)
+
+
+def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
+                 again: dict[tuple[str, str], tuple[str, ...]] | None = None,
+                 loaded: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
+    """One line per README cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
+    file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it."""
     from bench.deep_forgetting import ULIRA_ATTACKABLE
 
     lines = []
-    for _, d, sc in cells:
+    for name, d, sc in cells:
         game = d["scenarios"][sc].get("ulira") if d is not None else None
         if not game:
             continue
-        rows = game.get("rows", {})
-        parts = [f"{row} {rows[row]['accuracy']:.1f} [{rows[row]['ci95'][0]:.1f}, {rows[row]['ci95'][1]:.1f}]"
-                 for row in README_ROWS if isinstance(rows.get(row), dict) and "accuracy" in rows[row]]
-        parts += [f"{row} not played ({', '.join(sorted(k for k in rows[row] if k != 'shadow'))} at shadow "
-                  f"{rows[row].get('shadow')})" for row in README_ROWS
-                  if isinstance(rows.get(row), dict) and "accuracy" not in rows[row]]
         read = ("read: the original scores at least " if game.get("attackable") else
                 "not read: the original scores under ") + f"{ULIRA_ATTACKABLE:g}"
-        lines.append(f"- {_cell_title(d, sc)}, {game['shadows']} shadow pairs ({read}): " + ", ".join(parts) + ".")
+        lines.append(f"- {_cell_title(d, sc)}, {game['shadows']} shadow pairs ({read}): {_ulira_parts(game)}.")
+        for other in (again or {}).get((name, sc), ()):
+            o = (loaded or {}).get(other)
+            replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
+            try:
+                why = _disagreement(d, o, sc) if replay else "no U-LiRA game"
+            except (AttributeError, TypeError, KeyError, ValueError) as err:
+                why = f"unreadable ({type(err).__name__}: {err})"
+            if why is None:
+                lines.append(f"- {_cell_title(d, sc)}, played again at the table's settings, {replay['shadows']} "
+                             f"shadow pairs ([{other}](bench/results/{other})): {_ulira_parts(replay)}.")
+            else:
+                lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
     if lines:
         lines = ["", "U-LiRA on the first reported forget set of a cell (the attack's accuracy in %, its 95 % "
                      "interval; 50: it cannot tell the removal from Retrain):", ""] + lines
@@ -505,7 +531,7 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     U-LiRA games, then the second machine's identities cells (``SECOND_MACHINE_CELLS``); a file or scenario that
     cannot be read gets its column marked, never a crash."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values()]
+    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values()]
     for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS)]
                               + [c for cs in companions for c in cs]):
         try:
@@ -530,7 +556,7 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
                          "Retrain.", with_ulira=False)
     return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
                          "Networks trained end to end (every layer the recipe trains saw the data).",
-                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY)
+                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN)
             + "\n" + second + "\n" + brief)
 
 
@@ -546,12 +572,14 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                  companions: dict[tuple[str, str], tuple[str, ...]], rows: tuple[str, ...],
                  best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True,
                  retimed: dict[tuple[str, str], tuple[str, tuple[str, ...]]] | None = None,
-                 retimed_why: str = "") -> str:
+                 retimed_why: str = "",
+                 ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None) -> str:
     """One README table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
     ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
     best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
     cells' U-LiRA games. ``retimed``: per cell, a companion and the rows of it that replace the cell file's
-    (``retimed_why`` says what they are; the lead names the cells where they did)."""
+    (``retimed_why`` says what they are; the lead names the cells where they did). ``ulira_again``: per cell, files
+    whose U-LiRA games follow the cell's own (``readme_ulira``)."""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []
@@ -597,7 +625,7 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
     if best_of:
         lines.append(f"| best of {', '.join(best_of)} | " + " | ".join(
             best_of_cell(block["summary"], best_of) if block is not None else "-" for block in blocks) + " |")
-    return "\n".join(lines + (["", *notes] if notes else []) + (readme_ulira(cells) if with_ulira else [])) + "\n"
+    return "\n".join(lines + (["", *notes] if notes else []) + (readme_ulira(cells, ulira_again, loaded) if with_ulira else [])) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

@@ -106,8 +106,11 @@ def test_readme_option_rewrites_only_the_table(tmp_path: Path) -> None:
     assert main(args) == 0 and readme.read_text() == first
 
 
-def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path) -> None:
+def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path, monkeypatch) -> None:
+    from bench import results_page
     from bench.results_page import README_CELLS, README_COMPANIONS
+
+    monkeypatch.setattr(results_page, "README_ULIRA_AGAIN", {})  # the games played again: the test below
 
     # the committed files (cells and their companions), without their own games
     for name in {n for n, _ in README_CELLS} | {c for cs in README_COMPANIONS.values() for c in cs}:
@@ -206,3 +209,31 @@ def test_best_of_cell_names_the_least_avg_gap_of_the_baselines_a_cell_ran() -> N
     assert best_of_cell({"scrub": summary["scrub"]}) == "scrub 4.0 (9x / 11x) (of 1 run)"
     assert best_of_cell({**summary, "l1-sparse": {"AvgGap": {"mean": float("nan")}}}).startswith("random-labels 2.5")
     assert best_of_cell({"salun": summary["salun"]}) == "-" and best_of_cell({"l1-sparse": {"errors": [1]}}) == "-"
+
+
+def test_the_games_played_again_follow_the_cell_s_own_where_their_sets_agree() -> None:
+    from bench.results_page import readme_ulira
+
+    name, scenario = "deep_identities_partial_identity.json", "identity"
+    d = json.loads((RESULTS / name).read_text())
+    d["scenarios"][scenario]["ulira"] = {"shadows": 16, "attackable": True, "rows": {
+        "trajectory-refit": {"accuracy": 55.0, "ci95": [51.75, 58.5]}}}
+    again = json.loads(json.dumps(d))
+    again["scenarios"][scenario]["ulira"] = {"shadows": 16, "attackable": True, "rows": {
+        "original": {"accuracy": 100.0, "ci95": [100.0, 100.0]},
+        "trajectory-refit-sampled": {"accuracy": 54.0, "ci95": [51.0, 57.0]}}}
+    cells = [(name, d, scenario)]
+    lines = readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": again})
+    assert lines[-2].startswith("- Identities, identity, 16 shadow pairs (read") and "55.0 [51.8, 58.5]" in lines[-2]
+    assert lines[-1] == ("- Identities, identity, played again at the table's settings, 16 shadow pairs "
+                         "([o.json](bench/results/o.json)): original 100.0 [100.0, 100.0], "
+                         "trajectory-refit-sampled 54.0 [51.0, 57.0].")
+    other = json.loads(json.dumps(again))
+    other["scenarios"][scenario]["summary"]["original"]["TA"]["mean"] += 1.0  # another original: not the same game
+    assert readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": other})[-1].startswith(
+        "- Identities, identity: the game of o.json is left out, original's TA differs")
+    del again["scenarios"][scenario]["ulira"]
+    for missing in (again, None):
+        assert readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": missing})[-1] == (
+            "- Identities, identity: the game of o.json is left out, no U-LiRA game.")
+    assert readme_ulira(cells) == readme_ulira(cells, {}, {})  # none named: the cell's own game alone
