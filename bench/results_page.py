@@ -453,10 +453,7 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
         for other in (again or {}).get((name, sc), ()):
             o = (loaded or {}).get(other)
             replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
-            try:
-                why = _disagreement(d, o, sc) if replay else "no U-LiRA game"
-            except (AttributeError, TypeError, KeyError, ValueError) as err:
-                why = f"unreadable ({type(err).__name__}: {err})"
+            why = _disagreement_or_unreadable(d, o, sc) if replay else "no U-LiRA game"
             if why is None:
                 lines.append(f"- {_cell_title(d, sc)}, played again at the table's settings, {replay['shadows']} "
                              f"shadow pairs ([{other}](bench/results/{other})): {_ulira_parts(replay)}.")
@@ -496,6 +493,15 @@ def _has_summary(d: Any, scenario: str) -> bool:
     return isinstance(block, dict) and isinstance(block.get("summary"), dict)
 
 
+def _disagreement_or_unreadable(d: dict[str, Any], other: Any, scenario: str) -> str | None:
+    """``_disagreement``, with a result of an unexpected shape read as why it cannot stand beside ``d`` (never an
+    exception)."""
+    try:
+        return _disagreement(d, other, scenario)
+    except (AttributeError, TypeError, KeyError, ValueError) as err:
+        return f"unreadable ({type(err).__name__}: {err})"
+
+
 def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any],
                  superseding: dict[str, tuple[str, ...]] | None = None
                  ) -> tuple[dict[str, Any], list[str], list[str]]:
@@ -508,10 +514,7 @@ def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any],
         if not _has_summary(other, scenario):
             notes.append(f"{name}: missing or without {scenario}")
             continue
-        try:
-            why = _disagreement(d, other, scenario)
-        except (AttributeError, TypeError, KeyError, ValueError) as err:
-            why = f"unreadable ({type(err).__name__}: {err})"
+        why = _disagreement_or_unreadable(d, other, scenario)
         if why is not None:
             notes.append(f"{name}: not merged, {why}")
             continue

@@ -1222,12 +1222,12 @@ def test_the_pushes_orthogonal_to_the_siblings_are_the_formula(class_3):
     def moved(model: nn.Module) -> torch.Tensor:
         return torch.cat([model.state_dict()[k].reshape(-1).double() for k in names]) - start
 
-    siblings, what = sibling_probe(train.take(forget), train.without(forget), TASK, 16, 0)
+    siblings, _ = sibling_probe(train.take(forget), train.without(forget), TASK, 16, 0)
     assert len(siblings) == 16
+    net = copy.deepcopy(original).double()  # its weights are the checkpoint's below (functional_call)
 
     def gradient(ckpt: dict, rows: SampleSet) -> torch.Tensor:
         params = {k: ckpt[k].detach().double().clone().requires_grad_(True) for k in names}
-        net = copy.deepcopy(original).double()
         loss = nn.functional.cross_entropy(torch.func.functional_call(net, params, (rows.columns["x"].double(),)),
                                            rows.columns["y"], reduction="sum")
         return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, [params[k] for k in names])])

@@ -379,8 +379,9 @@ class TrajectoryRefit(RemovalMethod):
                            "rates": [round(r, 6) for r in trajectory.rates],
                            "read": kept_checkpoints(len(trajectory.checkpoints), settings.checkpoints)},
             "forget_gradient": {"samples": len(sample), "of": len(forget), "orthogonal_to": (
-                None if not settings.orthogonal_to_siblings else
-                f"the summed gradient of {drawn_what}" if pushed_siblings is not None else f"nothing: {drawn_what.removeprefix('no sibling check: ')}")},
+                None if not settings.orthogonal_to_siblings
+                else f"the summed gradient of {drawn_what}" if pushed_siblings is not None
+                else f"nothing: {drawn_what.removeprefix('no sibling check: ')}")},
             "emptied_classes": emptied.record,
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {
