@@ -119,6 +119,13 @@ SECOND_MACHINE_ROWS = ("original", "retrain-reseed", "lfoci-newton-recorded-run-
 BRIEF_FILE = "deep_fmnist-cnn_partial_class-random_1pct-random_10pct-subject_grid-fmnist-cnn.json"
 BRIEF_CELLS = tuple((BRIEF_FILE, sc) for sc in ("class", "random_1pct", "random_10pct", "subject"))
 BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit-sampled", "salun")
+# README's fourth table: the Reuters R8 cells run again (configs/tuning/brief/r8-minilm.yaml, two runs of two scenarios
+# each on one processor, the same original): trajectory-refit and trajectory-refit-lean reading the frozen prefix's rows
+# on first read, beside SalUn, each against that run's own Retrain
+R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
+                 "random_10pct": "class-random_10pct", "subject": "random_1pct-subject"}
+R8_BRIEF_CELLS = tuple((f"deep_r8-minilm_partial_{pair}_grid-r8-minilm.json", sc) for sc, pair in R8_BRIEF_RUNS.items())
+R8_BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit", "trajectory-refit-lean", "salun")
 
 
 # -- small formatting helpers ---------------------------------------------------------------------
@@ -535,7 +542,7 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
     cannot be read gets its column marked, never a crash."""
     loaded: dict[str, dict[str, Any] | None] = {}
     companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values()]
-    for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS)]
+    for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS, *R8_BRIEF_CELLS)]
                               + [c for cs in companions for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
@@ -557,10 +564,17 @@ def readme_table(results_dir: Path = RESULTS_DIR) -> str:
                          f"(test accuracy {_original_test_accuracy(loaded[BRIEF_FILE])} against "
                          f"{_original_test_accuracy(loaded[README_CELLS[0][0]])}), each row against that run's own "
                          "Retrain.", with_ulira=False)
+    r8 = _cells_table(loaded, R8_BRIEF_CELLS, {}, R8_BRIEF_ROWS, (),
+                      "The Reuters R8 cells run again, trajectory-refit and trajectory-refit-lean (few samples "
+                      "everywhere, a refit of 0.03 of the recipe's one epoch) paying MiniLM's frozen layers only for the "
+                      "documents a request reads, beside SalUn, in two runs of two scenarios each on one processor "
+                      f"(the original's test accuracy {_original_test_accuracy(loaded[R8_BRIEF_CELLS[0][0]])}; "
+                      f"{_original_test_accuracy(loaded[README_CELLS[4][0]])} in the first table's R8 cells), each "
+                      "row against its run's own Retrain.", with_ulira=False)
     return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
                          "Networks trained end to end (every layer the recipe trains saw the data).",
                          retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN)
-            + "\n" + second + "\n" + brief)
+            + "\n" + second + "\n" + brief + "\n" + r8)
 
 
 def _original_test_accuracy(d: dict[str, Any] | None) -> str:

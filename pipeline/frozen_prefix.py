@@ -35,8 +35,9 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Batch, Task
 
-__all__ = ["PrefixCache", "PrefixMemo", "SPLITTERS", "Split", "cache_frozen_prefix", "cached_bytes_per_sample",
-           "deterministic_prefix", "memoized", "prefix_digest", "register_splitter", "split_for", "suffix_start"]
+__all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "cache_frozen_prefix",
+           "cached_bytes_per_sample", "deterministic_prefix", "memoized", "prefix_digest", "register_splitter",
+           "split_for", "suffix_start"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,116 @@ class PrefixCache:
         cached = {k: self.train.columns[k] for k in self.split.cached}
         return {"suffix_start_module": self.start, "suffix_modules": [type(m).__name__ for m in self.suffix.children()],
                 "cached_input_shape": {k: list(v.shape) for k, v in cached.items()},
-                "cached_bytes": int(sum(v.numel() * v.element_size() for v in cached.values()))}
+                "cached_bytes": _bytes_of(cached.values())}
+
+
+@dataclass
+class PrefixRows:
+    """The frozen prefix's outputs of D's samples, each computed the first time a pass reads it and kept by sample id
+    for every later read: a removal that reads a few of D's samples (a probe, a refit's batches, the forget set)
+    runs the prefix on those alone, and a later request on the same model or a later version (the prefix's digest
+    unchanged: the caller's check) reads them again for nothing. A row is the prefix's output on the sample's
+    inputs, which a version changes neither. ``ids``: D's sample ids when prepared, sorted; ``outputs``: for each
+    cached column, a row per id (the memory of all of D, allocated by the first read; the rows not computed are
+    zero); ``computed`` / ``seconds``: the rows the prefix ran on and its time, over the object's life."""
+
+    split: Split
+    ids: Tensor
+    outputs: dict[str, Tensor] = field(default_factory=dict)
+    have: Tensor | None = None
+    computed: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def over(cls, split: Split, sample_ids: Tensor) -> "PrefixRows":
+        """Rows for the samples ``sample_ids`` (D's), none computed."""
+        return cls(split, torch.sort(torch.as_tensor(sample_ids, dtype=torch.long)).values)
+
+    def empty_copy(self) -> "PrefixRows":
+        """The same split and samples, nothing computed (what a cold request starts from)."""
+        return PrefixRows(self.split, self.ids)
+
+    @property
+    def held(self) -> int:
+        """Rows computed and kept."""
+        return 0 if self.have is None else int(self.have.sum())
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes_of(self.outputs.values())
+
+    def drop_absent(self, present: Tensor) -> int:
+        """Forget the rows of the samples not in ``present`` (the sample ids of a version's D: a removal's U and
+        those removed before), their outputs zeroed: nothing computed from a removed sample is kept. Returns how
+        many rows were dropped."""
+        if self.have is None:
+            return 0
+        gone = self.have & ~torch.isin(self.ids, torch.as_tensor(present, dtype=torch.long))
+        if bool(gone.any()):
+            for value in self.outputs.values():
+                value[gone.to(value.device)] = 0
+            self.have[gone] = False
+        return int(gone.sum())
+
+    def inputs(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int, *, gather: bool = True,
+               ) -> SampleSet | None:
+        """``data`` (samples of D, with the model's inputs) with the prefix's outputs in place of the columns it
+        consumes (``prefix_outputs``), on the model's device: the rows not yet kept computed in one pass (eval
+        mode) and kept. ``gather`` False: only compute and keep them (None returned)."""
+        where, found = _find(self.ids, data.sample_ids)
+        if not bool(found.all()):
+            raise ValueError(f"sample ids {torch.as_tensor(data.sample_ids)[~found][:5].tolist()} are not samples of "
+                             "the data the frozen prefix's rows were prepared for")
+        if self.have is None:
+            self.have = torch.zeros(len(self.ids), dtype=torch.bool)
+        missing = torch.nonzero(~self.have[where]).flatten()
+        if len(missing):
+            fresh, seconds = _timed_prefix_outputs(self.split, model, task, data.take(missing), batch_size)
+            rows = where[missing]
+            for key in self.split.cached:
+                column = fresh.columns[key]
+                if key not in self.outputs:
+                    self.outputs[key] = column.new_zeros((len(self.ids), *column.shape[1:]))
+                store = self.outputs[key]
+                store[rows.to(store.device)] = column.to(store.device)
+            self.have[rows] = True
+            self.computed += len(missing)
+            self.seconds += seconds
+        if not gather:
+            return None
+        if not self.outputs:
+            raise ValueError("no frozen-prefix rows to read: the set read is empty and none were computed before")
+        device = memory.model_device(model)
+        columns = {k: v for k, v in data.columns.items() if k not in self.split.consumed}
+        columns.update({k: self.outputs[k][where.to(self.outputs[k].device)].to(device) for k in self.split.cached})
+        return SampleSet(columns, data.sample_ids)
+
+
+def _find(sorted_ids: Tensor, wanted: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions in ``sorted_ids`` (ascending) of the ids ``wanted`` and whether each is there."""
+    wanted = torch.as_tensor(wanted, dtype=torch.long)
+    if len(sorted_ids) == 0:
+        return torch.zeros(len(wanted), dtype=torch.long), torch.zeros(len(wanted), dtype=torch.bool)
+    where = torch.searchsorted(sorted_ids, wanted).clamp(max=len(sorted_ids) - 1)
+    return where, sorted_ids[where] == wanted
+
+
+def _timed_prefix_outputs(split: Split, model: nn.Module, task: Task, data: SampleSet, batch_size: int,
+                          ) -> tuple[SampleSet, float]:
+    """``prefix_outputs`` in eval mode (the model's mode restored after) and its wall seconds."""
+    started = time.perf_counter()
+    was = model.training
+    model.eval()
+    try:
+        out = prefix_outputs(split, model, task, data, batch_size)
+    finally:
+        model.train(was)
+    return out, time.perf_counter() - started
+
+
+def _bytes_of(tensors: Any) -> int:
+    """Bytes the tensors hold."""
+    return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
 _RANDOM_IN_TRAINING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
@@ -248,9 +358,8 @@ class PrefixMemo:
         return None if rows == 0 else sum(s for _, s in self.computed) / rows
 
     def _lookup(self, bank: _Bank, split: Split, data: SampleSet) -> SampleSet | None:
-        wanted = data.sample_ids.to(torch.long)
-        where = torch.searchsorted(bank.ids, wanted).clamp(max=len(bank.ids) - 1)
-        if not bool((bank.ids[where] == wanted).all()):
+        where, found = _find(bank.ids, data.sample_ids)
+        if not bool(found.all()):
             return None
         rows = bank.order[where]
         for key in split.consumed:
@@ -267,14 +376,8 @@ class PrefixMemo:
             found = self._lookup(bank, split, data)
             if found is not None:
                 return found
-        started = time.perf_counter()
-        was = model.training
-        model.eval()
-        try:
-            out = prefix_outputs(split, model, task, data, batch_size)
-        finally:
-            model.train(was)
-        self.computed.append((len(data), time.perf_counter() - started))
+        out, seconds = _timed_prefix_outputs(split, model, task, data, batch_size)
+        self.computed.append((len(data), seconds))
         ids, order = torch.sort(data.sample_ids.to(torch.long))
         self.banks.setdefault(key, []).append(_Bank(
             ids, order, {k: data.columns[k] for k in split.consumed if k in data.columns},

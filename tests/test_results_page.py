@@ -75,11 +75,16 @@ def test_readme_table_is_the_generated_one() -> None:
     assert readme.count(README_START) == 1 and readme.count(README_END) == 1
     between = readme.split(README_START)[1].split(README_END)[0]
     assert between == "\n" + readme_table(), "README's results table is stale: run python -m bench.results_page"
-    first, second = between.split("The identities benchmark on a second processor")
-    for table in (first, second):   # two short tables: the end-to-end cells, then the second machine's identities
+    first, rest = between.split("The identities benchmark on a second processor")
+    second, rest = rest.split("The Fashion-MNIST cells run again")
+    third, fourth = rest.split("The Reuters R8 cells run again")
+    for table in (first, second, third, fourth):   # short tables: the end-to-end cells, the second machine's
+        # identities, the Fashion-MNIST brief refit, the R8 cells with the frozen layers per document read
         rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
         assert 3 <= len(rows) <= 10
     assert "| lfoci-newton-recorded-run-lean | " in second and "| lfoci-newton-recorded-run-lean | " not in first
+    assert "| trajectory-refit-lean | " in fourth and "| trajectory-refit-lean | " not in first + second + third
+    assert all(f"Reuters R8, {cell}" in fourth for cell in ("class", "random 1 %", "random 10 %", "subject"))
     assert "test accuracy 75.9 % against 77.0 %" in second   # read from the two tables' identities files
     fmnist = json.loads((RESULTS / "deep_fmnist-cnn_partial_class.json").read_text())
     for row in ("trajectory-refit", "salun"):

@@ -1067,6 +1067,238 @@ def test_frozen_layers_refit_on_the_prepared_outputs_the_same_removal():
     assert float((whole.new_parameters["2.weight"] - model.state_dict()["2.weight"]).norm()) > 1e-2  # it moved
 
 
+def _frozen_first_conv(seed: int = 0):
+    """A CNN on digits whose first convolution is frozen, fitted by the recipe with its trajectory recorded:
+    (train, model, trajectory). The samples' ids are sparse and shuffled against their positions (7 p' + 3 for a
+    permutation p'), so that a lookup by position instead of by id fails."""
+    from pipeline.recipe import fit
+
+    digits = load_source("digits", {"flatten": False})["train"]
+    ids = torch.randperm(len(digits), generator=torch.Generator().manual_seed(11)) * 7 + 3
+    train = SampleSet(digits.columns, ids)
+    torch.manual_seed(seed)
+    model = _cnn()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    recipe = Recipe(**{**RECIPE, "epochs": 3})
+    recorder = TrajectoryRecorder(model, recipe)
+    fit(model, TASK, train, recipe, recorder)
+    model.eval()
+    return train, model, recorder.trajectory(len(train))
+
+
+def test_the_prefix_rows_are_computed_on_first_read_and_kept():
+    """PrefixRows: a read computes the rows it lacks and no other (the prefix run on those alone), a second read of
+    them computes none, every row equals the prefix's own output, and a sample outside D is refused by name."""
+    from pipeline.frozen_prefix import PrefixRows, prefix_outputs, split_for
+
+    train, model, _ = _frozen_first_conv()
+    split = split_for(model, TASK, ParamBlock.all_parameters(model))
+    rows = PrefixRows.over(split, train.sample_ids)
+    first = train.take(torch.arange(0, 300, 3))
+    with pytest.raises(ValueError, match="no frozen-prefix rows to read"):
+        rows.inputs(model, TASK, train.take(torch.arange(0)), 64)
+    got = rows.inputs(model, TASK, first, 64)
+    assert rows.computed == len(first) == rows.held
+    whole = prefix_outputs(split, model, TASK, train, 512)
+    assert torch.allclose(got.columns["x"], whole.columns["x"][torch.arange(0, 300, 3)], atol=1e-6)
+    assert torch.equal(got.columns["y"], first.columns["y"]) and torch.equal(got.sample_ids, first.sample_ids)
+    again = rows.inputs(model, TASK, train.take(torch.arange(0, 600, 2)), 64)  # 50 of these 300 are kept
+    assert rows.computed == len(first) + 250 == rows.held
+    assert torch.allclose(again.columns["x"], whole.columns["x"][torch.arange(0, 600, 2)], atol=1e-6)
+    rows.inputs(model, TASK, first, 64)
+    assert rows.computed == 350 and rows.empty_copy().held == 0
+    assert rows.inputs(model, TASK, train.take(torch.arange(600, 610)), 64, gather=False) is None
+    assert rows.computed == 360 == rows.held
+    # dropping the samples a version lacks: their rows zeroed and forgotten, the others kept as they were
+    gone = train.sample_ids[torch.arange(0, 30, 3)]
+    assert rows.drop_absent(train.sample_ids[~torch.isin(train.sample_ids, gone)]) == len(gone)
+    where = torch.searchsorted(rows.ids, gone)
+    assert rows.held == 350 and not bool(rows.have[where].any()) and float(rows.outputs["x"][where].abs().sum()) == 0
+    kept = train.take(torch.arange(30, 300, 3))
+    assert torch.allclose(rows.inputs(model, TASK, kept, 64).columns["x"], whole.columns["x"][torch.arange(30, 300, 3)],
+                          atol=1e-6) and rows.computed == 360
+    outside = SampleSet({k: v[:2] for k, v in train.columns.items()}, torch.tensor([10**9, 10**9 + 1]))
+    with pytest.raises(ValueError, match="not samples of the data"):
+        rows.inputs(model, TASK, outside, 64)
+
+
+def test_frozen_rows_read_on_demand_give_the_removal_of_rows_prepared_on_all_of_d():
+    """trajectory-refit over rows computed on first read removes as it does over the frozen prefix's outputs
+    prepared on all of D (the same passes, the same numbers); a request computes only the rows it reads (U, the
+    probe and siblings, the refit's batches: fewer than D's), U's rows are dropped when the version is published, the
+    next request on it reads the kept ones again (the probe's are all there), and a fresh copy of the state starts
+    with none."""
+    from pipeline.methods.base import TrainedModel
+    from pipeline.methods.prefix_prepared import prepare_frozen_prefix
+    from pipeline.methods.trajectory_refit import TrajectoryRefitPrepared
+
+    train, model, trajectory = _frozen_first_conv()
+    method = get_method("trajectory-refit")
+    settings = parse_settings("trajectory-refit", {"refit_epochs": 0.25, "probe_samples": 256})
+    forget = torch.nonzero(train.columns["y"] == 5).flatten()[:40]
+    trained = TrainedModel(model, TASK, train, RECIPE["weight_decay"], trajectory=trajectory)
+    binding = method.binding(trained, settings)
+    outs = []
+    for state in (prepare_frozen_prefix(trained, binding, TrajectoryRefitPrepared),
+                  prepare_frozen_prefix(trained, binding, TrajectoryRefitPrepared, lazy=True)):
+        work = copy.deepcopy(model)
+        problem = RemovalProblem(work, TASK, train, forget, RECIPE["weight_decay"], seed=3, batch_size=512,
+                                 card=_card(len(train)), trajectory=trajectory)
+        outs.append((method.run(problem, settings, state), state))
+    (eager, _), (lazy, state) = outs
+    for k, v in eager.new_parameters.items():
+        assert torch.allclose(lazy.new_parameters[k], v, rtol=1e-5, atol=1e-6), k
+    assert eager.record["scale"] == lazy.record["scale"]
+    read = lazy.record["frozen_prefix"]
+    assert eager.record["frozen_prefix"] == {"rows": "prepared on all of D"}
+    rounds, refit = len(lazy.record["guard"]["tried"]), lazy.record["refit"]
+    reads = len(forget) + 256 + 64 + rounds * refit["steps"] * refit["batch_size"]  # U, probe, siblings, batches
+    assert len(forget) + 256 <= read["rows_computed"] == read["rows_held"] <= min(reads, len(train) - 1)
+    assert read["of"] == len(train)
+    probe = lazy.carried["retained_probe"].sample_ids
+    assert bool(state.rows.have[torch.searchsorted(state.rows.ids, probe)].all())
+
+    # the next request on the published version reads the kept rows: the probe's are all there
+    published = copy.deepcopy(model)
+    published.load_state_dict({**published.state_dict(), **lazy.new_parameters})
+    binding_after = method.binding(TrainedModel(published, TASK, train.without(forget), RECIPE["weight_decay"],
+                                                trajectory=trajectory), settings)
+    after = state.after_removal(TrainedModel(published, TASK, train.without(forget), RECIPE["weight_decay"],
+                                             trajectory=trajectory), forget, lazy, binding_after)
+    assert isinstance(after, TrajectoryRefitPrepared) and after.rows is state.rows
+    assert after.fresh_copy().rows.held == 0 and state.rows.held == read["rows_held"] - len(forget)
+    assert not bool(state.rows.have[torch.searchsorted(state.rows.ids, train.sample_ids[forget])].any())
+    rest = train.without(forget)
+    nxt = torch.nonzero(rest.columns["y"] == 3).flatten()[:20]
+    second = method.run(RemovalProblem(published, TASK, rest, nxt, RECIPE["weight_decay"], seed=4, batch_size=512,
+                                       card=_card(len(rest)), trajectory=trajectory), settings, after)
+    assert second.record["guard"]["probe"].startswith("kept from the removal")
+    assert second.record["frozen_prefix"]["rows_computed"] < read["rows_computed"]
+
+
+def test_refit_block_is_the_recipe_s_sgd_and_reads_through_inputs_and_ahead():
+    """refit_block against a hand-written loop of the same SGD (heavy ball, cosine decay to zero, weight decay, the
+    seeded permutation stream): equal to the last bit; ``inputs`` mapping each batch and ``ahead`` seeing each pass's
+    visited samples change nothing else; ``epoch_size`` sets the steps of an epoch; an empty R is skipped."""
+    from pipeline.methods.base import stream_seed
+    from pipeline.methods.trust_region import REFIT_STREAM, refit_block
+
+    data = load_source("digits", {"dtype": "float64"})["train"].take(torch.arange(300))
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+    block = ParamBlock.all_parameters(model)
+    recipe = Recipe(**{**RECIPE, "batch_size": 64, "lr": 0.1})
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    ref = copy.deepcopy(model)
+    params = [p for p in ref.parameters()]
+    velocity = [torch.zeros_like(p) for p in params]
+    lr0, steps, lam = recipe.lr * 0.5, math.ceil(1.5 * math.ceil(300 / 64)), 0.01
+    gen = torch.Generator().manual_seed(stream_seed(7, REFIT_STREAM))
+    done = 0
+    while done < steps:
+        order = torch.randperm(300, generator=gen)
+        for i in range(0, 300, 64):
+            if done >= steps:
+                break
+            batch = data.take(order[i:i + 64]).columns
+            loss = TASK.per_sample_loss(TASK.forward(ref, batch), batch).mean() + 0.5 * lam * sum(
+                p.pow(2).sum() for p in params)
+            grads = torch.autograd.grad(loss, params)
+            lr = lr0 * 0.5 * (1 + math.cos(math.pi * done / steps))
+            with torch.no_grad():
+                for p, g, v in zip(params, grads, velocity):
+                    v.mul_(recipe.momentum).add_(g)
+                    p.sub_(lr * v)
+            done += 1
+    out = refit_block(model, TASK, block, data, recipe, lam, epochs=1.5, lr_scale=0.5, seed=7)
+    assert out["steps"] == steps and out["samples"] == 300
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+    seen: list[int] = []
+    mapped = copy.deepcopy(model)
+    mapped.load_state_dict(start)
+    refit_block(mapped, TASK, block, data, recipe, lam, epochs=1.5, lr_scale=0.5, seed=7,
+                inputs=lambda b: SampleSet({**b.columns}, b.sample_ids), ahead=lambda b: seen.append(len(b)))
+    assert seen == [min(300, 64 * steps), 64 * steps - 5 * 64]  # each pass: the samples its steps will visit
+    for k, v in ref.state_dict().items():
+        assert torch.equal(mapped.state_dict()[k], v), k
+    longer = refit_block(copy.deepcopy(model), TASK, block, data, recipe, lam, epochs=1.5, lr_scale=0.5, seed=7,
+                         epoch_size=3000)
+    assert longer["steps"] == math.ceil(1.5 * math.ceil(3000 / 64)) and longer["samples"] == 3000
+    assert "skipped" in refit_block(model, TASK, block, data.take(torch.arange(0)), recipe, lam, epochs=1.0,
+                                    lr_scale=0.5, seed=7)
+
+
+def test_the_refit_pool_is_the_same_on_later_versions_less_what_they_removed():
+    """refit_pool: the first k retained samples under a fixed ranking of ids, the left-out ones (the probe) never in
+    it; a later version's pool is this one less the samples removed since, the next-ranked in their place; all of R
+    where k is None, all that remain where fewer."""
+    from pipeline.methods.trajectory_refit import refit_pool
+
+    data = SampleSet({"x": torch.randn(500, 3), "y": torch.randint(0, 4, (500,))}, torch.arange(1000, 1500) * 7)
+    pool = refit_pool(data, 100)
+    assert len(pool) == 100 and torch.equal(pool.sample_ids, pool.sample_ids.sort().values)
+    assert torch.equal(refit_pool(data, 100).sample_ids, pool.sample_ids)  # fixed: no request seed
+    removed = pool.sample_ids[:30]
+    later = refit_pool(data.without(data.positions_of(removed)), 100)
+    assert len(later) == 100 and not bool(torch.isin(later.sample_ids, removed).any())
+    assert int(torch.isin(pool.sample_ids, later.sample_ids).sum()) == 70  # the rest kept, 30 next-ranked added
+    probe = data.sample_ids[::5]
+    left = refit_pool(data, 100, probe)
+    assert len(left) == 100 and not bool(torch.isin(left.sample_ids, probe).any())
+    assert refit_pool(data, None) is data and len(refit_pool(data, None, probe)) == 400
+    assert len(refit_pool(data, 400, probe)) == 400 and len(refit_pool(data, 450, probe)) == 450  # then from all of R
+    assert len(refit_pool(data, 600, data.sample_ids)) == 500  # the probe is all of R: never an empty pool
+    assert not torch.equal(pool.sample_ids, data.sample_ids[:100])  # a ranking, not the first ids
+
+
+def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
+    """With refit_pool the refit's steps are those of refit_epochs of |D \\ U| (not of the pool), and the prefix rows a
+    request computes lie in U, the probe, the siblings and the pool; a second request on the published version
+    computes, beyond its U and siblings, only pool rows the first did not visit."""
+    from pipeline.methods.base import TrainedModel
+    from pipeline.methods.prefix_prepared import prepare_frozen_prefix
+    from pipeline.methods.trajectory_refit import TrajectoryRefitPrepared, refit_pool
+
+    train, model, trajectory = _frozen_first_conv()
+    method = get_method("trajectory-refit")
+    settings = parse_settings("trajectory-refit", {"refit_epochs": 0.25, "probe_samples": 256, "refit_pool": 600,
+                                                   "sibling_probe_samples": 16})
+    forget = torch.nonzero(train.columns["y"] == 5).flatten()[:40]
+    trained = TrainedModel(model, TASK, train, RECIPE["weight_decay"], trajectory=trajectory)
+    state = prepare_frozen_prefix(trained, method.binding(trained, settings), TrajectoryRefitPrepared, lazy=True)
+    work = copy.deepcopy(model)
+    out = method.run(RemovalProblem(work, TASK, train, forget, RECIPE["weight_decay"], seed=3, batch_size=512,
+                                    card=_card(len(train)), trajectory=trajectory), settings, state)
+    refit, retained = out.record["refit"], len(train) - len(forget)
+    assert refit["steps"] == math.ceil(0.25 * math.ceil(retained / RECIPE["batch_size"])) and refit["samples"] == retained
+    assert refit["pool"].startswith(f"600 of the {retained} retained samples")
+    probe = out.carried["retained_probe"].sample_ids
+    pool = refit_pool(train.without(forget), 600, probe).sample_ids
+    held = state.rows.ids[state.rows.have]
+    outside = ~torch.isin(held, torch.cat([train.sample_ids[forget], probe, pool]))
+    assert int(outside.sum()) <= 16  # the siblings' draw
+    assert int(torch.isin(held, pool).sum()) > 0
+
+    published = copy.deepcopy(model)
+    published.load_state_dict({**published.state_dict(), **out.new_parameters})
+    rest = train.without(forget)
+    after_trained = TrainedModel(published, TASK, rest, RECIPE["weight_decay"], trajectory=trajectory)
+    after = state.after_removal(after_trained, forget, out, method.binding(after_trained, settings))
+    held = state.rows.ids[state.rows.have]
+    nxt = torch.nonzero(rest.columns["y"] == 3).flatten()[:20]
+    second = method.run(RemovalProblem(published, TASK, rest, nxt, RECIPE["weight_decay"], seed=4, batch_size=512,
+                                       card=_card(len(rest)), trajectory=trajectory), settings, after)
+    assert second.record["guard"]["probe"].startswith("kept from the removal")
+    pool_then = refit_pool(rest.without(nxt), 600, second.carried["retained_probe"].sample_ids).sample_ids
+    unvisited = int((~torch.isin(pool_then, held)).sum())
+    assert unvisited < 100  # the first request's refit visited most of the pool
+    assert second.record["frozen_prefix"]["rows_computed"] <= len(nxt) + 16 + unvisited
+
+
 # -- (f) every new version keeps the trajectory: unlearn forget's output and the version store -------------
 def test_new_versions_carry_the_trajectory(trained_model_dir, tmp_path):
     import yaml

@@ -169,13 +169,15 @@ def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int
     D \\ U of the removal's seed, for this request alone."""
     need = min(samples, len(retain))
     keeper = prepared if isinstance(prepared, FrozenPrefixPrepared) else None
-    held = _suffix_cache(problem, keeper)
-    data = problem.train if held is None else held.train  # the same rows, the prefix's outputs in place of the inputs
+    held = _suffix_inputs(problem, keeper)
+    data = problem.train
     work, task = (None, problem.task) if held is None else (held.suffix, held.task)
     retained_ids = torch.as_tensor(retain.sample_ids)
 
     def read(sample: SampleSet) -> CheckpointViews:
-        return checkpoint_views(problem.model, task, sample, problem.trajectory, weight, problem.batch_size, work)
+        """The views of ``sample`` (samples of D; the suffix over their prefix outputs where the prefix is kept)."""
+        return checkpoint_views(problem.model, task, sample if held is None else held.inputs(sample),
+                                problem.trajectory, weight, problem.batch_size, work)
 
     if keeper is not None:
         key = _views_key(problem, weight, samples)
@@ -207,11 +209,11 @@ def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int
     return read(data.take(positions)), f"per request ({why}): a sample of {need} of D \\ U of the removal's seed"
 
 
-def _suffix_cache(problem: RemovalProblem, keeper: FrozenPrefixPrepared | None) -> Any:
-    """The prepared frozen prefix's cache where the replay may read the suffix over its outputs: the prefix computes
-    the same in training as in eval mode (no batch normalisation, no dropout) and the checkpoints hold only
-    trainable parameters (loading one leaves the prefix as it is); else None (the whole model)."""
-    held = keeper.cache(problem.model) if keeper is not None else None
+def _suffix_inputs(problem: RemovalProblem, keeper: FrozenPrefixPrepared | None) -> Any:
+    """The prepared frozen prefix's suffix and inputs where the replay may read the suffix over its outputs: the
+    prefix computes the same in training as in eval mode (no batch normalisation, no dropout) and the checkpoints
+    hold only trainable parameters (loading one leaves the prefix as it is); else None (the whole model)."""
+    held = keeper.suffix_inputs(problem.model, problem.task, problem.batch_size) if keeper is not None else None
     if held is None:
         return None
     trainable = {k for k, p in problem.model.named_parameters() if p.requires_grad}
@@ -232,7 +234,10 @@ def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int,
 
 
 def _held_bytes(keeper: FrozenPrefixPrepared) -> int:
-    """Bytes of the prefix's outputs the prepared state already holds."""
+    """Bytes of the prefix's outputs the prepared state holds now (rows computed on first read: all of D's memory once
+    the first is)."""
+    if keeper.rows is not None:
+        return keeper.rows.nbytes
     if keeper.features is None:
         return 0
     return int(sum(v.numel() * v.element_size() for v in keeper.features.columns.values()))

@@ -11,8 +11,10 @@ n the size of the set the recipe ran on. Retrain never took them. The removal ad
 to every trainable parameter, then runs ``refit_epochs`` of the recipe's SGD on R = D \\ U (its momentum
 and batch size, its learning rate times ``refit_lr_scale``, cosine decay to zero; eval mode: batch-norm
 statistics fixed), ``pipeline.methods.trust_region.refit_block`` over every trainable parameter. Where the
-model has frozen layers before its first trainable one, the refit runs on the suffix over their outputs on D,
-prepared once per model version and carried to the next (``pipeline.methods.prefix_prepared``).
+model has frozen layers before its first trainable one, every pass runs on the suffix over their outputs, each
+sample's computed the first time a pass reads it and kept for later requests and versions
+(``pipeline.methods.prefix_prepared``): a request pays the prefix for what it reads (U's sample, the probes, the
+refit's batches), not for all of D.
 
 "About" is loose: the checkpoint gradients carry the run's oscillation across stiff directions, which the steps'
 own gradients cancel over a stretch (on the identities ResNet the trapezium over all of D has 7x the norm of the run's
@@ -32,6 +34,14 @@ lfoci-newton reads too; all kept: the formula above; exact where G_U is linear a
 G_U(c) estimated as |U| / k times the summed gradient over a seeded sample of k of U's samples, the same sample at
 every checkpoint (unbiased; its relative error shrinks as sqrt((1 - k / |U|) / k) times the per-sample gradients'
 spread over their mean).
+
+A refit pool (``refit_pool``, off by default; the variant ``configs/methods/trajectory-refit-lean.yaml``): the refit's
+batches drawn from the first ``refit_pool`` retained samples under a fixed pseudo-random ranking of sample ids (the
+probe left out), its steps still those of ``refit_epochs`` of |D \\ U|. Every request on the model and its later
+versions draws the same pool, less the samples removed since, so a campaign's requests read samples whose frozen-prefix
+rows an earlier one kept. The batches are then a draw of the pool, not of R (samples repeat where the steps visit
+more than it holds), and the pool stays the same only while the probe does (a probe drawn anew swaps out the pool's
+samples it takes).
 
 Emptied classes (``emptied_classes``). A class every training sample of which is in U (a whole identity) is one no
 retained sample trains: Retrain's decision-layer row for it only decays and is pushed down by the other samples'
@@ -85,6 +95,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -107,11 +118,12 @@ from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
 
 __all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample",
-           "sibling_probe", "without_component"]
+           "refit_pool", "sibling_probe", "without_component"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
 SIBLING_STREAM = 36  # the guard's draw of U's siblings in D \ U (hashed with the removal seed)
+POOL_SEED = 37  # the refit pool's fixed ranking of sample ids (the same on every request and version)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
 
@@ -134,6 +146,11 @@ class TrajectoryRefitSettings(MethodSettings):
         False, description="G_U at each read checkpoint less its component along the siblings' summed gradient there "
                            "(the share of U's push that teaches U's label, which Retrain takes from the siblings too); "
                            "no effect where U leaves no siblings or the task is no single-label classifier")
+    refit_pool: int | None = Field(
+        None, gt=0, description="the refit's batches drawn from a pool of this many retained samples, the first under a "
+                                "fixed ranking of sample ids (the same on every request and version, U's members and "
+                                "the probe left out), its epoch still |D \\ U|: a campaign's requests read the same "
+                                "samples again (their frozen-prefix rows kept); null: all of D \\ U")
     refit_rounds: int = Field(4, ge=1, description="refits of refit_epochs each until the probe's loss is within the "
                                                    "slack; then the scale backtracks")
     backtrack_factor: float = Field(0.3, gt=0, lt=1, description="the scale is multiplied by this after a rejection")
@@ -229,6 +246,29 @@ def without_component(gradient: torch.Tensor, direction: torch.Tensor) -> torch.
     return gradient - (float(gradient.double() @ direction.double()) / norm2) * direction
 
 
+def refit_pool(retain: SampleSet, count: int | None, leave_out: torch.Tensor | None = None) -> SampleSet:
+    """The ``count`` samples of ``retain`` (those of ``leave_out``'s sample ids excepted) that come first under a fixed
+    pseudo-random ranking of sample ids (the splitmix64 finaliser of id + POOL_SEED x 0x9E3779B97F4A7C15), in
+    ``retain``'s order: the pool a later
+    version's request draws is this one less the samples removed since, the next-ranked in their place. All of
+    ``retain`` (less ``leave_out``): ``count`` None. Where leaving ``leave_out`` out leaves fewer than ``count`` (a
+    small D), the pool is drawn from all of ``retain``."""
+    ids = torch.as_tensor(retain.sample_ids, dtype=torch.long)
+    eligible = torch.ones(len(ids), dtype=torch.bool) if leave_out is None else ~torch.isin(ids, leave_out)
+    if count is not None and int(eligible.sum()) < min(count, len(ids)):
+        eligible = torch.ones(len(ids), dtype=torch.bool)
+    if count is None:
+        return retain if bool(eligible.all()) else retain.take(torch.nonzero(eligible).flatten())
+    with np.errstate(over="ignore"):
+        x = ids.numpy().astype(np.uint64) + np.uint64(POOL_SEED) * np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    rank = np.argsort(x, kind="stable")
+    first = rank[eligible.numpy()[rank]][:count]
+    return retain.take(torch.as_tensor(np.sort(first), dtype=torch.long))
+
+
 def forget_sample(forget: SampleSet, count: int | None, seed: int) -> tuple[SampleSet, float]:
     """A seeded sample S of ``count`` of U's samples and |U| / |S|: G_U ~ |U| / |S| sum_{z in S} grad loss(w, z),
     unbiased (each sample is drawn with probability |S| / |U|). All of U, and 1: ``count`` None or >= |U|."""
@@ -252,8 +292,9 @@ class TrajectoryRefit(RemovalMethod):
 
     def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]
                 binding: Binding) -> TrajectoryRefitPrepared:
-        """The frozen prefix's outputs on D, where the model has frozen layers (the refit runs over them)."""
-        return prepare_frozen_prefix(trained, binding, TrajectoryRefitPrepared)
+        """Where the model has frozen layers, their rows (none computed: each on its first read; every pass runs
+        over them)."""
+        return prepare_frozen_prefix(trained, binding, TrajectoryRefitPrepared, lazy=True)
 
     def remove(self, problem: RemovalProblem, settings: TrajectoryRefitSettings,  # type: ignore[override]
                prepared: Prepared) -> RemovalOutcome:
@@ -269,22 +310,34 @@ class TrajectoryRefit(RemovalMethod):
                              "belongs to another model")
         timings: dict[str, float] = {}
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        # every pass runs on the suffix over the prepared outputs where the model has frozen layers in front
-        held = prepared.cache(model) if isinstance(prepared, FrozenPrefixPrepared) else None
-        work, task, data = (model, problem.task, problem.train) if held is None else (held.suffix, held.task, held.train)
+        # every pass runs on the suffix over the prefix's outputs where the model has frozen layers in front
+        held = (prepared.suffix_inputs(model, problem.task, problem.batch_size)
+                if isinstance(prepared, FrozenPrefixPrepared) else None)
+        work, task = (model, problem.task) if held is None else (held.suffix, held.task)
+
+        def read(samples: SampleSet) -> SampleSet:
+            """What ``work`` reads of samples of D (their prefix outputs where it is the suffix)."""
+            return samples if held is None else held.inputs(samples)
+
+        rows = prepared.rows if isinstance(prepared, FrozenPrefixPrepared) else None
+        rows_before = (rows.computed, rows.seconds) if rows is not None else None
         block = ParamBlock.all_parameters(work)
+        data = problem.train
         forget, retain = data.take(problem.forget_positions), data.without(problem.forget_positions)
         recipe = recipe_of(problem.card) if problem.card is not None else None
         guarded = settings.retained_loss_slack is not None
         kept = kept_probe(prepared, retain, settings.probe_samples) if guarded else None
-        probe = (kept[0] if kept is not None else
-                 draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM)) if guarded else None)
+        probe = (read(kept[0]) if kept is not None else
+                 read(draw(retain, settings.probe_samples, stream_seed(problem.seed, PROBE_STREAM))) if guarded else None)
         checked = guarded and settings.sibling_accuracy_slack is not None
         drawn, drawn_what = (sibling_probe(forget, retain, task, settings.sibling_probe_samples, problem.seed)
                              if checked or settings.orthogonal_to_siblings else (None, ""))
+        drawn = None if drawn is None else read(drawn)
         siblings, siblings_what = ((drawn, drawn_what) if checked
                                    else (None, "no sibling check (sibling_accuracy_slack or the guard off)"))
         pushed_siblings = drawn if settings.orthogonal_to_siblings else None  # drawn by the pushes
+        pool = refit_pool(retain, settings.refit_pool, None if settings.refit_pool is None or probe is None
+                          else probe.sample_ids)
         losses: torch.Tensor | None = None  # the probe's per-sample losses at the last pass
         tried: list[dict[str, float]] = []
 
@@ -292,10 +345,16 @@ class TrajectoryRefit(RemovalMethod):
             """One refit of ``refit_epochs``; the first on the removal's seed, each later one on its own stream; then
             the emptied classes' rows set to Retrain's (the refit's own pushes on them are not Retrain's)."""
             with problem.stage("refit", timings):
-                refit = refit_block(work, task, block, retain, recipe, problem.weight_decay,
+                refit = refit_block(work, task, block, pool, recipe, problem.weight_decay,
                                     epochs=settings.refit_epochs, lr_scale=settings.refit_lr_scale,
                                     seed=problem.seed if not tried else stream_seed(problem.seed,
-                                                                                    REFIT_ROUND_STREAM + len(tried)))
+                                                                                    REFIT_ROUND_STREAM + len(tried)),
+                                    inputs=None if held is None else held.inputs, epoch_size=len(retain),
+                                    ahead=None if held is None else held.ahead)
+                if settings.refit_pool is not None:
+                    refit["pool"] = (f"{len(pool)} of the {len(retain)} retained samples, first under a fixed ranking "
+                                     "of sample ids" + (", the probe's left out" if probe is not None and not bool(
+                                         torch.isin(pool.sample_ids, probe.sample_ids).any()) else ""))
             emptied.apply(model)
             return refit
 
@@ -316,6 +375,7 @@ class TrajectoryRefit(RemovalMethod):
                                         prepared)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
+                sample = read(sample)
 
                 def forget_gradient() -> torch.Tensor:
                     g = share * block_gradient(work, task, sample, block, 0.0, reduction="sum",
@@ -369,7 +429,7 @@ class TrajectoryRefit(RemovalMethod):
                     scale *= settings.backtrack_factor
                 refit["rounds"] = round_
             if held is not None:
-                refit["frozen_prefix"] = f"the suffix from module {held.start} over the prepared outputs"
+                refit["frozen_prefix"] = f"the suffix from module {held.start} over the frozen prefix's outputs"
         except BaseException:
             model.load_state_dict(saved)
             raise
@@ -391,6 +451,10 @@ class TrajectoryRefit(RemovalMethod):
                 "siblings": siblings_what if siblings is None else {
                     "what": siblings_what, "original_accuracy": siblings_before, "floor": floor}},
             "refit": refit, "parameters": len(names), "block_numel": block.numel, "timings": timings,
+            "frozen_prefix": None if held is None else (
+                {"rows": "prepared on all of D"} if rows is None or rows_before is None else
+                {"rows_computed": rows.computed - rows_before[0], "seconds": rows.seconds - rows_before[1],
+                 "rows_held": rows.held, "of": len(problem.train)}),
             "seconds": time.perf_counter() - started,
         }
         carried = {} if losses is None else {"retained_probe": ProbeLosses(

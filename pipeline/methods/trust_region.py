@@ -171,31 +171,42 @@ def _row_masks(model: nn.Module, block: ParamBlock) -> dict[str, Tensor]:
 
 
 def refit_block(model: nn.Module, task: Task, block: ParamBlock, retain: SampleSet, recipe: Recipe | None,
-                lam: float, *, epochs: float, lr_scale: float, seed: int) -> dict[str, Any]:
-    """``epochs`` of the recipe's SGD on R over the block (in place), cosine decay to zero."""
+                lam: float, *, epochs: float, lr_scale: float, seed: int,
+                inputs: Callable[[SampleSet], SampleSet] | None = None, epoch_size: int | None = None,
+                ahead: Callable[[SampleSet], None] | None = None) -> dict[str, Any]:
+    """``epochs`` of the recipe's SGD on R over the block (in place), cosine decay to zero. ``inputs``: what ``model``
+    reads of a batch of R (a network's suffix: the frozen prefix's outputs); ``ahead``: called once per pass over R
+    with the samples its steps will visit (to compute their frozen-prefix rows in one go). ``epoch_size``: the
+    samples an epoch counts (default |R|; more where ``retain`` is a pool drawn from a larger R, whose epoch sets
+    the steps)."""
     if epochs == 0 or lr_scale == 0:
         return {"skipped": "refit epochs or learning-rate scale is 0"}
     if recipe is None or recipe.optimizer != "sgd" or recipe.lr <= 0 or recipe.batch_size < 1:
         return {"skipped": "the model card's recipe has no SGD learning rate to refit with"}
+    if len(retain) == 0:
+        return {"skipped": "no retained sample to refit on"}
     params = dict(model.named_parameters())
     chosen = {part.name: params[part.name] for part in block.parts}
     lr0 = recipe.lr * lr_scale
     opt = SGD(chosen, lr=lr0, momentum=recipe.momentum, masks=_row_masks(model, block))
-    per_epoch = math.ceil(len(retain) / recipe.batch_size)
+    per_epoch = math.ceil((len(retain) if epoch_size is None else epoch_size) / recipe.batch_size)
     steps = max(1, math.ceil(epochs * per_epoch))
     gen = torch.Generator().manual_seed(stream_seed(seed, REFIT_STREAM))
     done = 0
     with torch.enable_grad():
         while done < steps:
             order = torch.randperm(len(retain), generator=gen)
+            if ahead is not None:
+                ahead(retain.take(order[:(steps - done) * recipe.batch_size]))
             for start in range(0, len(order), recipe.batch_size):
                 if done >= steps:
                     break
-                batch = retain.take(order[start:start + recipe.batch_size]).columns
+                batch = retain.take(order[start:start + recipe.batch_size])
+                batch = (batch if inputs is None else inputs(batch)).columns
                 opt.lr = lr0 * 0.5 * (1.0 + math.cos(math.pi * done / steps))
                 loss = task.per_sample_loss(task.forward(model, batch), batch).mean()
                 loss = loss + 0.5 * lam * sum(p.pow(2).sum() for p in chosen.values())
                 opt.step(loss)
                 done += 1
     return {"steps": done, "epochs": epochs, "lr": lr0, "momentum": recipe.momentum,
-            "batch_size": recipe.batch_size, "samples": len(retain)}
+            "batch_size": recipe.batch_size, "samples": len(retain) if epoch_size is None else epoch_size}
