@@ -88,6 +88,8 @@ for _cell, (_retimed, _) in README_RETIMED.items():
 README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
         "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",),
+    ("deep_identities_partial_random_1pct.json", "random_1pct"): (
+        "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
