@@ -174,11 +174,9 @@ class PrefixRows:
             self.have[gone] = False
         return int(gone.sum())
 
-    def inputs(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int, *, gather: bool = True,
-               ) -> SampleSet | None:
-        """``data`` (samples of D, with the model's inputs) with the prefix's outputs in place of the columns it
-        consumes (``prefix_outputs``), on the model's device: the rows not yet kept computed in one pass (eval
-        mode) and kept. ``gather`` False: only compute and keep them (None returned)."""
+    def ensure(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> Tensor:
+        """Compute and keep the rows of ``data`` (samples of D, with the model's inputs) not yet kept, in one pass
+        (eval mode); the positions of ``data``'s samples among ``ids``."""
         where, found = _find(self.ids, data.sample_ids)
         if not bool(found.all()):
             raise ValueError(f"sample ids {torch.as_tensor(data.sample_ids)[~found][:5].tolist()} are not samples of "
@@ -198,8 +196,12 @@ class PrefixRows:
             self.have[rows] = True
             self.computed += len(missing)
             self.seconds += seconds
-        if not gather:
-            return None
+        return where
+
+    def inputs(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> SampleSet:
+        """``data`` (samples of D, with the model's inputs) with the prefix's outputs in place of the columns it
+        consumes (``prefix_outputs``), on the model's device; the rows not yet kept computed first (``ensure``)."""
+        where = self.ensure(model, task, data, batch_size)
         if not self.outputs:
             raise ValueError("no frozen-prefix rows to read: the set read is empty and none were computed before")
         device = memory.model_device(model)

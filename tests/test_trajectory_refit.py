@@ -1108,7 +1108,8 @@ def test_the_prefix_rows_are_computed_on_first_read_and_kept():
     assert torch.allclose(again.columns["x"], whole.columns["x"][torch.arange(0, 600, 2)], atol=1e-6)
     rows.inputs(model, TASK, first, 64)
     assert rows.computed == 350 and rows.empty_copy().held == 0
-    assert rows.inputs(model, TASK, train.take(torch.arange(600, 610)), 64, gather=False) is None
+    ten = train.take(torch.arange(600, 610))
+    assert torch.equal(rows.ids[rows.ensure(model, TASK, ten, 64)], ten.sample_ids)  # kept, nothing gathered
     assert rows.computed == 360 == rows.held
     # dropping the samples a version lacks: their rows zeroed and forgotten, the others kept as they were
     gone = train.sample_ids[torch.arange(0, 30, 3)]

@@ -36,7 +36,7 @@ class SuffixInputs:
     task: Any
     start: int | str
     inputs: Callable[[SampleSet], SampleSet]
-    ahead: Callable[[SampleSet], None] | None = None  # computes and keeps the rows of samples about to be read
+    ahead: Callable[[SampleSet], Any] | None = None  # computes and keeps the rows of samples about to be read
 
 
 @dataclass
@@ -76,15 +76,9 @@ class FrozenPrefixPrepared(Prepared):
         split, suffix = self.split, self.split.suffix_of(model)
         if self.rows is not None:
             rows = self.rows
-
-            def inputs(data: SampleSet) -> SampleSet:
-                out = rows.inputs(model, task, data, batch_size)
-                assert out is not None
-                return out
-
-            def ahead(data: SampleSet) -> None:
-                rows.inputs(model, task, data, batch_size, gather=False)
-            return SuffixInputs(suffix, split.task, split.start, inputs, ahead)
+            return SuffixInputs(suffix, split.task, split.start,
+                                lambda data: rows.inputs(model, task, data, batch_size),
+                                lambda data: rows.ensure(model, task, data, batch_size))
         features = self.features
 
         def taken(data: SampleSet) -> SampleSet:

@@ -338,6 +338,10 @@ class TrajectoryRefit(RemovalMethod):
         pushed_siblings = drawn if settings.orthogonal_to_siblings else None  # drawn by the pushes
         pool = refit_pool(retain, settings.refit_pool, None if settings.refit_pool is None or probe is None
                           else probe.sample_ids)
+        pool_what = None if settings.refit_pool is None else (
+            f"{len(pool)} of the {len(retain)} retained samples, first under a fixed ranking of sample ids"
+            + (", the probe's left out" if probe is not None and not bool(torch.isin(pool.sample_ids,
+                                                                                   probe.sample_ids).any()) else ""))
         losses: torch.Tensor | None = None  # the probe's per-sample losses at the last pass
         tried: list[dict[str, float]] = []
 
@@ -351,10 +355,8 @@ class TrajectoryRefit(RemovalMethod):
                                                                                     REFIT_ROUND_STREAM + len(tried)),
                                     inputs=None if held is None else held.inputs, epoch_size=len(retain),
                                     ahead=None if held is None else held.ahead)
-                if settings.refit_pool is not None:
-                    refit["pool"] = (f"{len(pool)} of the {len(retain)} retained samples, first under a fixed ranking "
-                                     "of sample ids" + (", the probe's left out" if probe is not None and not bool(
-                                         torch.isin(pool.sample_ids, probe.sample_ids).any()) else ""))
+                if pool_what is not None:
+                    refit["pool"] = pool_what
             emptied.apply(model)
             return refit
 

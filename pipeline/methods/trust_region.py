@@ -173,7 +173,7 @@ def _row_masks(model: nn.Module, block: ParamBlock) -> dict[str, Tensor]:
 def refit_block(model: nn.Module, task: Task, block: ParamBlock, retain: SampleSet, recipe: Recipe | None,
                 lam: float, *, epochs: float, lr_scale: float, seed: int,
                 inputs: Callable[[SampleSet], SampleSet] | None = None, epoch_size: int | None = None,
-                ahead: Callable[[SampleSet], None] | None = None) -> dict[str, Any]:
+                ahead: Callable[[SampleSet], Any] | None = None) -> dict[str, Any]:
     """``epochs`` of the recipe's SGD on R over the block (in place), cosine decay to zero. ``inputs``: what ``model``
     reads of a batch of R (a network's suffix: the frozen prefix's outputs); ``ahead``: called once per pass over R
     with the samples its steps will visit (to compute their frozen-prefix rows in one go). ``epoch_size``: the
