@@ -1258,16 +1258,18 @@ def test_the_refit_pool_is_the_same_on_later_versions_less_what_they_removed():
 
 def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
     """With refit_pool the refit's steps are those of refit_epochs of |D \\ U| (not of the pool), and the prefix rows a
-    request computes lie in U, the probe, the siblings and the pool; a second request on the published version
-    computes, beyond its U and siblings, only pool rows the first did not visit."""
+    request computes lie in U, the probe and the pool; a second request on the published version computes, beyond
+    its U, only the pool's samples that replace those it removed. The sibling check is off (a discrete count on a
+    few siblings could flip near its floor on another CPU) and the probe's loss stays far within the guard's slack,
+    so no close decision of the guard sets which rows are read."""
     from pipeline.methods.base import TrainedModel
     from pipeline.methods.prefix_prepared import prepare_frozen_prefix
     from pipeline.methods.trajectory_refit import TrajectoryRefitPrepared, refit_pool
 
     train, model, trajectory = _frozen_first_conv()
     method = get_method("trajectory-refit")
-    settings = parse_settings("trajectory-refit", {"refit_epochs": 0.25, "probe_samples": 256, "refit_pool": 600,
-                                                   "sibling_probe_samples": 16})
+    settings = parse_settings("trajectory-refit", {"refit_epochs": 0.25, "probe_samples": 256, "refit_pool": 300,
+                                                   "sibling_accuracy_slack": None})
     forget = torch.nonzero(train.columns["y"] == 5).flatten()[:40]
     trained = TrainedModel(model, TASK, train, RECIPE["weight_decay"], trajectory=trajectory)
     state = prepare_frozen_prefix(trained, method.binding(trained, settings), TrajectoryRefitPrepared, lazy=True)
@@ -1276,13 +1278,14 @@ def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
                                     card=_card(len(train)), trajectory=trajectory), settings, state)
     refit, retained = out.record["refit"], len(train) - len(forget)
     assert refit["steps"] == math.ceil(0.25 * math.ceil(retained / RECIPE["batch_size"])) and refit["samples"] == retained
-    assert refit["pool"].startswith(f"600 of the {retained} retained samples")
+    assert refit["pool"] == f"300 of the {retained} retained samples, first under a fixed ranking of sample ids, the " \
+                            "probe's left out"
+    assert refit["rounds"] == 1 and refit["steps"] * RECIPE["batch_size"] > 300  # one round visits the whole pool
     probe = out.carried["retained_probe"].sample_ids
-    pool = refit_pool(train.without(forget), 600, probe).sample_ids
+    pool = refit_pool(train.without(forget), 300, probe).sample_ids
     held = state.rows.ids[state.rows.have]
-    outside = ~torch.isin(held, torch.cat([train.sample_ids[forget], probe, pool]))
-    assert int(outside.sum()) <= 16  # the siblings' draw
-    assert int(torch.isin(held, pool).sum()) > 0
+    assert not bool(torch.isin(held, torch.cat([train.sample_ids[forget], probe, pool]), invert=True).any())
+    assert bool(torch.isin(pool, held).all())
 
     published = copy.deepcopy(model)
     published.load_state_dict({**published.state_dict(), **out.new_parameters})
@@ -1294,10 +1297,10 @@ def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
     second = method.run(RemovalProblem(published, TASK, rest, nxt, RECIPE["weight_decay"], seed=4, batch_size=512,
                                        card=_card(len(rest)), trajectory=trajectory), settings, after)
     assert second.record["guard"]["probe"].startswith("kept from the removal")
-    pool_then = refit_pool(rest.without(nxt), 600, second.carried["retained_probe"].sample_ids).sample_ids
+    pool_then = refit_pool(rest.without(nxt), 300, second.carried["retained_probe"].sample_ids).sample_ids
     unvisited = int((~torch.isin(pool_then, held)).sum())
-    assert unvisited < 100  # the first request's refit visited most of the pool
-    assert second.record["frozen_prefix"]["rows_computed"] <= len(nxt) + 16 + unvisited
+    assert unvisited <= len(nxt)  # the pool less the second U's members, the next-ranked in their place
+    assert second.record["frozen_prefix"]["rows_computed"] <= len(nxt) + unvisited
 
 
 # -- (f) every new version keeps the trajectory: unlearn forget's output and the version store -------------
