@@ -35,7 +35,7 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Batch, Task
 
-__all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "cache_frozen_prefix",
+__all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "bytes_of", "cache_frozen_prefix",
            "cached_bytes_per_sample", "deterministic_prefix", "memoized", "prefix_digest", "register_splitter",
            "split_for", "suffix_start"]
 
@@ -123,7 +123,7 @@ class PrefixCache:
         cached = {k: self.train.columns[k] for k in self.split.cached}
         return {"suffix_start_module": self.start, "suffix_modules": [type(m).__name__ for m in self.suffix.children()],
                 "cached_input_shape": {k: list(v.shape) for k, v in cached.items()},
-                "cached_bytes": _bytes_of(cached.values())}
+                "cached_bytes": bytes_of(cached.values())}
 
 
 @dataclass
@@ -159,7 +159,7 @@ class PrefixRows:
 
     @property
     def nbytes(self) -> int:
-        return _bytes_of(self.outputs.values())
+        return bytes_of(self.outputs.values())
 
     def drop_absent(self, present: Tensor) -> int:
         """Forget the rows of the samples not in ``present`` (the sample ids of a version's D: a removal's U and
@@ -232,7 +232,7 @@ def _timed_prefix_outputs(split: Split, model: nn.Module, task: Task, data: Samp
     return out, time.perf_counter() - started
 
 
-def _bytes_of(tensors: Any) -> int:
+def bytes_of(tensors: Any) -> int:
     """Bytes the tensors hold."""
     return int(sum(t.numel() * t.element_size() for t in tensors))
 

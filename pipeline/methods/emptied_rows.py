@@ -193,7 +193,7 @@ def _views(problem: RemovalProblem, retain: SampleSet, weight: str, samples: int
             whole = read(sample)
             source = "computed for this request" + ("" if stored is None else
                                                     " (S drawn anew: fewer than half of the kept one are retained)")
-            too_large = over_half_budget(problem.model, whole.nbytes + _held_bytes(keeper),
+            too_large = over_half_budget(problem.model, whole.nbytes + keeper.held_bytes,
                                          "the replay's checkpoint views with the prefix's outputs", device="cpu")
             if too_large is None:
                 keeper.checkpoint_views.clear()
@@ -231,13 +231,3 @@ def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int,
     for e, checkpoint in enumerate(trajectory.checkpoints):
         _tensor_digest(h, f"{e}/{weight}", checkpoint[weight])
     return samples, int(problem.batch_size), h.hexdigest()
-
-
-def _held_bytes(keeper: FrozenPrefixPrepared) -> int:
-    """Bytes of the prefix's outputs the prepared state holds now (rows computed on first read: all of D's memory once
-    the first is)."""
-    if keeper.rows is not None:
-        return keeper.rows.nbytes
-    if keeper.features is None:
-        return 0
-    return int(sum(v.numel() * v.element_size() for v in keeper.features.columns.values()))

@@ -16,7 +16,7 @@ from torch import nn
 from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.frozen_prefix import (
-    PrefixCache, PrefixRows, Split, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest, split_for,
+    PrefixCache, PrefixRows, Split, bytes_of, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest, split_for,
 )
 from pipeline.methods.base import TrainedModel
 from pipeline.param_block import ParamBlock
@@ -84,6 +84,13 @@ class FrozenPrefixPrepared(Prepared):
         def taken(data: SampleSet) -> SampleSet:
             return features.take(features.positions_of(data.sample_ids, field="frozen prefix outputs"))
         return SuffixInputs(suffix, split.task, split.start, taken)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the prefix's outputs held now (``rows``: their store, all of D's once the first is computed)."""
+        if self.rows is not None:
+            return self.rows.nbytes
+        return 0 if self.features is None else bytes_of(self.features.columns.values())
 
     def fresh_copy(self) -> "FrozenPrefixPrepared":
         return replace(self, checkpoint_views={}, emptied_classes=set(),
