@@ -802,8 +802,7 @@ def test_the_sampled_variant_forgets_the_class_from_fewer_gradients(class_3):
     model, out = _remove(class_3, ref.settings.model_dump())
     record = out.record
     assert record["trajectory"]["read"] == [0, 3, 6, 9, 12] and record["trajectory"]["checkpoints"] == 13
-    assert record["forget_gradient"] == {"samples": 32, "of": len(class_3.forget), "orthogonal_to": None,
-                                         "centred_on": None}
+    assert record["forget_gradient"] == {"samples": 32, "of": len(class_3.forget), "orthogonal_to": None}
     assert _accuracy(class_3.original, x, y) > 0.95 and _accuracy(model, x, y) <= 0.02
     guard = record["guard"]
     assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
@@ -1510,95 +1509,3 @@ def test_the_orthogonal_pushes_and_the_sibling_check_read_one_draw(class_3):
     assert guard["siblings"]["what"].startswith("16 of the ")
     assert guard["tried"][-1]["sibling_accuracy"] >= guard["siblings"]["floor"]
     assert guard["tried"][-1]["retained_probe_loss"] <= guard["ceiling"]
-
-
-def test_the_label_matched_draw_is_k_retained_samples_of_each_sample_s_label(class_3):
-    """label_matched: for every sample of U's sample, k retained samples of its label (without replacement, seeded),
-    weighted 1 / k, in one set; a label with fewer than k n_c retained samples gives all of them in a set of its own,
-    weighted n_c / |R_c| (their mean, exactly); none of U is drawn; the same seed draws the same ids, another seed
-    others; a label with no retained sample (class 3 emptied) is counted unmatched; a whole class has nothing to
-    match."""
-    from pipeline.methods.trajectory_refit import label_matched
-
-    train, y = class_3.train, class_3.train.columns["y"]
-    threes = class_3.forget
-    others = torch.nonzero((y != 3) & (y != 5)).flatten()[::25]
-    fives = torch.nonzero(y == 5).flatten()
-    forget = torch.cat([others, threes[:5], fives[:-4]])
-    sample = train.take(forget)
-    retain = train.without(torch.cat([forget, threes[5:]]))  # no 3 retained; 4 fives
-    sets, what = label_matched(sample, retain, TASK, 3, 0)
-    (even, w_even), (five, w_five) = sets
-    assert w_even == pytest.approx(1 / 3) and len(even) == 3 * len(others)
-    for label in range(10):
-        assert int((even.columns["y"] == label).sum()) == (0 if label in (3, 5) else 3 * int((y[others] == label).sum()))
-    assert sorted(five.sample_ids.tolist()) == sorted(train.sample_ids[fives[-4:]].tolist())
-    assert w_five == pytest.approx((len(fives) - 4) / 4)
-    assert what.startswith(f"{3 * len(others) + 4} retained samples of the same labels, 3 per sample of U drawn")
-    assert "fewer: 1 labels" in what and "; 5 samples of U unmatched" in what
-    for rows, _ in sets:
-        assert not bool(torch.isin(rows.sample_ids, sample.sample_ids).any())
-        assert bool(torch.isin(rows.sample_ids, retain.sample_ids).all())
-    assert torch.equal(label_matched(sample, retain, TASK, 3, 0)[0][0][0].sample_ids, even.sample_ids)
-    assert not torch.equal(label_matched(sample, retain, TASK, 3, 1)[0][0][0].sample_ids, even.sample_ids)
-    emptied, what = label_matched(train.take(threes), train.without(threes), TASK, 2, 0)
-    assert emptied == [] and what.startswith("nothing: no retained sample shares a label")
-
-
-def test_the_pushes_centred_on_their_labels_are_the_formula(class_3):
-    """A random U (every 12th image, all ten labels), no guard and no refit, so the published weights are the
-    original's plus scale x the pushes: with centred_on_siblings k, (1 / n) sum_k W_k (G_U(c_k) - G_M(c_k) / k), M
-    the seeded label-matched draw (``label_matched``), every gradient here by autograd over the checkpoint's weights.
-    Centring takes off much of a random set's push (its labels' common part: the pushes of all of D share it), which
-    the uncentred pushes keep. A whole class has nothing to match: the same weights with or without it. The setting and
-    orthogonal_to_siblings exclude each other."""
-    from pydantic import ValidationError
-
-    from pipeline.methods.trajectory_refit import label_matched
-
-    train, original, trajectory = class_3.train, class_3.original, class_3.trajectory
-    forget = torch.arange(0, len(train), 12)
-    fit = ClassFit(train, class_3.test, forget, original, trajectory)
-    scale = 0.3
-    base = {"scale": scale, "refit_epochs": 0.0, "retained_loss_slack": None, "checkpoints": 3}
-    names = [k for k, p in original.named_parameters() if p.requires_grad]
-    start = torch.cat([original.state_dict()[k].reshape(-1).double() for k in names])
-
-    def moved(model: nn.Module) -> torch.Tensor:
-        return torch.cat([model.state_dict()[k].reshape(-1).double() for k in names]) - start
-
-    [(matched, weight)], _ = label_matched(train.take(forget), train.without(forget), TASK, 2, 0)
-    assert weight == 0.5 and len(matched) == 2 * len(forget)
-    net = copy.deepcopy(original).double()
-
-    def gradient(ckpt: dict, rows: SampleSet) -> torch.Tensor:
-        params = {k: ckpt[k].detach().double().clone().requires_grad_(True) for k in names}
-        loss = nn.functional.cross_entropy(torch.func.functional_call(net, params, (rows.columns["x"].double(),)),
-                                           rows.columns["y"], reduction="sum")
-        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, [params[k] for k in names])])
-
-    weights = checkpoint_weights(trajectory.rates, kept_checkpoints(len(trajectory.checkpoints), 3))
-    plain = torch.zeros_like(start)
-    centred = torch.zeros_like(start)
-    for k, w in weights.items():
-        g_u = gradient(trajectory.checkpoints[k], train.take(forget))
-        plain += w * g_u
-        centred += w * (g_u - gradient(trajectory.checkpoints[k], matched) / 2)
-    plain, centred = plain / trajectory.n, centred / trajectory.n
-
-    model, out = _remove(fit, {**base, "centred_on_siblings": 2})
-    assert out.record["forget_gradient"]["centred_on"].startswith(f"{2 * len(forget)} retained samples of the same")
-    assert torch.allclose(moved(model), scale * centred, rtol=1e-4, atol=1e-7 * float(centred.norm()))
-    print(f"\ncentred / plain norm {float(centred.norm()) / float(plain.norm()):.3f}, taken off "
-          f"{float((plain - centred).norm()) / float(plain.norm()):.3f}")
-    assert float((plain - centred).norm()) > 0.3 * float(plain.norm())  # the labels' common part
-    uncentred, out = _remove(fit, base)
-    assert out.record["forget_gradient"]["centred_on"] is None
-    assert torch.allclose(moved(uncentred), scale * plain, rtol=1e-4, atol=1e-7 * float(plain.norm()))
-
-    emptied, out = _remove(class_3, {**base, "centred_on_siblings": 2})
-    assert out.record["forget_gradient"]["centred_on"].startswith("nothing: no retained sample shares a label")
-    assert all(torch.equal(a, b) for a, b in zip(emptied.state_dict().values(),
-                                                 _remove(class_3, base)[0].state_dict().values()))
-    with pytest.raises(ValidationError, match="set one of them"):
-        parse_settings("trajectory-refit", {"centred_on_siblings": 2, "orthogonal_to_siblings": True})

@@ -85,15 +85,6 @@ one more gradient over that draw per read checkpoint. The check then scores the 
 orthogonal to (to first order it leaves their summed loss alone), so it is a weaker check there than on siblings it
 never saw; a subject's siblings are usually fewer than the draw, so there are none left to hold out. A heuristic: one
 direction of the label's many; measured on the identities benchmark's tuning subjects (docs/NOTES.md).
-Centred on the labels (``centred_on_siblings`` k, off by default; the variant
-``configs/methods/trajectory-refit-sampled-centred.yaml``). A random U spans many labels, and the siblings' summed
-gradient is then nearly R's own: one direction. Instead each sample u of the pushes' sample S is matched with k
-retained samples of its label (``label_matched``, a seeded draw), and each read G_U(c_k) loses their gradient:
-    G_U <- |U| / |S| (sum_{u in S} grad loss(c_k, u) - sum_c n_c / m_c sum_{s in M_c} grad loss(c_k, s)),
-M_c the m_c = min(k n_c, |R_c|) retained samples of label c drawn for its n_c members of S: U's excess over a typical
-retained sample of the same label, its own samples' memorisation, without the push its labels get from all their
-samples (which Retrain keeps). k n_c more gradients per read checkpoint. A heuristic, measured on the identities
-benchmark's random cells (docs/NOTES.md).
 First order in m / n around the recorded run; a removal from a
 version already changed by earlier removals uses the same checkpoints. No guarantee: never certified.
 """
@@ -106,7 +97,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data import SampleSet
@@ -127,12 +118,11 @@ from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.trajectory import TRAJECTORY_FILE
 
 __all__ = ["ProbeLosses", "TrajectoryRefit", "TrajectoryRefitPrepared", "TrajectoryRefitSettings", "forget_sample",
-           "label_matched", "refit_pool", "sibling_probe", "without_component"]
+           "refit_pool", "sibling_probe", "without_component"]
 
 PROBE_STREAM = 34  # the guard's probe of D \ U (hashed with the removal seed)
 FORGET_SAMPLE_STREAM = 35  # the pushes' sample of U (hashed with the removal seed)
 SIBLING_STREAM = 36  # the guard's draw of U's siblings in D \ U (hashed with the removal seed)
-MATCH_STREAM = 38  # the pushes' label-matched draw of D \ U (hashed with the removal seed)
 POOL_SEED = 37  # the refit pool's fixed ranking of sample ids (the same on every request and version)
 REFIT_ROUND_STREAM = 1000  # refits after the first: streams 1000 + k (k refits already run)
 
@@ -156,13 +146,6 @@ class TrajectoryRefitSettings(MethodSettings):
         False, description="G_U at each read checkpoint less its component along the siblings' summed gradient there "
                            "(the share of U's push that teaches U's label, which Retrain takes from the siblings too); "
                            "no effect where U leaves no siblings or the task is no single-label classifier")
-    centred_on_siblings: int | None = Field(
-        None, gt=0, description="G_U at each read checkpoint less what retained samples of the same labels get there: "
-                                "each sample of the pushes' sample of U matched with this many retained samples of its "
-                                "label (a seeded draw), G_U <- G_U - (1 / k) G_matched (all of a label's retained "
-                                "samples, weighted to their mean, where it has fewer), so that what is taken back is U's "
-                                "excess over a typical sample of its label (null: off; a label with no retained sample, a "
-                                "class emptied, keeps its push; single-label classification only)")
     refit_pool: int | None = Field(
         None, gt=0, description="the refit's batches drawn from a pool of this many retained samples, the first under a "
                                 "fixed ranking of sample ids (the same on every request and version, U's members and "
@@ -179,13 +162,6 @@ class TrajectoryRefitSettings(MethodSettings):
                                                                "times |U| / k (null: all of U)")
     emptied_classes: EmptiedMode = emptied_classes_field()
     emptied_class_samples: int = emptied_class_samples_field()
-
-    @model_validator(mode="after")
-    def _one_push_correction(self) -> "TrajectoryRefitSettings":
-        if self.orthogonal_to_siblings and self.centred_on_siblings is not None:
-            raise ValueError("orthogonal_to_siblings and centred_on_siblings are two corrections of the same pushes: "
-                             "set one of them")
-        return self
 
 
 @dataclass(frozen=True)
@@ -259,45 +235,6 @@ def sibling_probe(forget: SampleSet, retain: SampleSet, task: Any, count: int | 
     siblings = retain.take(torch.nonzero(shared).flatten())
     probe = draw(siblings, count, stream_seed(seed, SIBLING_STREAM))
     return probe, f"{len(probe)} of the {len(siblings)} retained samples sharing a label with the forget set"
-
-
-def label_matched(sample: SampleSet, retain: SampleSet, task: Any, per_sample: int, seed: int
-                  ) -> tuple[list[tuple[SampleSet, float]], str]:
-    """Retained samples of the labels of ``sample``'s samples, each with the weight that makes its summed gradient
-    estimate sum_{u in S} E[grad loss(w, z) | z in R, y_z = y_u], the push a typical retained sample of u's label gets:
-    for a label c held by n_c of S, a seeded draw without replacement of m_c = min(k n_c, |R_c|) of R's samples of c,
-    weighted n_c / m_c (1 / k where R holds k n_c of them; where it holds fewer, all of them: their mean exactly).
-    Labels of weight 1 / k form one set, each other label its own. A label with no retained sample (a class emptied)
-    gets none. No set where the task is no single-label classifier or no label of ``sample`` is retained."""
-    y = retain.columns.get("y")
-    if OUTPUT_KINDS.get(task.loss, ("",))[0] != "single" or y is None or y.dim() != 1 or y.is_floating_point():
-        return [], "nothing: not a single-label classification task"
-    order = torch.argsort(y, stable=True)
-    ranked = y[order].contiguous()
-    generator = torch.Generator().manual_seed(stream_seed(seed, MATCH_STREAM))
-    even: list[torch.Tensor] = []
-    sets: list[tuple[SampleSet, float]] = []
-    unmatched = drawn = 0
-    for label, count in zip(*sample.columns["y"].unique(return_counts=True)):
-        lo = int(torch.searchsorted(ranked, label, right=False))
-        hi = int(torch.searchsorted(ranked, label, right=True))
-        if hi == lo:
-            unmatched += int(count)
-            continue
-        want = int(count) * per_sample
-        picks = order[lo + torch.randperm(hi - lo, generator=generator)[:want]]
-        drawn += len(picks)
-        if len(picks) == want:
-            even.append(picks)
-        else:
-            sets.append((retain.take(picks.sort().values), int(count) / len(picks)))
-    if even:
-        sets.insert(0, (retain.take(torch.cat(even).sort().values), 1.0 / per_sample))
-    if not sets:
-        return [], "nothing: no retained sample shares a label with the forget set's sample (a class emptied)"
-    return sets, (f"{drawn} retained samples of the same labels, {per_sample} per sample of U drawn (all of a "
-                  f"label's where it has fewer: {len(sets) - bool(even)} labels)"
-                  + (f"; {unmatched} samples of U unmatched: no retained sample of their label" if unmatched else ""))
 
 
 def without_component(gradient: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
@@ -399,8 +336,6 @@ class TrajectoryRefit(RemovalMethod):
         siblings, siblings_what = ((drawn, drawn_what) if checked
                                    else (None, "no sibling check (sibling_accuracy_slack or the guard off)"))
         pushed_siblings = drawn if settings.orthogonal_to_siblings else None  # drawn by the pushes
-        matched: list[tuple[SampleSet, float]] = []
-        matched_what = None
         pool = refit_pool(retain, settings.refit_pool, None if settings.refit_pool is None or probe is None
                           else probe.sample_ids)
         pool_what = None if settings.refit_pool is None else (
@@ -442,18 +377,11 @@ class TrajectoryRefit(RemovalMethod):
                                         prepared)
             with problem.stage("forget_pushes", timings):
                 sample, share = forget_sample(forget, settings.forget_samples, problem.seed)
-                if settings.centred_on_siblings is not None:
-                    matched, matched_what = label_matched(sample, retain, task, settings.centred_on_siblings,
-                                                          problem.seed)
-                    matched = [(read(rows), weight) for rows, weight in matched]
                 sample = read(sample)
 
                 def forget_gradient() -> torch.Tensor:
                     g = share * block_gradient(work, task, sample, block, 0.0, reduction="sum",
                                                batch_size=problem.batch_size)
-                    for rows, weight in matched:
-                        g -= (share * weight) * block_gradient(work, task, rows, block, 0.0, reduction="sum",
-                                                               batch_size=problem.batch_size)
                     if pushed_siblings is None:
                         return g
                     along = block_gradient(work, task, pushed_siblings, block, 0.0, reduction="sum",
@@ -515,8 +443,7 @@ class TrajectoryRefit(RemovalMethod):
             "forget_gradient": {"samples": len(sample), "of": len(forget), "orthogonal_to": (
                 None if not settings.orthogonal_to_siblings
                 else f"the summed gradient of {drawn_what}" if pushed_siblings is not None
-                else f"nothing: {drawn_what.removeprefix('no sibling check: ')}"),
-                "centred_on": matched_what},
+                else f"nothing: {drawn_what.removeprefix('no sibling check: ')}")},
             "emptied_classes": emptied.record,
             "scale": scale, "correction_norm": scale * float(pushes.norm()),
             "guard": None if probe is None else {
