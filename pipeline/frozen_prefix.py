@@ -25,7 +25,7 @@ import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -232,7 +232,7 @@ def _timed_prefix_outputs(split: Split, model: nn.Module, task: Task, data: Samp
     return out, time.perf_counter() - started
 
 
-def bytes_of(tensors: Any) -> int:
+def bytes_of(tensors: Iterable[Tensor]) -> int:
     """Bytes the tensors hold."""
     return int(sum(t.numel() * t.element_size() for t in tensors))
 
