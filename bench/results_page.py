@@ -4,10 +4,13 @@
     python -m bench.results_page --out /tmp/R.md      # elsewhere (the test does this)
     python -m bench.results_page --results DIR        # from another results folder
 
-The default run also rewrites README.md's short results table (``readme_table``: at most ten rows, the
-end-to-end benchmark's cells, and its U-LiRA games where they were played; then a second table of the identities
-cells run on another processor, ``SECOND_MACHINE_CELLS``; between the markers ``<!-- results:start -->`` and ``<!-- results:end -->``) from the same JSON;
-``--readme PATH`` rewrites that file's table even with ``--out`` or ``--results`` given.
+The page opens with the headline tables (``headline_tables``): the end-to-end benchmark's twelve cells on one
+processor with the files behind every row, then the identities cells on another processor (``SECOND_MACHINE_CELLS``),
+the Fashion-MNIST cells with a brief refit (``BRIEF_CELLS``) and the R8 cells run again (``R8_BRIEF_CELLS``). The
+default run also rewrites README.md's short results table from the same JSON (``readme_table``: the first of them
+with at most ten rows, its U-LiRA games, and a pointer to the page; between the markers ``<!-- results:start -->``
+and ``<!-- results:end -->``); ``--readme PATH`` rewrites that file's table even with ``--out`` or ``--results``
+given.
 
 One section per benchmark script, one subsection per JSON file: the command that produced it
 (recorded in the JSON, else the usage lines of the script's docstring), the machine it ran on (the
@@ -35,7 +38,7 @@ RESULTS_DIR = ROOT / "bench" / "results"
 DEFAULT_OUT = ROOT / "docs" / "RESULTS.md"
 README = ROOT / "README.md"
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
-# README's short table: the end-to-end benchmark's cells (file, scenario) and these rows of them
+# The first headline table (README's, with fewer rows): the end-to-end benchmark's cells (file, scenario)
 README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
                 ("deep_fmnist-cnn_partial_random_1pct.json", "random_1pct"),
                 ("deep_fmnist-cnn_partial_random_10pct.json", "random_10pct"),
@@ -51,6 +54,20 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
 # Companion files of a README cell: more rows of the same cell, run by another command on the same reported
 # forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
 # sample ids and the reference rows' figures agree, else they are left out and the table says why).
+# the R8 runs of the fourth headline table: the scenarios each file of a pair holds (a pair of processes, two
+# scenarios each)
+R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
+                 "random_10pct": "class-random_10pct", "subject": "random_1pct-subject"}
+R8_CELL_BASELINES = {"class": ("deep_r8-minilm_partial_class_baselines.json",),
+                     "random_10pct": ("deep_r8-minilm_partial_random_10pct_baselines.json",
+                                      "deep_r8-minilm_partial_random_10pct_recorded_run.json")}
+
+
+def r8_brief_file(scenario: str, suffix: str = "") -> str:
+    """The R8 brief run's file holding ``scenario`` (``suffix`` "-leaner": the latest pair's; "": the pair before)."""
+    return f"deep_r8-minilm_partial_{R8_BRIEF_RUNS[scenario]}_grid-r8-minilm{suffix}.json"
+
+
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",
                                                       "deep_fmnist-cnn_partial_class_recorded_run.json"),
@@ -63,26 +80,34 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",
         f"deep_identities_partial_{sc}_recorded_run.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
-    ("deep_r8-minilm_partial_class.json", "class"): ("deep_r8-minilm_partial_class_baselines.json",),
-    ("deep_r8-minilm_partial_random_10pct.json", "random_10pct"): ("deep_r8-minilm_partial_random_10pct_baselines.json",
-                                                                   "deep_r8-minilm_partial_random_10pct_recorded_run.json"),
+    # R8: trajectory-refit-lean and trajectory-refit-leaner from the fourth headline table's pair of runs (first, so
+    # that both rows come from one run), trajectory-refit timed again in the pair before (README_RETIMED), baselines
+    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, "-leaner"), r8_brief_file(sc),
+                                                   *R8_CELL_BASELINES.get(sc, ()))
+       for sc in R8_BRIEF_RUNS},
 }
 # trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
 # points configs/tuning/timing/ gives (placed by sweeps on the tuning sets), trajectory-refit-sampled beside it in the
 # same run: that row of these companions replaces the one the cell's own file holds (an older setting, before the
 # check), and the table's lead says so
 README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    (f"deep_identities_partial_{sc}.json", sc): (f"deep_identities_partial_{sc}_grid-{grid}.json", ("trajectory-refit",))
-    for sc, grid in (("identity", "trajectory-refit-and-sampled-identity-quarter"),
-                     ("random_1pct", "trajectory-refit-and-sampled-quarter-scale-0.3"),
-                     ("subject", "trajectory-refit-sampled-orthogonal-subject"))}
-README_RETIMED_WHY = ("the current method, its guard's sibling check included, with a quarter-epoch refit at the scales "
-                      "its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random 1 %, 0.03 on the "
-                      "subject (five tuning subjects); trajectory-refit-sampled beside it in the same run (0.1, 0.3, "
-                      "0.1) and, on the subject, trajectory-refit-sampled-orthogonal (1.0, backtracked by its guard); "
-                      "the U-LiRA games below are the cell files' own rows, then those played again at these settings")
-for _cell, (_retimed, _) in README_RETIMED.items():
-    README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
+    **{(f"deep_identities_partial_{sc}.json", sc): (f"deep_identities_partial_{sc}_grid-{grid}.json", ("trajectory-refit",))
+       for sc, grid in (("identity", "trajectory-refit-and-sampled-identity-quarter"),
+                        ("random_1pct", "trajectory-refit-and-sampled-quarter-scale-0.3"),
+                        ("subject", "trajectory-refit-sampled-orthogonal-subject"))},
+    # R8: trajectory-refit paying MiniLM's frozen layers per document read
+    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc), ("trajectory-refit",)) for sc in R8_BRIEF_RUNS}}
+README_RETIMED_WHY = ("on the identities, the current method, its guard's sibling check included, with a quarter-epoch "
+                      "refit at the scales its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random "
+                      "1 %, 0.03 on the subject (five tuning subjects); trajectory-refit-sampled beside it in the same "
+                      "run (0.1, 0.3, 0.1) and, on the subject, trajectory-refit-sampled-orthogonal (1.0, backtracked by "
+                      "its guard); the U-LiRA games below are the cell files' own rows, then those played again at "
+                      "these settings. On R8, the current method paying MiniLM's frozen layers only for the documents a "
+                      "request reads; trajectory-refit-lean and trajectory-refit-leaner there from a later pair of runs "
+                      "on the same sets")
+for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a companion too (first, unless named already)
+    if _retimed not in README_COMPANIONS.get(_cell, ()):
+        README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
 # U-LiRA games played again at the settings of the retimed rows (README_RETIMED), on the cell's first reported set:
 # each file's game is a line after the cell file's own (checked: the same sets and reference rows)
 README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
@@ -92,15 +117,21 @@ README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
-README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
-               "trajectory-refit-sampled", "trajectory-refit-sampled-orthogonal", "salun", "finetune")
+# the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
+# README_ROWS of them, the other baselines folded into its best-of row
+HEADLINE_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
+                 "trajectory-refit-sampled", "trajectory-refit-sampled-orthogonal", "trajectory-refit-lean",
+                 "trajectory-refit-leaner", "salun", "finetune")
+README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "trajectory-refit-sampled",
+               "trajectory-refit-sampled-orthogonal", "trajectory-refit-lean", "trajectory-refit-leaner", "salun")
 # (block-gauss-newton, measured on the Fashion-MNIST class alone, 62 % served, is in docs/RESULTS.md)
-# one more README row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell
-# is in docs/RESULTS.md); the table stays short however many baselines a cell ran
-README_BEST_OF = ("gradient-ascent", "neggrad-plus", "random-labels", "scrub", "l1-sparse")
+# one more row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell is in
+# docs/RESULTS.md); the table stays short however many baselines a cell ran
+HEADLINE_BEST_OF = ("gradient-ascent", "neggrad-plus", "random-labels", "scrub", "l1-sparse")
+README_BEST_OF = ("finetune", *HEADLINE_BEST_OF)
 README_DEFAULT = "lfoci-newton"
 COMMAND = "python -m bench.results_page"
-# README's second, smaller table: the identities cells run on another processor, whose original differs from the
+# The second headline table: the identities cells run on another processor, whose original differs from the
 # first table's (the same command and seeds; its kernels round differently), each against that run's own Retrain;
 # variants measured there stand beside each other, never beside the first table's rows
 SECOND_MACHINE_CELLS = tuple((f"deep_identities_partial_{sc}_lean.json", sc)
@@ -116,18 +147,19 @@ SECOND_MACHINE_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     for name, sc in SECOND_MACHINE_CELLS}
 SECOND_MACHINE_ROWS = ("original", "retrain-reseed", "lfoci-newton-recorded-run-lean",
                        "lfoci-newton-recorded-run-lean-2x", "trajectory-refit")
-# README's third table: the Fashion-MNIST cells run again with trajectory-refit-sampled's brief refit beside SalUn,
+# The third headline table: the Fashion-MNIST cells run again with trajectory-refit-sampled's brief refit beside SalUn,
 # in one run on that processor (configs/tuning/brief/fmnist-cnn.yaml), each against that run's own Retrain
 BRIEF_FILE = "deep_fmnist-cnn_partial_class-random_1pct-random_10pct-subject_grid-fmnist-cnn.json"
 BRIEF_CELLS = tuple((BRIEF_FILE, sc) for sc in ("class", "random_1pct", "random_10pct", "subject"))
 BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit-sampled", "salun")
-# README's fourth table: the Reuters R8 cells run again (configs/tuning/brief/r8-minilm.yaml, two runs of two scenarios
-# each on one processor, the same original): trajectory-refit and trajectory-refit-lean reading the frozen prefix's rows
-# on first read, beside SalUn, each against that run's own Retrain
-R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
-                 "random_10pct": "class-random_10pct", "subject": "random_1pct-subject"}
-R8_BRIEF_CELLS = tuple((f"deep_r8-minilm_partial_{pair}_grid-r8-minilm.json", sc) for sc, pair in R8_BRIEF_RUNS.items())
-R8_BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit", "trajectory-refit-lean", "salun")
+# The fourth headline table: the Reuters R8 cells run again (configs/tuning/brief/r8-minilm.yaml, pairs of runs of two
+# scenarios each on one processor, the first table's original), reading the frozen prefix's rows on first read, each
+# row against its run's own Retrain: the latest pair (trajectory-refit-leaner beside trajectory-refit-lean and SalUn),
+# trajectory-refit's row from the pair before (on the same sets and original)
+R8_BRIEF_CELLS = tuple((r8_brief_file(sc, "-leaner"), sc) for sc in R8_BRIEF_RUNS)
+R8_BRIEF_COMPANIONS = {(name, sc): (r8_brief_file(sc),) for name, sc in R8_BRIEF_CELLS}
+R8_BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit", "trajectory-refit-lean", "trajectory-refit-leaner",
+                 "salun")
 
 
 # -- small formatting helpers ---------------------------------------------------------------------
@@ -373,8 +405,10 @@ def build(results_dir: Path = RESULTS_DIR) -> str:
         "[METHODS.md](METHODS.md)). `bench/results/summary.md` is an older summary of the same files, written by "
         "`python -m bench.run_all`.", "",
         "Contents:", "",
+        f"- [{HEADLINE_TITLE}](#{slug(HEADLINE_TITLE)}) (what README.md shows, with its sources)",
         *[f"- [{title}](#{slug(title)}) ({len(groups[title])} file{'s' if len(groups[title]) > 1 else ''})"
           for _, title, _, _ in sections], "",
+        *headline_tables(results_dir),
     ]
     for _, title, script, render in sections:
         lines += [f"## {title}", "", f"Script: `{script}`." if script else "Script: none in bench/.", ""]
@@ -402,9 +436,9 @@ def readme_cell(agg: dict[str, Any] | None) -> str:
 
 
 def best_of_cell(summary: dict[str, Any], rows: tuple[str, ...] | None = None) -> str:
-    """The README cell of the one of ``rows`` (default ``README_BEST_OF``) with the least finite mean Avg. Gap in
+    """The table cell of the one of ``rows`` (default ``HEADLINE_BEST_OF``) with the least finite mean Avg. Gap in
     ``summary``, prefixed with its name, and how many of them the cell ran; "-" where it ran none that has one."""
-    rows = README_BEST_OF if rows is None else rows
+    rows = HEADLINE_BEST_OF if rows is None else rows
     ran = [row for row in rows if row in summary]
 
     def gap(row: str) -> float | None:
@@ -434,21 +468,22 @@ def _counts(cells: list[tuple[str, dict[str, Any] | None, str]]) -> tuple[str, s
 
 
 def _ulira_parts(game: dict[str, Any]) -> str:
-    """A U-LiRA game's rows among README_ROWS: the attack's accuracy (95 % interval), or why a row was not played."""
+    """A U-LiRA game's rows among HEADLINE_ROWS: the attack's accuracy (95 % interval), or why a row was not played."""
     rows = game.get("rows", {})
     parts = [f"{row} {rows[row]['accuracy']:.1f} [{rows[row]['ci95'][0]:.1f}, {rows[row]['ci95'][1]:.1f}]"
-             for row in README_ROWS if isinstance(rows.get(row), dict) and "accuracy" in rows[row]]
+             for row in HEADLINE_ROWS if isinstance(rows.get(row), dict) and "accuracy" in rows[row]]
     parts += [f"{row} not played ({', '.join(sorted(k for k in rows[row] if k != 'shadow'))} at shadow "
-              f"{rows[row].get('shadow')})" for row in README_ROWS
+              f"{rows[row].get('shadow')})" for row in HEADLINE_ROWS
               if isinstance(rows.get(row), dict) and "accuracy" not in rows[row]]
     return ", ".join(parts)
 
 
 def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                  again: dict[tuple[str, str], tuple[str, ...]] | None = None,
-                 loaded: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
-    """One line per README cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
-    file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it."""
+                 loaded: dict[str, dict[str, Any] | None] | None = None, link: str = "") -> list[str]:
+    """One line per table cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
+    file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it
+    (``link``: the path from the page to the repository's root, "" from README.md)."""
     from bench.deep_forgetting import ULIRA_ATTACKABLE
 
     lines = []
@@ -465,7 +500,7 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             why = _disagreement_or_unreadable(d, o, sc) if replay else "no U-LiRA game"
             if why is None:
                 lines.append(f"- {_cell_title(d, sc)}, played again at the table's settings, {replay['shadows']} "
-                             f"shadow pairs ([{other}](bench/results/{other})): {_ulira_parts(replay)}.")
+                             f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:
                 lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
     if lines:
@@ -538,45 +573,86 @@ def merged_block(d: dict[str, Any], scenario: str, companions: dict[str, Any],
     return block, merged, notes
 
 
-def readme_table(results_dir: Path = RESULTS_DIR) -> str:
-    """README.md's results: the short table of the end-to-end benchmark's cells (at most ten rows) with its
-    U-LiRA games, then the second machine's identities cells (``SECOND_MACHINE_CELLS``); a file or scenario that
-    cannot be read gets its column marked, never a crash."""
+HEADLINE_TITLE = "Headline tables"
+
+
+def _load(results_dir: Path) -> dict[str, dict[str, Any] | None]:
+    """Every file the headline tables read (cells, companions, games played again): name -> JSON, None where
+    unreadable."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values()]
+    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *R8_BRIEF_COMPANIONS.values(),
+                  *README_ULIRA_AGAIN.values()]
     for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS, *R8_BRIEF_CELLS)]
                               + [c for cs in companions for c in cs]):
         try:
             loaded[name] = json.loads((results_dir / name).read_text())
         except (OSError, ValueError):
             loaded[name] = None
+    return loaded
+
+
+def _first_table(loaded: dict[str, dict[str, Any] | None], *, sources: bool) -> str:
+    """The end-to-end benchmark's twelve cells on one processor with its U-LiRA games: ``HEADLINE_ROWS`` and the
+    sources of every row (``sources``, docs/RESULTS.md), or README's ``README_ROWS`` with a pointer there."""
+    rows, best_of = (HEADLINE_ROWS, HEADLINE_BEST_OF) if sources else (README_ROWS, README_BEST_OF)
+    return _cells_table(loaded, README_CELLS, README_COMPANIONS, rows, best_of,
+                        "Networks trained end to end (every layer the recipe trains saw the data).",
+                        retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN,
+                        sources=sources)
+
+
+def readme_table(results_dir: Path = RESULTS_DIR) -> str:
+    """README.md's results: the end-to-end benchmark's cells (at most ten rows) with their U-LiRA games; the
+    sources of every figure and the other headline tables are in docs/RESULTS.md (``headline_tables``). A file or
+    scenario that cannot be read gets its column marked, never a crash."""
+    return _first_table(_load(results_dir), sources=False)
+
+
+def headline_tables(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """docs/RESULTS.md's first section: README's table with every row and its sources, then the second machine's
+    identities cells, the Fashion-MNIST cells with a brief refit and the R8 cells run again."""
+    loaded = _load(results_dir)
+    return [f"## {HEADLINE_TITLE}", "",
+            "The end-to-end benchmark's tables that README.md shows (the first, with fewer rows) or names, each with "
+            "the files its figures come from. Each file's own tables follow in the sections below.", "",
+            _first_table(loaded, sources=True), _second_machine_table(loaded), _brief_table(loaded), _r8_table(loaded)]
+
+
+def _second_machine_table(loaded: dict[str, dict[str, Any] | None]) -> str:
+    """The identities cells on a second processor (``SECOND_MACHINE_CELLS``), each row against that run's Retrain."""
     accuracy = [_original_test_accuracy(loaded[cells[-1][0]])
                 for cells in (README_CELLS, SECOND_MACHINE_CELLS)]   # the identities cells of each table
-    second = _cells_table(loaded, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
-                          "The identities benchmark on a second processor, whose original differs from the table's "
-                          f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
-                          "each row against that run's own Retrain; trajectory-refit there at the points its "
-                          "refit-length sweep on the tuning sets placed (a quarter epoch at scale 0.3 on random 1 % "
-                          "and 0.1 on the subject, half an epoch at 0.1 on the identity), with its later request "
-                          "costs (docs/FINDINGS.md).", with_ulira=False)
-    brief = _cells_table(loaded, BRIEF_CELLS, {}, BRIEF_ROWS, (),
-                         "The Fashion-MNIST cells run again, trajectory-refit-sampled with the refit its sweep on the "
-                         "tuning sets placed (none, a 64th or a 16th of the recipe's 4 epochs, tuned per scenario) "
-                         f"beside SalUn in the same run, on a processor whose original differs from the first table's "
-                         f"(test accuracy {_original_test_accuracy(loaded[BRIEF_FILE])} against "
-                         f"{_original_test_accuracy(loaded[README_CELLS[0][0]])}), each row against that run's own "
-                         "Retrain.", with_ulira=False)
-    r8 = _cells_table(loaded, R8_BRIEF_CELLS, {}, R8_BRIEF_ROWS, (),
-                      "The Reuters R8 cells run again, trajectory-refit and trajectory-refit-lean (few samples "
-                      "everywhere, a refit of 0.03 of the recipe's one epoch) paying MiniLM's frozen layers only for the "
-                      "documents a request reads, beside SalUn, in two runs of two scenarios each on one processor "
-                      f"(the original's test accuracy {_original_test_accuracy(loaded[R8_BRIEF_CELLS[0][0]])}; "
-                      f"{_original_test_accuracy(loaded[README_CELLS[4][0]])} in the first table's R8 cells), each "
-                      "row against its run's own Retrain.", with_ulira=False)
-    return (_cells_table(loaded, README_CELLS, README_COMPANIONS, README_ROWS, README_BEST_OF,
-                         "Networks trained end to end (every layer the recipe trains saw the data).",
-                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN)
-            + "\n" + second + "\n" + brief + "\n" + r8)
+    return _cells_table(loaded, SECOND_MACHINE_CELLS, SECOND_MACHINE_COMPANIONS, SECOND_MACHINE_ROWS, (),
+                        "The identities benchmark on a second processor, whose original differs from the table's "
+                        f"above (the same command and seeds; test accuracy {accuracy[1]} against {accuracy[0]}), "
+                        "each row against that run's own Retrain; trajectory-refit there at the points its "
+                        "refit-length sweep on the tuning sets placed (a quarter epoch at scale 0.3 on random 1 % "
+                        "and 0.1 on the subject, half an epoch at 0.1 on the identity), with its later request "
+                        "costs (docs/FINDINGS.md).", with_ulira=False)
+
+
+def _brief_table(loaded: dict[str, dict[str, Any] | None]) -> str:
+    """The Fashion-MNIST cells with trajectory-refit-sampled's brief refit beside SalUn (``BRIEF_CELLS``)."""
+    return _cells_table(loaded, BRIEF_CELLS, {}, BRIEF_ROWS, (),
+                        "The Fashion-MNIST cells run again, trajectory-refit-sampled with the refit its sweep on the "
+                        "tuning sets placed (none, a 64th or a 16th of the recipe's 4 epochs, tuned per scenario) "
+                        f"beside SalUn in the same run, on a processor whose original differs from the first table's "
+                        f"(test accuracy {_original_test_accuracy(loaded[BRIEF_FILE])} against "
+                        f"{_original_test_accuracy(loaded[README_CELLS[0][0]])}), each row against that run's own "
+                        "Retrain.", with_ulira=False)
+
+
+def _r8_table(loaded: dict[str, dict[str, Any] | None]) -> str:
+    """The Reuters R8 cells run again (``R8_BRIEF_CELLS``, ``R8_BRIEF_COMPANIONS``)."""
+    return _cells_table(loaded, R8_BRIEF_CELLS, R8_BRIEF_COMPANIONS, R8_BRIEF_ROWS, (),
+                        "The Reuters R8 cells run again, trajectory-refit-lean (few samples everywhere, a refit of 0.03 "
+                        "of the recipe's one epoch) and trajectory-refit-leaner (about half its samples, a refit of "
+                        "0.02) paying MiniLM's frozen layers only for the documents a request reads, beside SalUn, in "
+                        "two runs of two scenarios each on one processor, trajectory-refit from an earlier pair of runs "
+                        f"(the original's test accuracy {_original_test_accuracy(loaded[R8_BRIEF_CELLS[0][0]])}; "
+                        f"{_original_test_accuracy(loaded[README_CELLS[4][0]])} in the first table's R8 cells), each "
+                        "row against its run's own Retrain (the first table shows their trajectory-refit, "
+                        "trajectory-refit-lean and trajectory-refit-leaner rows).", with_ulira=False)
 
 
 def _original_test_accuracy(d: dict[str, Any] | None) -> str:
@@ -592,13 +668,15 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                  best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True,
                  retimed: dict[tuple[str, str], tuple[str, tuple[str, ...]]] | None = None,
                  retimed_why: str = "",
-                 ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None) -> str:
-    """One README table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
+                 ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None, sources: bool = True) -> str:
+    """One headline table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
     ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
     best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
     cells' U-LiRA games. ``retimed``: per cell, a companion and the rows of it that replace the cell file's
     (``retimed_why`` says what they are; the lead names the cells where they did). ``ulira_again``: per cell, files
-    whose U-LiRA games follow the cell's own (``readme_ulira``)."""
+    whose U-LiRA games follow the cell's own (``readme_ulira``). ``sources``: the lead names every file behind the
+    table (docs/RESULTS.md's headline tables, its links from docs/); False: none, pointing there (README.md)."""
+    link = "../" if sources else ""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
     notes: list[str] = []
@@ -617,23 +695,35 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         blocks.append(block)
         merged_in += [c for c in joined if c not in merged_in]
         if again is not None and again[0] in joined:
-            replaced.append(f"{', '.join(again[1])} on {_cell_title(d, sc)} from [{again[0]}](bench/results/{again[0]})")
+            replaced.append(f"{', '.join(again[1])} on {_cell_title(d, sc)} from "
+                            f"[{again[0]}]({link}bench/results/{again[0]})")
         notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
     primary = dict.fromkeys(n for n, _ in cell_files)
+    if sources:
+        where = (" From " + ", ".join(f"[{name}]({link}bench/results/{name})" for name in primary)
+                 + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}]({link}bench/results/{name})"
+                                                                       for name in merged_in)
+                    + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
+                    if merged_in else "")
+                 + (f"; in place of the cell file's own row, {'; '.join(replaced)} ({retimed_why})" if replaced else "")
+                 + ". Every table of each file (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with its command and "
+                 "machine, is in the sections below.")
+    else:
+        where = ((" Where a later run on the same original and reported forget sets timed a row of ours again or "
+                  "added one, its figures are shown." if merged_in or replaced else "")
+                 + " The files behind every figure, the rows left out here and three more tables (the identities on a "
+                 "second processor, the Fashion-MNIST cells with a brief refit, the R8 cells run again): "
+                 f"[docs/RESULTS.md](docs/RESULTS.md#{slug(HEADLINE_TITLE)}); every column of every file (UA, RA, TA, "
+                 f"MIA, KL, rank-1 / mAP, seconds), with its command and machine, below them (generated by "
+                 f"`{COMMAND}`).")
     lines = [f"{lead} Avg. Gap to Retrain in "
              f"points (SalUn's; lower is better; mean over {sets} reported forget sets, settings chosen on disjoint "
              "tuning sets) and, in brackets, Retrain's seconds over the removal's: cold (everything the request "
              f"needs, its preparation included) / per request over a campaign of {requests} requests; `-`: not run "
-             f"in that cell.{f' {README_DEFAULT} is the default.' if README_DEFAULT in rows else ''} From "
-             + ", ".join(f"[{name}](bench/results/{name})" for name in primary)
-             + ("; the rows a cell's file lacks from " + ", ".join(f"[{name}](bench/results/{name})"
-                                                                   for name in merged_in)
-                + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
-                if merged_in else "")
-             + (f"; in place of the cell file's own row, {'; '.join(replaced)} ({retimed_why})" if replaced else "")
-             + ". Every table (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with the command and the machine of "
-             f"each run: [docs/RESULTS.md](docs/RESULTS.md) (this table and that page are generated by `{COMMAND}`).",
+             f"in that cell.{f' {README_DEFAULT} is the default.' if README_DEFAULT in rows else ''}"
+             + (f" Best other baseline: the one of {', '.join(best_of)} with the least Avg. Gap in the cell (and how "
+                "many of them it ran)." if best_of else "") + where,
              "", "| method | " + " | ".join(_cell_title(d, sc) if d is not None else f"{name}: {sc} (missing)"
                                             for name, d, sc in cells) + " |",
              "|---|" + "---|" * len(cells)]
@@ -642,9 +732,10 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         lines.append(f"| {label} | " + " | ".join(readme_cell(block["summary"].get(row)) if block is not None else "-"
                                                   for block in blocks) + " |")
     if best_of:
-        lines.append(f"| best of {', '.join(best_of)} | " + " | ".join(
+        lines.append("| best other baseline | " + " | ".join(
             best_of_cell(block["summary"], best_of) if block is not None else "-" for block in blocks) + " |")
-    return "\n".join(lines + (["", *notes] if notes else []) + (readme_ulira(cells, ulira_again, loaded) if with_ulira else [])) + "\n"
+    return "\n".join(lines + (["", *notes] if notes else [])
+                     + (readme_ulira(cells, ulira_again, loaded, link) if with_ulira else [])) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

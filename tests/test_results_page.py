@@ -71,26 +71,49 @@ def test_a_file_it_cannot_render_is_named_not_fatal(tmp_path: Path) -> None:
 
 
 def test_readme_table_is_the_generated_one() -> None:
+    """README shows one short table (the end-to-end cells on one processor, at most ten rows, the other baselines
+    folded into one row) and its U-LiRA games, and points to docs/RESULTS.md for the sources and the other tables."""
     readme = (ROOT / "README.md").read_text()
     assert readme.count(README_START) == 1 and readme.count(README_END) == 1
     between = readme.split(README_START)[1].split(README_END)[0]
     assert between == "\n" + readme_table(), "README's results table is stale: run python -m bench.results_page"
-    first, rest = between.split("The identities benchmark on a second processor")
-    second, rest = rest.split("The Fashion-MNIST cells run again")
-    third, fourth = rest.split("The Reuters R8 cells run again")
-    for table in (first, second, third, fourth):   # short tables: the end-to-end cells, the second machine's
-        # identities, the Fashion-MNIST brief refit, the R8 cells with the frozen layers per document read
-        rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
-        assert 3 <= len(rows) <= 10
-    assert "| lfoci-newton-recorded-run-lean | " in second and "| lfoci-newton-recorded-run-lean | " not in first
-    assert "| trajectory-refit-lean | " in fourth and "| trajectory-refit-lean | " not in first + second + third
-    assert all(f"Reuters R8, {cell}" in fourth for cell in ("class", "random 1 %", "random 10 %", "subject"))
-    assert "test accuracy 75.9 % against 77.0 %" in second   # read from the two tables' identities files
+    rows = [line for line in between.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert 3 <= len(rows) <= 10
+    assert "[docs/RESULTS.md](docs/RESULTS.md#headline-tables)" in between
+    assert "bench/results/deep_fmnist-cnn_partial_class.json" not in between  # the sources are on that page
+    assert "The identities benchmark on a second processor" not in between
+    r8_lean = next(line for line in rows if line.startswith("| trajectory-refit-lean | "))
+    assert r8_lean.count(" - ") == 8   # R8's four cells, from the runs that added it
     fmnist = json.loads((RESULTS / "deep_fmnist-cnn_partial_class.json").read_text())
     for row in ("trajectory-refit", "salun"):
         cell = readme_cell(fmnist["scenarios"]["class"]["summary"][row])
         assert cell[0].isdigit() and "x / " in cell and f"| {row} | {cell} |" in between
     assert "| lfoci-newton (default) | " in between  # the default is named as such
+    assert "| best other baseline | " in between and "| finetune | " not in between
+
+
+def test_the_headline_tables_lead_the_page_with_their_sources(tmp_path: Path) -> None:
+    """docs/RESULTS.md opens with README's table with every row and the files behind it, then the identities on a
+    second processor, the Fashion-MNIST brief refit and the R8 cells run again."""
+    from bench import results_page
+
+    page = _generate(tmp_path / "RESULTS.md")
+    headline = page.split("\n## Headline tables\n")[1].split("\n## ")[0]
+    first, rest = headline.split("The identities benchmark on a second processor")
+    second, rest = rest.split("The Fashion-MNIST cells run again")
+    third, fourth = rest.split("The Reuters R8 cells run again")
+    for table in (first, second, third, fourth):
+        rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+        assert 3 <= len(rows) <= len(results_page.HEADLINE_ROWS) + 1   # + the best other baseline's
+    assert set(results_page.README_ROWS) <= set(results_page.HEADLINE_ROWS)
+    assert "| lfoci-newton-recorded-run | " in first and "| finetune | " in first
+    assert "(../bench/results/deep_fmnist-cnn_partial_class.json)" in first   # links from docs/
+    assert "](bench/results/" not in headline and "[docs/RESULTS.md]" not in headline
+    assert "in place of the cell file's own row, trajectory-refit on Reuters R8, class from" in first
+    assert "| lfoci-newton-recorded-run-lean | " in second and "| lfoci-newton-recorded-run-lean | " not in first
+    assert all(f"Reuters R8, {cell}" in fourth for cell in ("class", "random 1 %", "random 10 %", "subject"))
+    assert "test accuracy 75.9 % against 77.0 %" in second   # read from the two tables' identities files
+    assert "- [Headline tables](#headline-tables)" in page.split("\n## ")[0]
 
 
 def test_readme_cell_reads_cost_and_refusals() -> None:
@@ -183,23 +206,27 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
         (tmp_path / cell).write_text((RESULTS / cell).read_text())
     (tmp_path / "c.json").write_text(json.dumps(companion))
     monkeypatch.setattr(results_page, "README_COMPANIONS", {(name, scenario): ("c.json",)})
-    monkeypatch.setattr(results_page, "README_ROWS", (*results_page.README_ROWS, "scrub"))
-    table = results_page.readme_table(tmp_path)
+    monkeypatch.setattr(results_page, "HEADLINE_ROWS", (*results_page.HEADLINE_ROWS, "scrub"))
+
+    def first_table() -> str:  # the headline tables' first: README's, with its sources
+        return "\n".join(results_page.headline_tables(tmp_path)).split("The identities benchmark on a second")[0]
+
+    table = first_table()
     line = next(x for x in table.splitlines() if x.startswith("| scrub |"))
     assert "7.2 (30x / 40x)" in line and line.count(" - ") == len(results_page.README_CELLS) - 1
-    assert "[c.json](bench/results/c.json) (run on the same reported forget sets" in table
+    assert "[c.json](../bench/results/c.json) (run on the same reported forget sets" in table
     assert "in place of the cell file's own row" not in table
     monkeypatch.setattr(results_page, "README_RETIMED", {(name, scenario): ("c.json", ("salun",))})
     monkeypatch.setattr(results_page, "README_RETIMED_WHY", "timed again")
-    table = results_page.readme_table(tmp_path)
+    table = first_table()
     assert "99.0" in next(x for x in table.splitlines() if x.startswith("| salun |"))
-    assert ("in place of the cell file's own row, salun on Identities, identity from [c.json](bench/results/c.json) "
+    assert ("in place of the cell file's own row, salun on Identities, identity from [c.json](../bench/results/c.json) "
             "(timed again)") in table
     (tmp_path / "c.json").write_text(json.dumps(other_sets))
-    table = results_page.readme_table(tmp_path)
+    table = first_table()
     assert "in place of the cell file's own row" not in table  # named only where its rows were merged
     assert "- Identities, identity: the rows of c.json: not merged, other reported forget sets." in table
-    assert "[c.json](bench/results/c.json)" not in table  # named as a source only where its rows were merged
+    assert "[c.json](../bench/results/c.json)" not in table  # named as a source only where its rows were merged
     assert "| scrub | " + " | ".join(["-"] * len(results_page.README_CELLS)) + " |" in table
 
 
