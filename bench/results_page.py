@@ -51,9 +51,6 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
                 ("deep_identities_partial_random_1pct.json", "random_1pct"),
                 ("deep_identities_partial_random_10pct.json", "random_10pct"),
                 ("deep_identities_partial_subject.json", "subject"))
-# Companion files of a README cell: more rows of the same cell, run by another command on the same reported
-# forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
-# sample ids and the reference rows' figures agree, else they are left out and the table says why).
 # the R8 runs of the fourth headline table: the scenarios each file of a pair holds (a pair of processes, two
 # scenarios each)
 R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
@@ -68,6 +65,9 @@ def r8_brief_file(scenario: str, suffix: str = "") -> str:
     return f"deep_r8-minilm_partial_{R8_BRIEF_RUNS[scenario]}_grid-r8-minilm{suffix}.json"
 
 
+# Companion files of a first-table cell: more rows of the same cell, run by another command on the same reported
+# forget sets (its rows are shown where the cell's own file has none; ``merged_block`` checks that the sets'
+# sample ids and the reference rows' figures agree, else they are left out and the table says why).
 README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_fmnist-cnn_partial_class.json", "class"): ("deep_fmnist-cnn_partial_class_baselines.json",
                                                       "deep_fmnist-cnn_partial_class_recorded_run.json"),
