@@ -55,8 +55,9 @@ Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forge
   ``ULIRA`` cells, with a 95 % bootstrap interval; a cell is marked "cannot discriminate" where the original
   row's mean Avg. Gap is within max(1.0, 2 x retrain-reseed's) of Retrain.
 Cost as the user pays it: Retrain seconds measured in the same run; per row, cold seconds = the method's
-  preparation (measured once for the original and these settings) + the removal; per request over a campaign:
-  prepare once, then ``campaign`` sequential removals of disjoint forget sets of the scenario, each on the
+  preparation (measured once for the original and these settings) + the request (``request_seconds``: the whole
+  ``pipeline.removal.remove`` call, the kept state's check and the new weights' checks included); per request over
+  a campaign: prepare once, then ``campaign`` sequential removals of disjoint forget sets of the scenario, each on the
   previous published model (fewer where that many would remove more than half of D or of its classes: the
   JSON says how many); a refused or failed request is charged what the method spent on it + Retrain's seconds;
   served % over the reported sets and the campaign's requests.
@@ -644,8 +645,17 @@ class Context:
             float(prep.get("seconds") or 0.0)
         if prep.get("built_for_this_request"):  # the kept state did not hold (recorded): keep the new one
             self.prepared[key] = run.prepared
-        return {"model": model, "seconds": float(run.record.get("removal_seconds", 0.0)),
+        return {"model": model, "seconds": request_seconds(run.record),
                 "preparation_seconds": prep_seconds, "record": run.record, "notes": notes, "ref": ref}
+
+
+def request_seconds(record: dict[str, Any]) -> float:
+    """What serving a request took, its preparation apart: ``pipeline.removal.remove``'s wall time (the check that
+    the kept state holds, the removal, the new weights' checks and state) less the preparation's seconds where this
+    request built it (charged as the preparation)."""
+    prep = record.get("preparation") or {}
+    built = float(prep.get("seconds") or 0.0) if prep.get("built_for_this_request") else 0.0
+    return max(0.0, float(record["wall_seconds"]) - built)
 
 
 # ---- evaluation of one forget set ------------------------------------------------------------------
@@ -1076,8 +1086,9 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
 
 def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
     """Per row: prepare once on the original, then the requests in order, each on the previous published model
-    (``pipeline.removal.remove`` with the kept state, ``RemovalRun.next_prepared``). Seconds per request include
-    the preparation (once, and again wherever the method had to rebuild it); a refused or failed request records
+    (``pipeline.removal.remove`` with the kept state, ``RemovalRun.next_prepared``). Seconds per request:
+    ``request_seconds`` and the next version's state (``next_prepared``), with the preparation (once, and again
+    wherever the method had to rebuild it); a refused or failed request records
     its attempt (``charge_campaign`` adds Retrain's seconds, ``RETRAIN_CHARGE``), and the campaign goes on
     from the last published model with the request's samples counted as removed (as the retraining that serves
     it would)."""
@@ -1152,14 +1163,16 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                 continue
             rec = run.record
             prep = rec.get("preparation") or {}
-            seconds = float(rec.get("removal_seconds", 0.0))
+            seconds = request_seconds(rec)
             if prep.get("built_for_this_request"):
                 seconds += float(prep.get("seconds") or 0.0)
-            served.append(True)
-            spent.append(seconds)
             trained.model.load_state_dict(run.new_state, strict=True)
             trained.model.eval()
-            nxt = run.next_prepared()
+            started = time.perf_counter()
+            nxt = run.next_prepared()  # the next version's state: part of serving a stream of requests
+            seconds += time.perf_counter() - started
+            served.append(True)
+            spent.append(seconds)
             prepared = nxt if nxt is not None else run.prepared
             trained = run.after
         out["rows"][row] = {"preparation_seconds": preparation, "attempt_seconds": spent, "served": served,

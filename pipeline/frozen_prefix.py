@@ -21,7 +21,6 @@ or a prepared state means the same coordinates on the model and on the suffix.
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -132,14 +131,17 @@ class PrefixRows:
     for every later read: a removal that reads a few of D's samples (a probe, a refit's batches, the forget set)
     runs the prefix on those alone, and a later request on the same model or a later version (the prefix's digest
     unchanged: the caller's check) reads them again for nothing. A row is the prefix's output on the sample's
-    inputs, which a version changes neither. ``ids``: D's sample ids when prepared, sorted; ``outputs``: for each
-    cached column, a row per id (the memory of all of D, allocated by the first read; the rows not computed are
-    zero); ``computed`` / ``seconds``: the rows the prefix ran on and its time, over the object's life."""
+    inputs, which a version changes neither. ``ids``: D's sample ids when prepared, sorted; ``slot``: for each id,
+    its row in ``outputs`` (-1: not computed); ``outputs``: for each cached column, the rows computed, in the order
+    they were (a store that doubles as it fills, never more than D's rows plus a batch: a request pays for the
+    rows it reads, not for a store of all of D); ``computed`` / ``seconds``: the rows the prefix ran on and its
+    time, over the object's life."""
 
     split: Split
     ids: Tensor
     outputs: dict[str, Tensor] = field(default_factory=dict)
-    have: Tensor | None = None
+    slot: Tensor | None = None
+    used: int = 0
     computed: int = 0
     seconds: float = 0.0
 
@@ -153,9 +155,14 @@ class PrefixRows:
         return PrefixRows(self.split, self.ids)
 
     @property
+    def have(self) -> Tensor:
+        """For each of ``ids``, whether its row is kept."""
+        return torch.zeros(len(self.ids), dtype=torch.bool) if self.slot is None else self.slot >= 0
+
+    @property
     def held(self) -> int:
         """Rows computed and kept."""
-        return 0 if self.have is None else int(self.have.sum())
+        return int(self.have.sum())
 
     @property
     def nbytes(self) -> int:
@@ -165,14 +172,26 @@ class PrefixRows:
         """Forget the rows of the samples not in ``present`` (the sample ids of a version's D: a removal's U and
         those removed before), their outputs zeroed: nothing computed from a removed sample is kept. Returns how
         many rows were dropped."""
-        if self.have is None:
+        if self.slot is None:
             return 0
-        gone = self.have & ~torch.isin(self.ids, torch.as_tensor(present, dtype=torch.long))
+        gone = (self.slot >= 0) & ~torch.isin(self.ids, torch.as_tensor(present, dtype=torch.long))
         if bool(gone.any()):
+            rows = self.slot[gone]
             for value in self.outputs.values():
-                value[gone.to(value.device)] = 0
-            self.have[gone] = False
+                value[rows.to(value.device)] = 0
+            self.slot[gone] = -1
         return int(gone.sum())
+
+    def _grown(self, store: Tensor | None, column: Tensor, need: int) -> Tensor:
+        """``store`` (its first ``used`` rows kept) with room for ``need`` rows: doubled, at least ``need``, at most
+        D's rows where ``need`` allows; the new rows zero."""
+        if store is not None and len(store) >= need:
+            return store
+        old = 0 if store is None else len(store)
+        grown = column.new_zeros((max(need, min(2 * old, len(self.ids))), *column.shape[1:]))
+        if store is not None and self.used:
+            grown[:self.used] = store[:self.used].to(grown.device)
+        return grown
 
     def ensure(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> Tensor:
         """Compute and keep the rows of ``data`` (samples of D, with the model's inputs) not yet kept, in one pass
@@ -181,19 +200,19 @@ class PrefixRows:
         if not bool(found.all()):
             raise ValueError(f"sample ids {torch.as_tensor(data.sample_ids)[~found][:5].tolist()} are not samples of "
                              "the data the frozen prefix's rows were prepared for")
-        if self.have is None:
-            self.have = torch.zeros(len(self.ids), dtype=torch.bool)
-        missing = torch.nonzero(~self.have[where]).flatten()
+        if self.slot is None:
+            self.slot = torch.full((len(self.ids),), -1, dtype=torch.long)
+        missing = torch.nonzero(self.slot[where] < 0).flatten()
         if len(missing):
             fresh, seconds = _timed_prefix_outputs(self.split, model, task, data.take(missing), batch_size)
-            rows = where[missing]
+            new = torch.arange(self.used, self.used + len(missing))
             for key in self.split.cached:
                 column = fresh.columns[key]
-                if key not in self.outputs:
-                    self.outputs[key] = column.new_zeros((len(self.ids), *column.shape[1:]))
-                store = self.outputs[key]
-                store[rows.to(store.device)] = column.to(store.device)
-            self.have[rows] = True
+                store = self._grown(self.outputs.get(key), column, self.used + len(missing))
+                store[new.to(store.device)] = column.to(store.device)
+                self.outputs[key] = store
+            self.slot[where[missing]] = new
+            self.used += len(missing)
             self.computed += len(missing)
             self.seconds += seconds
         return where
@@ -204,9 +223,11 @@ class PrefixRows:
         where = self.ensure(model, task, data, batch_size)
         if not self.outputs:
             raise ValueError("no frozen-prefix rows to read: the set read is empty and none were computed before")
+        assert self.slot is not None
+        rows = self.slot[where]
         device = memory.model_device(model)
         columns = {k: v for k, v in data.columns.items() if k not in self.split.consumed}
-        columns.update({k: self.outputs[k][where.to(self.outputs[k].device)].to(device) for k in self.split.cached})
+        columns.update({k: self.outputs[k][rows.to(self.outputs[k].device)].to(device) for k in self.split.cached})
         return SampleSet(columns, data.sample_ids)
 
 
@@ -299,12 +320,14 @@ def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: P
 
 
 def prefix_digest(split: Split, model: nn.Module) -> str:
-    """BLAKE2b-256 of the split point and of every parameter and buffer outside the split's suffix
+    """``pipeline.prepared.content_digest`` of the split point and of every parameter and buffer outside the split's suffix
     (names, dtypes, shapes, values): two models with equal digests compute the same prefix. A tensor's own
     digest is kept while it is the same live tensor at the same version (``Tensor._version`` counts in-place
     writes: optimiser steps, ``load_state_dict``), so asking again about an unchanged model hashes nothing."""
     inside = {id(t) for t in split.suffix_of(model).parameters()} | {id(t) for t in split.suffix_of(model).buffers()}
-    h = hashlib.blake2b(digest_size=32)
+    from pipeline.prepared import content_digest
+
+    h = content_digest()
     h.update(f"split:{split.start};".encode())
     for kind, named in (("p.", model.named_parameters()), ("b.", model.named_buffers())):
         for name, t in named:
@@ -320,12 +343,12 @@ _DIGESTS: dict[int, tuple[Any, int, bytes]] = {}
 def _tensor_digest_cached(t: Tensor) -> bytes:
     import weakref
 
-    from pipeline.prepared import _tensor_digest
+    from pipeline.prepared import _tensor_digest, content_digest
 
     held = _DIGESTS.get(id(t))
     if held is not None and held[0]() is t and held[1] == t._version:
         return held[2]
-    h = hashlib.blake2b(digest_size=32)
+    h = content_digest()
     _tensor_digest(h, "", t)
     value = h.digest()
     if len(_DIGESTS) > 100_000:

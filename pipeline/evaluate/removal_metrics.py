@@ -14,7 +14,6 @@ are the whole models' (the prefix is the same function in both).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -31,6 +30,7 @@ from pipeline.frozen_prefix import Split, prefix_outputs, split_for
 from pipeline.models.card import load_model_dir
 from pipeline.models.registry import build
 from pipeline.param_block import ParamBlock
+from pipeline.prepared import _tensor_digest, content_digest
 from pipeline.removal import RemovalRun
 from pipeline.tasks import Task
 
@@ -60,11 +60,10 @@ def _moved_split(parent: nn.Module, new: nn.Module, task: Task) -> tuple[Split, 
     split = split_for(parent, task, ParamBlock.from_rows(parent, {name: None for name in moved}))
     if split is None:
         return None
-    digest = hashlib.blake2b(digest_size=32)
+    digest = content_digest()
     for name, tensor in (*parent.named_parameters(), *parent.named_buffers()):
         if name not in moved:
-            digest.update(name.encode())
-            digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            _tensor_digest(digest, name, tensor)
     return split, digest.hexdigest()
 
 

@@ -276,12 +276,13 @@ def run_removal(method: RemovalMethod, problem: RemovalProblem, settings: Method
                 prepared: Prepared | None = None) -> RemovalOutcome:
     """The one seam: prepare (unless ``prepared`` holds), then remove, both in eval mode (each
     module's mode and every buffer restored afterwards). The record's ``preparation`` gives the
-    state's seconds and whether this request built it; ``removal_seconds`` the removal's own."""
-    state, why = prepare(method, problem.trained, settings, prepared)
+    state's seconds and whether this request built it; ``removal_seconds`` everything else: the check
+    that the state holds for this version (its binding's digests) and the removal."""
     started = time.perf_counter()
+    state, why = prepare(method, problem.trained, settings, prepared)
     with eval_mode_restored(problem.model):
         outcome = method.remove(problem, settings, state)
-    removal_seconds = time.perf_counter() - started
+    removal_seconds = time.perf_counter() - started - (state.seconds if why is not None else 0.0)
     outcome.prepared = state
     outcome.record["preparation"] = {**state.describe(), "built_for_this_request": why is not None,
                                      **({"why": why} if why else {})}

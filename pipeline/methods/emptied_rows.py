@@ -8,7 +8,6 @@ method's prepared state by the first request that computes them); ``EmptiedRows.
 and sub-steps, or why nothing was set)."""
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -23,7 +22,7 @@ from pipeline.methods.base import RemovalProblem, stream_seed
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
 from pipeline.methods.trust_region import draw
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import Prepared, _tensor_digest
+from pipeline.prepared import Prepared, _tensor_digest, content_digest
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
@@ -226,7 +225,7 @@ def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int,
     """What kept views were computed from: the sample's size, the batches (batch normalisation reads them), and the
     recorded run (its n, rates and the decision layer's weight at every checkpoint)."""
     trajectory = problem.trajectory
-    h = hashlib.blake2b(digest_size=16)
+    h = content_digest()
     h.update(repr((trajectory.n, list(trajectory.rates))).encode())
     for e, checkpoint in enumerate(trajectory.checkpoints):
         _tensor_digest(h, f"{e}/{weight}", checkpoint[weight])

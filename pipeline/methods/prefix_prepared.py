@@ -87,7 +87,7 @@ class FrozenPrefixPrepared(Prepared):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the prefix's outputs held now (``rows``: their store, all of D's once the first is computed)."""
+        """Bytes of the prefix's outputs held now (``rows``: their store, grown as rows are computed)."""
         if self.rows is not None:
             return self.rows.nbytes
         return 0 if self.features is None else bytes_of(self.features.columns.values())
