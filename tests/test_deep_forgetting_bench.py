@@ -372,6 +372,42 @@ def test_a_campaign_whose_preparation_times_out_records_it(monkeypatch: pytest.M
     assert ctx.timed_out_before("salun", "{}", "random_1pct", 1e9) is None
 
 
+def test_a_request_is_charged_everything_serving_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seconds charged are the whole request's: a removal pays the check that the kept state holds (its binding's
+    digest), a preparation its own binding, and a campaign's request the next version's state as well. With the
+    weights' digest slowed by 0.25 s, a reported removal is charged at least one digest beyond its removal's own
+    work, and each campaign request at least two (its check and the next version's binding)."""
+    import time
+
+    import pipeline.prepared as prepared
+    from bench.deep_forgetting import campaign, campaign_sets, draw_forget_sets, setup
+
+    original = prepared.state_digest
+
+    def slow(model: torch.nn.Module) -> str:
+        time.sleep(0.25)
+        return original(model)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ctx = setup("fmnist-cnn", "smoke")
+        ctx.original(0)
+        ctx.rows = ["finetune"]
+        ctx.chosen[("finetune", "subject")] = {}
+        reported, _ = draw_forget_sets("subject", ctx.train, ctx.num_classes, 1, 0)
+        monkeypatch.setattr(prepared, "state_digest", slow)
+        out = ctx.remove("finetune", {}, 0, reported[0], seed=0)
+        camp = campaign(ctx, "subject", campaign_sets("subject", ctx.train, ctx.num_classes, 2))
+    finally:
+        torch.set_num_threads(threads)
+    assert out["preparation_seconds"] >= 0.25  # the state's own binding
+    assert out["seconds"] >= out["record"]["removal_seconds"] >= 0.25
+    row = camp["rows"]["finetune"]
+    assert len(row["attempt_seconds"]) == 2 and all(row["served"])
+    assert all(seconds >= 0.5 for seconds in row["attempt_seconds"]), row["attempt_seconds"]
+
+
 @pytest.mark.parametrize("flag", ["--tuning-sets", "--tuning-retrains"])
 def test_tuning_counts_below_one_are_refused_naming_the_flag(flag: str, capsys: pytest.CaptureFixture[str],
                                                               tmp_path: Path) -> None:

@@ -259,13 +259,14 @@ class RemovalMethod(ABC):
 def prepare(method: RemovalMethod, trained: TrainedModel, settings: MethodSettings,
             prepared: Prepared | None = None) -> tuple[Prepared, str | None]:
     """(state, why it was built now): ``prepared`` itself when it holds for ``trained`` and
-    ``settings`` (why = None), else a new one in eval mode, timed."""
+    ``settings`` (why = None), else a new one in eval mode, timed (its seconds: the binding's digests
+    and the build)."""
+    started = time.perf_counter()
     binding = method.binding(trained, settings)
     if prepared is not None and prepared.holds_for(binding):
         return prepared, None
     why = ("no prepared state was given" if prepared is None else
            "the given state was prepared for other " + ", ".join(prepared.binding.differences(binding)))
-    started = time.perf_counter()
     with eval_mode_restored(trained.model):
         state = method.prepare(trained, settings, binding)
     state.seconds = time.perf_counter() - started
