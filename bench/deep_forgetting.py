@@ -1086,9 +1086,9 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
 
 def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
     """Per row: prepare once on the original, then the requests in order, each on the previous published model
-    (``pipeline.removal.remove`` with the kept state, ``RemovalRun.next_prepared``). Seconds per request:
-    ``request_seconds`` and the next version's state (``next_prepared``), with the preparation (once, and again
-    wherever the method had to rebuild it); a refused or failed request records
+    (``pipeline.removal.remove`` with the kept state, ``RemovalRun.next_prepared``). Seconds per request: the whole
+    ``remove`` call (a preparation the method had to rebuild included) and the next version's state
+    (``next_prepared``), with the preparation once before the first; a refused or failed request records
     its attempt (``charge_campaign`` adds Retrain's seconds, ``RETRAIN_CHARGE``), and the campaign goes on
     from the last published model with the request's samples counted as removed (as the retraining that serves
     it would)."""
@@ -1161,11 +1161,7 @@ def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, An
                         notes.append(f"requests {i + 1}..{len(sets) - 1}: not run after the time-out (charged Retrain)")
                     break
                 continue
-            rec = run.record
-            prep = rec.get("preparation") or {}
-            seconds = request_seconds(rec)
-            if prep.get("built_for_this_request"):
-                seconds += float(prep.get("seconds") or 0.0)
+            seconds = float(run.record["wall_seconds"])  # the whole call: a preparation it had to rebuild included
             trained.model.load_state_dict(run.new_state, strict=True)
             trained.model.eval()
             started = time.perf_counter()

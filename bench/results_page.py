@@ -162,7 +162,6 @@ BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit-sampled", "salun")
 # frozen prefix's rows on first read, every row of ours and SalUn in the same run, each request charged whole (the
 # binding's check and the next version's state included), each row against its run's own Retrain
 R8_BRIEF_CELLS = tuple((r8_brief_file(sc, "-whole-request"), sc) for sc in R8_BRIEF_RUNS)
-R8_BRIEF_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {}
 R8_BRIEF_ROWS = ("original", "retrain-reseed", "trajectory-refit", "trajectory-refit-lean", "trajectory-refit-leaner",
                  "salun")
 
@@ -585,8 +584,7 @@ def _load(results_dir: Path) -> dict[str, dict[str, Any] | None]:
     """Every file the headline tables read (cells, companions, games played again): name -> JSON, None where
     unreadable."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *R8_BRIEF_COMPANIONS.values(),
-                  *README_ULIRA_AGAIN.values()]
+    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values()]
     for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS, *R8_BRIEF_CELLS)]
                               + [c for cs in companions for c in cs]):
         try:
@@ -648,8 +646,8 @@ def _brief_table(loaded: dict[str, dict[str, Any] | None]) -> str:
 
 
 def _r8_table(loaded: dict[str, dict[str, Any] | None]) -> str:
-    """The Reuters R8 cells run again (``R8_BRIEF_CELLS``, ``R8_BRIEF_COMPANIONS``)."""
-    return _cells_table(loaded, R8_BRIEF_CELLS, R8_BRIEF_COMPANIONS, R8_BRIEF_ROWS, (),
+    """The Reuters R8 cells run again (``R8_BRIEF_CELLS``: every row from the same pair of runs)."""
+    return _cells_table(loaded, R8_BRIEF_CELLS, {}, R8_BRIEF_ROWS, (),
                         "The Reuters R8 cells run again with each request charged whole (the check that the kept "
                         "state holds and the next version's state included, which the first table's R8 costs left "
                         "out: about 0.1 s of a cold request and 0.5 s of a later one there): trajectory-refit, "

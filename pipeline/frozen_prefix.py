@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
+from pipeline.prepared import _tensor_digest, content_digest
 from pipeline.tasks import Batch, Task
 
 __all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "bytes_of", "cache_frozen_prefix",
@@ -134,14 +135,13 @@ class PrefixRows:
     inputs, which a version changes neither. ``ids``: D's sample ids when prepared, sorted; ``slot``: for each id,
     its row in ``outputs`` (-1: not computed); ``outputs``: for each cached column, the rows computed, in the order
     they were (a store that doubles as it fills, never more than D's rows plus a batch: a request pays for the
-    rows it reads, not for a store of all of D); ``computed`` / ``seconds``: the rows the prefix ran on and its
-    time, over the object's life."""
+    rows it reads, not for a store of all of D); ``computed`` / ``seconds``: the rows the prefix ran on (the
+    store's rows filled) and its time, over the object's life."""
 
     split: Split
     ids: Tensor
     outputs: dict[str, Tensor] = field(default_factory=dict)
     slot: Tensor | None = None
-    used: int = 0
     computed: int = 0
     seconds: float = 0.0
 
@@ -183,14 +183,14 @@ class PrefixRows:
         return int(gone.sum())
 
     def _grown(self, store: Tensor | None, column: Tensor, need: int) -> Tensor:
-        """``store`` (its first ``used`` rows kept) with room for ``need`` rows: doubled, at least ``need``, at most
+        """``store`` (its first ``computed`` rows kept) with room for ``need`` rows: doubled, at least ``need``, at most
         D's rows where ``need`` allows; the new rows zero."""
         if store is not None and len(store) >= need:
             return store
         old = 0 if store is None else len(store)
         grown = column.new_zeros((max(need, min(2 * old, len(self.ids))), *column.shape[1:]))
-        if store is not None and self.used:
-            grown[:self.used] = store[:self.used].to(grown.device)
+        if store is not None and self.computed:
+            grown[:self.computed] = store[:self.computed].to(grown.device)
         return grown
 
     def ensure(self, model: nn.Module, task: Task, data: SampleSet, batch_size: int) -> Tensor:
@@ -205,14 +205,13 @@ class PrefixRows:
         missing = torch.nonzero(self.slot[where] < 0).flatten()
         if len(missing):
             fresh, seconds = _timed_prefix_outputs(self.split, model, task, data.take(missing), batch_size)
-            new = torch.arange(self.used, self.used + len(missing))
+            new = torch.arange(self.computed, self.computed + len(missing))
             for key in self.split.cached:
                 column = fresh.columns[key]
-                store = self._grown(self.outputs.get(key), column, self.used + len(missing))
+                store = self._grown(self.outputs.get(key), column, self.computed + len(missing))
                 store[new.to(store.device)] = column.to(store.device)
                 self.outputs[key] = store
             self.slot[where[missing]] = new
-            self.used += len(missing)
             self.computed += len(missing)
             self.seconds += seconds
         return where
@@ -320,13 +319,11 @@ def cache_frozen_prefix(model: nn.Module, task: Task, train: SampleSet, block: P
 
 
 def prefix_digest(split: Split, model: nn.Module) -> str:
-    """``pipeline.prepared.content_digest`` of the split point and of every parameter and buffer outside the split's suffix
-    (names, dtypes, shapes, values): two models with equal digests compute the same prefix. A tensor's own
+    """``pipeline.prepared.content_digest`` of the split point and of every parameter and buffer outside the
+    split's suffix (names, dtypes, shapes, values): two models with equal digests compute the same prefix. A tensor's own
     digest is kept while it is the same live tensor at the same version (``Tensor._version`` counts in-place
     writes: optimiser steps, ``load_state_dict``), so asking again about an unchanged model hashes nothing."""
     inside = {id(t) for t in split.suffix_of(model).parameters()} | {id(t) for t in split.suffix_of(model).buffers()}
-    from pipeline.prepared import content_digest
-
     h = content_digest()
     h.update(f"split:{split.start};".encode())
     for kind, named in (("p.", model.named_parameters()), ("b.", model.named_buffers())):
@@ -342,8 +339,6 @@ _DIGESTS: dict[int, tuple[Any, int, bytes]] = {}
 
 def _tensor_digest_cached(t: Tensor) -> bytes:
     import weakref
-
-    from pipeline.prepared import _tensor_digest, content_digest
 
     held = _DIGESTS.get(id(t))
     if held is not None and held[0]() is t and held[1] == t._version:

@@ -1119,7 +1119,7 @@ def test_the_prefix_rows_are_computed_on_first_read_and_kept():
     assert rows.drop_absent(train.sample_ids[~torch.isin(train.sample_ids, gone)]) == len(gone)
     assert rows.held == 350 and not bool(rows.have[where].any()) and float(rows.outputs["x"][slots].abs().sum()) == 0
     # the store holds the rows computed (doubling as it fills), not a row for each of D's samples
-    assert rows.used == 360 <= len(rows.outputs["x"]) <= 2 * 360 < len(train)
+    assert rows.computed == 360 <= len(rows.outputs["x"]) <= 2 * 360 < len(train)
     kept = train.take(torch.arange(30, 300, 3))
     assert torch.allclose(rows.inputs(model, TASK, kept, 64).columns["x"], whole.columns["x"][torch.arange(30, 300, 3)],
                           atol=1e-6) and rows.computed == 360
