@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import _tensor_digest, content_digest
+from pipeline.prepared import digest_tensor, content_digest
 from pipeline.tasks import Batch, Task
 
 __all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "bytes_of", "cache_frozen_prefix",
@@ -344,7 +344,7 @@ def _tensor_digest_cached(t: Tensor) -> bytes:
     if held is not None and held[0]() is t and held[1] == t._version:
         return held[2]
     h = content_digest()
-    _tensor_digest(h, "", t)
+    digest_tensor(h, "", t)
     value = h.digest()
     if len(_DIGESTS) > 100_000:
         _DIGESTS.clear()

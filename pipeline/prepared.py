@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pipeline.data.sampleset import SampleSet
     from pipeline.tasks import Task
 
-__all__ = ["Binding", "NothingPrepared", "Prepared", "content_digest", "state_digest"]
+__all__ = ["Binding", "NothingPrepared", "Prepared", "content_digest", "digest_tensor", "state_digest"]
 
 
 def content_digest() -> "xxhash.xxh3_128":
@@ -38,7 +38,7 @@ def content_digest() -> "xxhash.xxh3_128":
     return xxhash.xxh3_128()
 
 
-def _tensor_digest(h: "xxhash.xxh3_128", name: str, t: torch.Tensor) -> None:
+def digest_tensor(h: "xxhash.xxh3_128", name: str, t: torch.Tensor) -> None:
     """Feed ``h`` the tensor's name, dtype, shape and bytes (read in place where the tensor is contiguous on the CPU)."""
     t = t.detach()
     h.update(f"{name}:{str(t.dtype)}:{tuple(t.shape)};".encode())
@@ -50,9 +50,9 @@ def state_digest(model: nn.Module) -> str:
     """``content_digest`` of every parameter and buffer of ``model`` (names, dtypes, shapes, values)."""
     h = content_digest()
     for name, p in model.named_parameters():
-        _tensor_digest(h, "p." + name, p)
+        digest_tensor(h, "p." + name, p)
     for name, b in model.named_buffers():
-        _tensor_digest(h, "b." + name, b)
+        digest_tensor(h, "b." + name, b)
     return h.hexdigest()
 
 

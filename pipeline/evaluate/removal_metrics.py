@@ -30,7 +30,7 @@ from pipeline.frozen_prefix import Split, prefix_outputs, split_for
 from pipeline.models.card import load_model_dir
 from pipeline.models.registry import build
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import _tensor_digest, content_digest
+from pipeline.prepared import digest_tensor, content_digest
 from pipeline.removal import RemovalRun
 from pipeline.tasks import Task
 
@@ -63,7 +63,7 @@ def _moved_split(parent: nn.Module, new: nn.Module, task: Task) -> tuple[Split, 
     digest = content_digest()
     for name, tensor in (*parent.named_parameters(), *parent.named_buffers()):
         if name not in moved:
-            _tensor_digest(digest, name, tensor)
+            digest_tensor(digest, name, tensor)
     return split, digest.hexdigest()
 
 

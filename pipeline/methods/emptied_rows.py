@@ -22,7 +22,7 @@ from pipeline.methods.base import RemovalProblem, stream_seed
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
 from pipeline.methods.trust_region import draw
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import Prepared, _tensor_digest, content_digest
+from pipeline.prepared import Prepared, digest_tensor, content_digest
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
@@ -228,5 +228,5 @@ def _views_key(problem: RemovalProblem, weight: str, samples: int) -> tuple[int,
     h = content_digest()
     h.update(repr((trajectory.n, list(trajectory.rates))).encode())
     for e, checkpoint in enumerate(trajectory.checkpoints):
-        _tensor_digest(h, f"{e}/{weight}", checkpoint[weight])
+        digest_tensor(h, f"{e}/{weight}", checkpoint[weight])
     return samples, int(problem.batch_size), h.hexdigest()
