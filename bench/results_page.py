@@ -59,11 +59,15 @@ R8_CELL_BASELINES = {"class": ("deep_r8-minilm_partial_class_baselines.json",),
                      "random_10pct": ("deep_r8-minilm_partial_random_10pct_baselines.json",
                                       "deep_r8-minilm_partial_random_10pct_recorded_run.json")}
 
+# the pair of runs on the first table's original, each request charged whole, and the rows it replaces there
+R8_FIRST_TABLE = "-whole-request-first-table"
+R8_RUN_ROWS = ("trajectory-refit", "trajectory-refit-lean", "trajectory-refit-leaner", "salun")
+
 
 def r8_brief_file(scenario: str, suffix: str = "") -> str:
-    """The R8 brief run's file holding ``scenario`` (``suffix`` "-whole-request": the latest pair's, on another
-    processor, each request charged whole; "-leaner": the pair before, on the first table's original; "": the pair
-    before that)."""
+    """The R8 brief run's file holding ``scenario`` (``suffix`` "-whole-request-first-table": the latest pair's, on
+    the first table's original, each request charged whole; "-whole-request": the pair before, on another processor,
+    charged so; "-leaner": the pair before that, on the first table's original; "": the pair before that)."""
     return f"deep_r8-minilm_partial_{R8_BRIEF_RUNS[scenario]}_grid-r8-minilm{suffix}.json"
 
 
@@ -82,10 +86,10 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",
         f"deep_identities_partial_{sc}_recorded_run.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
-    # R8: trajectory-refit-lean and trajectory-refit-leaner from a pair of runs on this table's original (first, so
-    # that both rows come from one run), trajectory-refit timed again in the pair before (README_RETIMED), baselines
-    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, "-leaner"), r8_brief_file(sc),
-                                                   *R8_CELL_BASELINES.get(sc, ()))
+    # R8: every row of ours and SalUn from the latest pair of runs on this table's original, each request charged
+    # whole (README_RETIMED, so first), then the pairs before and the baselines
+    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), r8_brief_file(sc, "-leaner"),
+                                                   r8_brief_file(sc), *R8_CELL_BASELINES.get(sc, ()))
        for sc in R8_BRIEF_RUNS},
 }
 # trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
@@ -97,19 +101,21 @@ README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
        for sc, grid in (("identity", "trajectory-refit-and-sampled-identity-quarter"),
                         ("random_1pct", "trajectory-refit-and-sampled-quarter-scale-0.3"),
                         ("subject", "trajectory-refit-sampled-orthogonal-subject"))},
-    # R8: trajectory-refit paying MiniLM's frozen layers per document read
-    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc), ("trajectory-refit",)) for sc in R8_BRIEF_RUNS}}
+    # R8: the rows of ours and SalUn from one pair of runs, each request charged whole
+    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), R8_RUN_ROWS)
+       for sc in R8_BRIEF_RUNS}}
+README_CHARGE = ("R8's rows of ours and SalUn are charged each request whole: the remove call (its check that the "
+                 "kept state holds included) and, in a campaign, the next version's state. The other rows were "
+                 "charged the removal's own seconds, which left out those (on the image cells 0.01-0.06 s, a median "
+                 "0.1 %-3 % of a request; on R8 about 0.1 s of a cold request and 0.5 s of a later one that keeps "
+                 "state)")
 README_RETIMED_WHY = ("on the identities, the current method, its guard's sibling check included, with a quarter-epoch "
                       "refit at the scales its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random "
                       "1 %, 0.03 on the subject (five tuning subjects); trajectory-refit-sampled beside it in the same "
                       "run (0.1, 0.3, 0.1) and, on the subject, trajectory-refit-sampled-orthogonal (1.0, backtracked by "
                       "its guard); the U-LiRA games below are the cell files' own rows, then those played again at "
-                      "these settings. On R8, the current method paying MiniLM's frozen layers only for the documents a "
-                      "request reads; trajectory-refit-lean and trajectory-refit-leaner there from a later pair of runs "
-                      "on the same sets. R8's request costs here leave out the check that the kept state holds and the "
-                      "next version's state (about 0.1 s of a cold request, 0.5 s of a later one; on the image cells "
-                      "0.01-0.06 s, a median 0.1 %-3 % of a request); charged whole, on another processor: the fourth "
-                      "headline table in docs/RESULTS.md")
+                      "these settings. On R8, trajectory-refit, -lean, -leaner and SalUn from one later pair of runs "
+                      "on the same original and sets, each request charged whole. " + README_CHARGE)
 for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a companion too (first, unless named already)
     if _retimed not in README_COMPANIONS.get(_cell, ()):
         README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
@@ -601,7 +607,7 @@ def _first_table(loaded: dict[str, dict[str, Any] | None], *, sources: bool) -> 
     return _cells_table(loaded, README_CELLS, README_COMPANIONS, rows, best_of,
                         "Networks trained end to end (every layer the recipe trains saw the data).",
                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN,
-                        sources=sources)
+                        sources=sources, charge_note=README_CHARGE)
 
 
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
@@ -673,14 +679,16 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                  best_of: tuple[str, ...], lead: str, *, with_ulira: bool = True,
                  retimed: dict[tuple[str, str], tuple[str, tuple[str, ...]]] | None = None,
                  retimed_why: str = "",
-                 ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None, sources: bool = True) -> str:
+                 ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None, sources: bool = True,
+                 charge_note: str = "") -> str:
     """One headline table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
     ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
     best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
     cells' U-LiRA games. ``retimed``: per cell, a companion and the rows of it that replace the cell file's
     (``retimed_why`` says what they are; the lead names the cells where they did). ``ulira_again``: per cell, files
     whose U-LiRA games follow the cell's own (``readme_ulira``). ``sources``: the lead names every file behind the
-    table (docs/RESULTS.md's headline tables, its links from docs/); False: none, pointing there (README.md)."""
+    table (docs/RESULTS.md's headline tables, its links from docs/); False: none, pointing there (README.md), and
+    ``charge_note`` (what a request was charged, which ``retimed_why`` says where the sources are named)."""
     link = "../" if sources else ""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
@@ -717,6 +725,7 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
     else:
         where = ((" Where a later run on the same original and reported forget sets timed a row of ours again or "
                   "added one, its figures are shown." if merged_in or replaced else "")
+                 + (f" {charge_note}." if charge_note and replaced else "")
                  + " The files behind every figure, the rows left out here and three more tables (the identities on a "
                  "second processor, the Fashion-MNIST cells with a brief refit, the R8 cells run again): "
                  f"[docs/RESULTS.md](docs/RESULTS.md#{slug(HEADLINE_TITLE)}); every column of every file (UA, RA, TA, "

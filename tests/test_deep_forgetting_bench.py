@@ -56,6 +56,10 @@ def test_tables_have_their_shape(results: dict[str, dict], tmp_path: Path) -> No
             for col in ("UA", "RA", "TA", "MIA", "AvgGap", "KL_forget", "KL_test"):
                 assert col in block["summary"]["retrain"], (name, scenario, col)
             assert block["summary"]["retrain"]["AvgGap"]["mean"] == 0.0
+            for run in block["runs"]:  # MIA is the mean of its draws, each kept (as many as the profile's repeats)
+                for row in (r for r in run["rows"].values() if "MIA" in r):
+                    assert len(row["MIA_draws"]) == result["profile_settings"]["mia"][1]
+                    assert row["MIA"] == pytest.approx(float(np.mean(row["MIA_draws"])), abs=1e-3)
             assert block["summary"]["retrain"]["KL_forget"]["mean"] == 0.0
             assert block["summary"]["retrain-reseed"]["KL_forget"]["mean"] == pytest.approx(1.0)
             if embedding:

@@ -14,7 +14,8 @@ from pipeline.evaluate.divergence import bernoulli_kl_from_logits, kl_from_logit
 from pipeline.evaluate.forget_sets import build_forget_set
 from pipeline.evaluate.lira import balanced_membership, gaussian_llr, logit_confidence
 from pipeline.evaluate.mia import (
-    attack_features, mia_efficacy, mia_efficacy_from_logits, shadow_positions, svc_nonmember_share,
+    attack_features, mia_draws_from_logits, mia_efficacy, mia_efficacy_from_logits, shadow_positions,
+    svc_nonmember_share,
 )
 from pipeline.evaluate.retrieval import average_precision, query_gallery_split, retrieval_metrics
 from pipeline.evaluate.scorecard import avg_gap
@@ -198,5 +199,7 @@ def test_mia_repeats_average_independent_balanced_draws():
     assert one == pytest.approx(100 * shares[0])
     assert many == pytest.approx(100 * float(np.mean(shares)))
     assert len({round(v, 6) for v in shares}) > 1  # the draws differ, so the mean is not a copy of one
+    draws = mia_draws_from_logits(task, retain, test, forget, seed=5, max_shadow=80, repeats=3)
+    assert draws == pytest.approx([100 * v for v in shares])  # each draw kept, in order, draw 0 the single one
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         mia_efficacy_from_logits(task, retain, test, forget, repeats=0)

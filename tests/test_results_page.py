@@ -109,7 +109,9 @@ def test_the_headline_tables_lead_the_page_with_their_sources(tmp_path: Path) ->
     assert "| lfoci-newton-recorded-run | " in first and "| finetune | " in first
     assert "(../bench/results/deep_fmnist-cnn_partial_class.json)" in first   # links from docs/
     assert "](bench/results/" not in headline and "[docs/RESULTS.md]" not in headline
-    assert "in place of the cell file's own row, trajectory-refit on Reuters R8, class from" in first
+    rows_run = ", ".join(results_page.R8_RUN_ROWS)  # R8's rows of ours and SalUn: one pair of runs, charged whole
+    assert f"in place of the cell file's own row, {rows_run} on Reuters R8, class from" in first
+    assert results_page.README_CHARGE in first and results_page.README_CHARGE in results_page.readme_table()
     assert "| lfoci-newton-recorded-run-lean | " in second and "| lfoci-newton-recorded-run-lean | " not in first
     assert all(f"Reuters R8, {cell}" in fourth for cell in ("class", "random 1 %", "random 10 %", "subject"))
     assert "test accuracy 75.9 % against 77.0 %" in second   # read from the two tables' identities files

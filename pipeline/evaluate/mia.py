@@ -102,12 +102,13 @@ def shadow_positions(n_retain: int, n_test: int, seed: int | tuple[int, int] = 0
     return np.sort(rng.choice(n_retain, n, replace=False)), np.sort(rng.choice(n_test, n, replace=False))
 
 
-def mia_efficacy_from_logits(
+def mia_draws_from_logits(
     task: Task, retain: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor], forget: tuple[Tensor, Tensor], *,
     feature: str = "confidence", seed: int = 0, max_shadow: int | None = 5000, repeats: int = 1,
-) -> float:
-    """MIA-efficacy in percent from precomputed (logits, targets) of D_r, test and D_f; the
-    mean over ``repeats`` independent seeded draws of the members and non-members."""
+) -> list[float]:
+    """MIA-efficacy in percent of each of ``repeats`` independent seeded draws (draw 0 is the single-draw value)
+    from precomputed (logits, targets) of D_r, test and D_f. Where a model generalises, one draw often calls the
+    whole forget set one way (0 or 100): the draws show it where their mean cannot."""
     if repeats < 1:
         raise ValueError(f"MIA repeats must be >= 1 (got {repeats})")
     kind = output_kind(task)
@@ -121,9 +122,19 @@ def mia_efficacy_from_logits(
         member_pos, nonmember_pos = shadow_positions(len(retain[1]), len(test[1]), seed if r == 0 else (seed, r),
                                                      max_shadow)
         idx_m, idx_n = torch.as_tensor(member_pos), torch.as_tensor(nonmember_pos)
-        shares.append(svc_nonmember_share(feats(retain[0][idx_m], retain[1][idx_m]),
-                                          feats(test[0][idx_n], test[1][idx_n]), target))
-    return 100.0 * float(np.mean(shares))
+        shares.append(100.0 * svc_nonmember_share(feats(retain[0][idx_m], retain[1][idx_m]),
+                                                  feats(test[0][idx_n], test[1][idx_n]), target))
+    return shares
+
+
+def mia_efficacy_from_logits(
+    task: Task, retain: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor], forget: tuple[Tensor, Tensor], *,
+    feature: str = "confidence", seed: int = 0, max_shadow: int | None = 5000, repeats: int = 1,
+) -> float:
+    """MIA-efficacy in percent from precomputed (logits, targets) of D_r, test and D_f: the mean over ``repeats``
+    independent seeded draws of the members and non-members (``mia_draws_from_logits``)."""
+    return float(np.mean(mia_draws_from_logits(task, retain, test, forget, feature=feature, seed=seed,
+                                               max_shadow=max_shadow, repeats=repeats)))
 
 
 def mia_efficacy(
