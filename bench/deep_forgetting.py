@@ -44,7 +44,7 @@ Tuning: each method row has a grid of the same size (configs/tuning/<dataset>.ya
   sets. A grid itself can be placed by a sweep: ``--tuning-only --tuning-grid configs/tuning/sweeps/...`` runs a
   wider grid on the same tuning sets alone (no reported set), and grid_from_sweep picks the points the grid keeps.
 Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forget set), TA, MIA-efficacy
-  (pipeline.evaluate.scorecard, as bench/forgetting.py), Avg. Gap (SalUn's: mean |metric - Retrain's| over UA,
+  (pipeline.evaluate.mia: the mean of the profile's draws, each kept as MIA_draws), Avg. Gap (SalUn's: mean |metric - Retrain's| over UA,
   RA, TA, MIA); function-space gap: mean KL(model || Retrain) over the forget set and over the test set, in
   units of KL(retrain-reseed || Retrain) on the same set; identities, identity and subject scenarios: on the
   BNNeck embedding, the forgotten identity's held-out images as leave-one-out queries against all held-out

@@ -51,7 +51,8 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
                 ("deep_identities_partial_random_1pct.json", "random_1pct"),
                 ("deep_identities_partial_random_10pct.json", "random_10pct"),
                 ("deep_identities_partial_subject.json", "subject"))
-# the R8 runs of the fourth headline table: the scenarios each file of a pair holds (a pair of processes, two
+# the R8 runs (the fourth headline table's, and the pair whose rows the first table shows): the scenarios each file
+# of a pair holds (a pair of processes, two
 # scenarios each)
 R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
                  "random_10pct": "class-random_10pct", "subject": "random_1pct-subject"}
@@ -86,16 +87,15 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct-random_10pct-subject_baselines.json",
         f"deep_identities_partial_{sc}_recorded_run.json")
        for sc in ("random_1pct", "random_10pct", "subject")},
-    # R8: every row of ours and SalUn from the latest pair of runs on this table's original, each request charged
-    # whole (README_RETIMED, so first), then the pairs before and the baselines
-    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), r8_brief_file(sc, "-leaner"),
-                                                   r8_brief_file(sc), *R8_CELL_BASELINES.get(sc, ()))
+    # R8: trajectory-refit, -lean, -leaner and SalUn from the latest pair of runs on this table's original, each
+    # request charged whole (README_RETIMED, so first; the pairs before held only those rows), then the baselines
+    **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), *R8_CELL_BASELINES.get(sc, ()))
        for sc in R8_BRIEF_RUNS},
 }
+# Rows of a companion that replace the cell file's own (and the table's lead says so): on the identities,
 # trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
-# points configs/tuning/timing/ gives (placed by sweeps on the tuning sets), trajectory-refit-sampled beside it in the
-# same run: that row of these companions replaces the one the cell's own file holds (an older setting, before the
-# check), and the table's lead says so
+# points configs/tuning/timing/ gives (placed by sweeps on the tuning sets; the cell files hold an older setting, before
+# the check), trajectory-refit-sampled beside it in the same run; on R8, the rows of one pair of runs charged whole
 README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{(f"deep_identities_partial_{sc}.json", sc): (f"deep_identities_partial_{sc}_grid-{grid}.json", ("trajectory-refit",))
        for sc, grid in (("identity", "trajectory-refit-and-sampled-identity-quarter"),
@@ -104,11 +104,11 @@ README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     # R8: the rows of ours and SalUn from one pair of runs, each request charged whole
     **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), R8_RUN_ROWS)
        for sc in R8_BRIEF_RUNS}}
-README_CHARGE = ("R8's rows of ours and SalUn are charged each request whole: the remove call (its check that the "
-                 "kept state holds included) and, in a campaign, the next version's state. The other rows were "
-                 "charged the removal's own seconds, which left out those (on the image cells 0.01-0.06 s, a median "
-                 "0.1 %-3 % of a request; on R8 about 0.1 s of a cold request and 0.5 s of a later one that keeps "
-                 "state)")
+README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows are charged each request whole: the remove call (its check "
+                 "that the kept state holds included) and, in a campaign, the next version's state. The other rows, "
+                 "the default's included, were charged the removal's own seconds, which left out those (on the image "
+                 "cells 0.01-0.06 s, a median 0.1 %-3 % of a request; on R8 about 0.1 s of a cold request and 0.5 s "
+                 "of a later one that keeps state)")
 README_RETIMED_WHY = ("on the identities, the current method, its guard's sibling check included, with a quarter-epoch "
                       "refit at the scales its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random "
                       "1 %, 0.03 on the subject (five tuning subjects); trajectory-refit-sampled beside it in the same "
@@ -655,8 +655,9 @@ def _r8_table(loaded: dict[str, dict[str, Any] | None]) -> str:
     """The Reuters R8 cells run again (``R8_BRIEF_CELLS``: every row from the same pair of runs)."""
     return _cells_table(loaded, R8_BRIEF_CELLS, {}, R8_BRIEF_ROWS, (),
                         "The Reuters R8 cells run again with each request charged whole (the check that the kept "
-                        "state holds and the next version's state included, which the first table's R8 costs left "
-                        "out: about 0.1 s of a cold request and 0.5 s of a later one there): trajectory-refit, "
+                        "state holds and the next version's state included, which the first table's default and "
+                        "baseline rows' R8 costs leave out: about 0.1 s of a cold request and 0.5 s of a later one "
+                        "that keeps state): trajectory-refit, "
                         "trajectory-refit-lean (few samples everywhere, a refit of 0.03 of the recipe's one epoch) and "
                         "trajectory-refit-leaner (about half its samples, a refit of 0.02), paying MiniLM's frozen "
                         "layers only for the documents a request reads, beside SalUn, in two runs of two scenarios "
@@ -708,7 +709,7 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         blocks.append(block)
         merged_in += [c for c in joined if c not in merged_in]
         if again is not None and again[0] in joined:
-            replaced.append(f"{', '.join(again[1])} on {_cell_title(d, sc)} from "
+            replaced.append(f"{', '.join(again[1])} (where a row is there) on {_cell_title(d, sc)} from "
                             f"[{again[0]}]({link}bench/results/{again[0]})")
         notes += [f"- {_cell_title(d, sc)}: the rows of {note}." for note in left_out]
     sets, requests = _counts(cells)
@@ -719,12 +720,12 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                                                                        for name in merged_in)
                     + " (run on the same reported forget sets; checked: the same sample ids and reference rows)"
                     if merged_in else "")
-                 + (f"; in place of the cell file's own row, {'; '.join(replaced)} ({retimed_why})" if replaced else "")
+                 + (f"; in place of the cell file's own rows, {'; '.join(replaced)} ({retimed_why})" if replaced else "")
                  + ". Every table of each file (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with its command and "
                  "machine, is in the sections below.")
     else:
-        where = ((" Where a later run on the same original and reported forget sets timed a row of ours again or "
-                  "added one, its figures are shown." if merged_in or replaced else "")
+        where = ((" Where a later run on the same original and reported forget sets timed a row again or added "
+                  "one, its figures are shown." if merged_in or replaced else "")
                  + (f" {charge_note}." if charge_note and replaced else "")
                  + " The files behind every figure, the rows left out here and three more tables (the identities on a "
                  "second processor, the Fashion-MNIST cells with a brief refit, the R8 cells run again): "

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from pipeline import memory
 from pipeline.data.sampleset import SampleSet
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import digest_tensor, content_digest
+from pipeline.prepared import content_digest, digest_tensor
 from pipeline.tasks import Batch, Task
 
 __all__ = ["PrefixCache", "PrefixMemo", "PrefixRows", "SPLITTERS", "Split", "bytes_of", "cache_frozen_prefix",

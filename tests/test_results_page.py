@@ -110,7 +110,7 @@ def test_the_headline_tables_lead_the_page_with_their_sources(tmp_path: Path) ->
     assert "(../bench/results/deep_fmnist-cnn_partial_class.json)" in first   # links from docs/
     assert "](bench/results/" not in headline and "[docs/RESULTS.md]" not in headline
     rows_run = ", ".join(results_page.R8_RUN_ROWS)  # R8's rows of ours and SalUn: one pair of runs, charged whole
-    assert f"in place of the cell file's own row, {rows_run} on Reuters R8, class from" in first
+    assert f"in place of the cell file's own rows, {rows_run} (where a row is there) on Reuters R8, class from" in first
     assert results_page.README_CHARGE in first and results_page.README_CHARGE in results_page.readme_table()
     assert "| lfoci-newton-recorded-run-lean | " in second and "| lfoci-newton-recorded-run-lean | " not in first
     assert all(f"Reuters R8, {cell}" in fourth for cell in ("class", "random 1 %", "random 10 %", "subject"))
@@ -222,8 +222,8 @@ def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_pat
     monkeypatch.setattr(results_page, "README_RETIMED_WHY", "timed again")
     table = first_table()
     assert "99.0" in next(x for x in table.splitlines() if x.startswith("| salun |"))
-    assert ("in place of the cell file's own row, salun on Identities, identity from [c.json](../bench/results/c.json) "
-            "(timed again)") in table
+    assert ("in place of the cell file's own rows, salun (where a row is there) on Identities, identity from "
+            "[c.json](../bench/results/c.json) (timed again)") in table
     (tmp_path / "c.json").write_text(json.dumps(other_sets))
     table = first_table()
     assert "in place of the cell file's own row" not in table  # named only where its rows were merged

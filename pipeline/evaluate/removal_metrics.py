@@ -30,7 +30,7 @@ from pipeline.frozen_prefix import Split, prefix_outputs, split_for
 from pipeline.models.card import load_model_dir
 from pipeline.models.registry import build
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import digest_tensor, content_digest
+from pipeline.prepared import content_digest, digest_tensor
 from pipeline.removal import RemovalRun
 from pipeline.tasks import Task
 

@@ -22,7 +22,7 @@ from pipeline.methods.base import RemovalProblem, stream_seed
 from pipeline.methods.prefix_prepared import FrozenPrefixPrepared, over_half_budget
 from pipeline.methods.trust_region import draw
 from pipeline.param_block import ParamBlock
-from pipeline.prepared import Prepared, digest_tensor, content_digest
+from pipeline.prepared import Prepared, content_digest, digest_tensor
 from pipeline.recipe import recipe_of
 from pipeline.trajectory import retrain_rates
 from pipeline.target.emptied_classes import (
