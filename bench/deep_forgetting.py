@@ -44,16 +44,16 @@ Tuning: each method row has a grid of the same size (configs/tuning/<dataset>.ya
   sets. A grid itself can be placed by a sweep: ``--tuning-only --tuning-grid configs/tuning/sweeps/...`` runs a
   wider grid on the same tuning sets alone (no reported set), and grid_from_sweep picks the points the grid keeps.
 Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forget set), TA, MIA-efficacy
-  (pipeline.evaluate.mia: the mean of the profile's draws, each kept as MIA_draws), Avg. Gap (SalUn's: mean |metric - Retrain's| over UA,
-  RA, TA, MIA); function-space gap: mean KL(model || Retrain) over the forget set and over the test set, in
-  units of KL(retrain-reseed || Retrain) on the same set; identities, identity and subject scenarios: on the
-  BNNeck embedding, the forgotten identity's held-out images as leave-one-out queries against all held-out
-  images (rank-1, mAP), its verification scores (mean genuine cosine, TAR at FAR 1 % with the threshold from all
-  impostor pairs) and a membership gap (its training images' similarity to its held-out centre minus the
-  held-out images' own); U-LiRA (pipeline.evaluate.lira: ``shadows`` pairs of models trained on D / retrained
-  on D_r with seeds 0..S-1, each row's removal applied to every original) on the first forget set of the
-  ``ULIRA`` cells, with a 95 % bootstrap interval; a cell is marked "cannot discriminate" where the original
-  row's mean Avg. Gap is within max(1.0, 2 x retrain-reseed's) of Retrain.
+  (pipeline.evaluate.mia: the mean of the profile's draws, each kept as MIA_draws), Avg. Gap (SalUn's: mean |metric -
+  Retrain's| over UA, RA, TA, MIA); function-space gap: mean KL(model || Retrain) over the forget set and over the
+  test set, in units of KL(retrain-reseed || Retrain) on the same set; identities, identity and subject scenarios: on
+  the BNNeck embedding, the forgotten identity's held-out images as leave-one-out queries against all held-out images
+  (rank-1, mAP), its verification scores (mean genuine cosine, TAR at FAR 1 % with the threshold from all impostor
+  pairs) and a membership gap (its training images' similarity to its held-out centre minus the held-out images'
+  own); U-LiRA (pipeline.evaluate.lira: ``shadows`` pairs of models trained on D / retrained on D_r with seeds
+  0..S-1, each row's removal applied to every original) on the first forget set of the ``ULIRA`` cells, with a 95 %
+  bootstrap interval; a cell is marked "cannot discriminate" where the original row's mean Avg. Gap is within
+  max(1.0, 2 x retrain-reseed's) of Retrain.
 Cost as the user pays it: Retrain seconds measured in the same run; per row, cold seconds = the method's
   preparation (measured once for the original and these settings) + the request (``request_seconds``: the whole
   ``pipeline.removal.remove`` call, the kept state's check and the new weights' checks included); per request over

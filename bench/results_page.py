@@ -52,8 +52,7 @@ README_CELLS = (("deep_fmnist-cnn_partial_class.json", "class"),
                 ("deep_identities_partial_random_10pct.json", "random_10pct"),
                 ("deep_identities_partial_subject.json", "subject"))
 # the R8 runs (the fourth headline table's, and the pair whose rows the first table shows): the scenarios each file
-# of a pair holds (a pair of processes, two
-# scenarios each)
+# of a pair holds (a pair of processes, two scenarios each)
 R8_BRIEF_RUNS = {"class": "class-random_10pct", "random_1pct": "random_1pct-subject",
                  "random_10pct": "class-random_10pct", "subject": "random_1pct-subject"}
 R8_CELL_BASELINES = {"class": ("deep_r8-minilm_partial_class_baselines.json",),
@@ -114,8 +113,8 @@ README_RETIMED_WHY = ("on the identities, the current method, its guard's siblin
                       "1 %, 0.03 on the subject (five tuning subjects); trajectory-refit-sampled beside it in the same "
                       "run (0.1, 0.3, 0.1) and, on the subject, trajectory-refit-sampled-orthogonal (1.0, backtracked by "
                       "its guard); the U-LiRA games below are the cell files' own rows, then those played again at "
-                      "these settings. On R8, trajectory-refit, -lean, -leaner and SalUn from one later pair of runs "
-                      "on the same original and sets, each request charged whole. " + README_CHARGE)
+                      "these settings. On R8, from one later pair of runs on the same original and sets. "
+                      + README_CHARGE)
 for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a companion too (first, unless named already)
     if _retimed not in README_COMPANIONS.get(_cell, ()):
         README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
