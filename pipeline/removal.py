@@ -162,6 +162,10 @@ def remove(
     if unknown:
         raise KeyError(f"method '{ref.method}' returned parameters the model does not have: {unknown[:10]}")
     state.update(core)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():  # buffers a method re-estimated (batch-norm statistics): the seam restored the model's
+        for key in sorted(core.keys() & buffers.keys()):
+            buffers[key].copy_(core[key])
     for key, value in user.items():
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"the removal produced non-finite user weights in '{key}'; nothing was written")

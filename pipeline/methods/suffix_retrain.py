@@ -1,0 +1,187 @@
+"""Retrain a network's trailing layers from where the recipe started them, on the retained data, the layers
+before them frozen: ``suffix-retrain`` (EU-k, exact unlearning of the last k layers: Goel et al., "Towards
+Adversarial Evaluation of Machine Unlearning", 2022).
+
+Scope. As block-gauss-newton's (``pipeline.methods.block_gauss_newton.choose_scope``): the largest trailing part
+of the network that a registered splitter divides off and whose forward cost is at most ``scope_cost_share`` of
+the whole forward pass; ``scope_cost_share: 1`` is the whole model.
+
+Removal. The scope's parameters and buffers (batch-norm statistics) are set to w_init, where the model card's
+recipe started them (its seeded initialisation and init checkpoint, ``pipeline.recipe.start_weights``); then the
+recipe's optimiser (SGD: its momentum, weight decay, shuffling seed and cosine decay; its learning rate times
+``lr_scale``; ``batch_size`` and ``epochs`` where given, else the recipe's) trains the scope on R = D \ U, the
+suffix reading the frozen prefix's outputs (computed in eval mode: the prefix's batch-norm statistics are the
+trained model's). With ``scope_cost_share: 1`` and the recipe's own settings this is Retrain itself (the same
+start, data, seed and steps): the exact reference the tests hold it to. With a prefix, no parameter or statistic
+of the suffix keeps anything of U, but the prefix does (U shaped its weights): a heuristic removal, no
+certificate, and a request costs the suffix's training, not one step.
+
+Prepared once per model version (what does not depend on U): the scope, the prefix's outputs on D, w_init on
+the scope and the prefix's digest. A removal moves only the suffix, so the next version keeps the outputs of
+D \\ U (``after_removal``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from pipeline.data.sampleset import SampleSet
+from pipeline.frozen_prefix import cache_frozen_prefix, prefix_digest
+from pipeline.methods.base import (
+    MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
+)
+from pipeline.methods.block_gauss_newton import Scope, choose_scope
+from pipeline.prepared import Binding, Prepared
+from pipeline.privacy.release import PrivacyRelease
+from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
+from pipeline.tasks import Task
+
+__all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "scope_state_names"]
+
+
+class SuffixRetrainSettings(MethodSettings):
+    scope_cost_share: float = Field(
+        0.65, gt=0, le=1, description="the scope: the trailing modules whose forward cost (multiply-accumulates) is at "
+                                      "most this share of the whole forward pass (1: the whole model: Retrain)")
+    epochs: int | None = Field(
+        None, ge=1, description="epochs of the recipe's optimiser over the scope, its learning rate decayed over them "
+                                "(null: the recipe's own epochs)")
+    batch_size: int | None = Field(None, ge=1, description="the SGD batch size (null: the recipe's)")
+    lr_scale: float = Field(1.0, gt=0, description="the SGD learning rate = the recipe's lr x this")
+
+
+def scope_state_names(model: nn.Module, suffix: nn.Module) -> list[str]:
+    """The model's state-dict names of the suffix's parameters and buffers (found by identity: a suffix module
+    shares its tensors with the model)."""
+    own = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    return [own[id(t)] for t in [*suffix.parameters(), *suffix.buffers()] if id(t) in own]
+
+
+@dataclass
+class SuffixRetrainPrepared(Prepared):
+    """The scope, D's features at the split (the prefix's outputs; None without a split), w_init of the scope's
+    parameters and buffers (the model's names) and the prefix's digest (``after_removal`` checks it)."""
+
+    scope: Scope | None = None
+    features: SampleSet | None = None
+    task: Task | None = None
+    start: dict[str, Tensor] = field(default_factory=dict)
+    prefix: str | None = None
+
+    what = "the scope (trailing layers by forward cost), the prefix's outputs on D and the scope's initial weights"
+
+    def held_bytes(self) -> int:
+        held = sum(t.numel() * t.element_size() for t in self.start.values())
+        if self.features is not None:
+            held += sum(t.numel() * t.element_size() for t in self.features.columns.values())
+        return int(held)
+
+    def after_removal(self, trained: Any, removed: Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
+        """Only the suffix moved: the prefix's outputs on D \\ U and w_init stay (checked: the prefix's digest)."""
+        assert self.scope is not None
+        split = self.scope.split
+        if split is not None and prefix_digest(split, trained.model) != self.prefix:
+            return None
+        features = None if self.features is None else self.features.without(removed)
+        return SuffixRetrainPrepared(binding, 0.0, {**self.details, "updated_from_removal": True},
+                                     scope=self.scope, features=features, task=self.task, start=self.start,
+                                     prefix=self.prefix)
+
+
+def _recipe(trained: TrainedModel | RemovalProblem, settings: SuffixRetrainSettings) -> Recipe:
+    card = trained.card
+    if card is None:
+        raise ValueError("suffix-retrain retrains with the model card's recipe and from its initial weights: load "
+                         "the model from its directory (its model.json), or pick another method")
+    recipe = recipe_of(card)
+    if recipe.optimizer != "sgd":
+        return recipe  # run to its optimum: the settings below shape an SGD run only
+    changes: dict[str, Any] = {"lr": recipe.lr * settings.lr_scale}
+    if settings.epochs is not None:
+        changes["epochs"] = int(settings.epochs)
+    if settings.batch_size is not None:
+        changes["batch_size"] = int(settings.batch_size)
+    return recipe.model_copy(update=changes)
+
+
+@register_method
+class SuffixRetrain(RemovalMethod):
+    name = "suffix-retrain"
+    Settings = SuffixRetrainSettings
+    PREPARED_FROM = ("scope_cost_share",)
+
+    def prepare(self, trained: TrainedModel, settings: SuffixRetrainSettings,  # type: ignore[override]
+                binding: Binding) -> SuffixRetrainPrepared:
+        _recipe(trained, settings)  # a model without a card fails here, before anything is computed
+        assert trained.card is not None
+        started = time.perf_counter()
+        scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
+        t_scope = time.perf_counter() - started
+        features, task, digest, t_prefix = None, trained.task, None, 0.0
+        suffix = trained.model
+        if scope.split is not None:
+            cache = cache_frozen_prefix(trained.model, trained.task, trained.train, scope.block, trained.batch_size)
+            assert cache is not None
+            features, task, t_prefix = cache.train, cache.task, cache.seconds
+            digest = prefix_digest(scope.split, trained.model)
+            suffix = scope.split.suffix_of(trained.model)
+        t = time.perf_counter()
+        names = scope_state_names(trained.model, suffix)
+        initial = start_weights(trained.card)
+        missing = [n for n in names if n not in initial]
+        if missing:
+            raise ValueError(f"the model card's initial weights lack {missing[:5]}: the card does not describe this "
+                             "model's architecture")
+        start = {n: initial[n].to(dtype=trained.model.state_dict()[n].dtype) for n in names}
+        t_start = time.perf_counter() - t
+        return SuffixRetrainPrepared(
+            binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": t_prefix,
+                              "initial_weights_seconds": t_start},
+            scope=scope, features=features, task=task, start=start, prefix=digest)
+
+    def remove(self, problem: RemovalProblem, settings: SuffixRetrainSettings,  # type: ignore[override]
+               prepared: SuffixRetrainPrepared) -> RemovalOutcome:
+        assert prepared.scope is not None and prepared.task is not None
+        recipe = _recipe(problem, settings)
+        timings: dict[str, float] = {}
+        scope = prepared.scope
+        model = problem.model
+        suffix = scope.split.suffix_of(model) if scope.split is not None else model
+        state = dict([*model.named_parameters(), *model.named_buffers()])
+        saved = {n: state[n].detach().clone() for n in prepared.start}
+        try:
+            with torch.no_grad():
+                for name, value in prepared.start.items():
+                    state[name].copy_(value)
+            with problem.stage("retrain", timings), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(recipe.seed)  # as pipeline.recipe.fit seeds Retrain's run
+                if scope.split is None:
+                    report = fit(model, problem.task, problem.retain, recipe)
+                else:
+                    assert prepared.features is not None
+                    retain = prepared.features.without(problem.forget_positions)
+                    report = OPTIMIZERS[recipe.optimizer](suffix, prepared.task, retain, recipe)
+        except BaseException:
+            with torch.no_grad():  # the seam restores the buffers; the parameters go back here
+                for name, value in saved.items():
+                    state[name].copy_(value)
+            raise
+        suffix.eval()
+        new = {name: state[name].detach().clone() for name in prepared.start}
+        record: dict[str, Any] = {
+            "scope": scope.details,
+            "retrain": {"optimizer": recipe.optimizer, "epochs": recipe.epochs, "lr": recipe.lr,
+                        "batch_size": recipe.batch_size, "seed": recipe.seed, "retained": problem.n - problem.m,
+                        "final_objective": report.final_objective, "gradient_norm": report.gradient_norm,
+                        "epochs_run": report.steps},
+            "timings": timings,
+        }
+        what = ("the whole model retrained from the recipe's start on the retained data (Retrain)" if scope.split is None
+                else "the trailing layers retrained from the recipe's start on the retained data; the frozen layers "
+                     "before them were trained on the removed samples too (a heuristic removal, no certificate)")
+        return RemovalOutcome(new, record, PrivacyRelease.non_private(f"no noise: {what}"))

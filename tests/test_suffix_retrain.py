@@ -1,0 +1,163 @@
+"""suffix-retrain (pipeline/methods/suffix_retrain.py): a network's trailing layers set back to the recipe's start
+and trained again with the recipe on the retained data, over the frozen prefix's outputs.
+
+  (a) with scope_cost_share 1 and the recipe's epochs it is Retrain: the model the card's recipe trains on
+      D \\ U from its own start (``pipeline.recipe.train``), to float rounding;
+  (b) with a prefix (a Sequential CNN, no batch norm) the prefix is the trained model's to the bit and the suffix
+      is what the recipe's ``fit`` makes of the recipe's start with the prefix frozen, also with other epochs,
+      batch size and learning rate;
+  (c) on the re-ID ResNet (batch norm in both parts) the suffix's statistics are re-estimated and written into
+      the version and the in-memory model, the prefix's kept;
+  (d) the prepared state carries to the next version and serves it as a fresh one does;
+  (e) bad input: a model without its card, epochs 0.
+"""
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from pipeline.methods import RemovalProblem, get_method
+from pipeline.methods.base import parse_settings
+from pipeline.models.card import read_card
+from pipeline.recipe import fit, initial_model, recipe_of, train
+from pipeline.removal import load_trained, remove, training_set
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPE = {"optimizer": "sgd", "epochs": 3, "lr": 0.05, "batch_size": 64, "momentum": 0.9, "weight_decay": 5e-4,
+          "seed": 3}
+CNN = {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8}
+REID = {"num_classes": 6, "layers": [1, 1, 1, 1], "width": 4, "image_size": 16}
+IDENTITIES = {"ids": 6, "per_id_train": 10, "per_id_test": 2, "height": 16, "width": 8, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def cnn_dir(tmp_path_factory):
+    from tests import kit
+
+    return kit.trained_model_dir(tmp_path_factory.mktemp("cnn"), "cnn", CNN, data_options={"flatten": False},
+                                 recipe=RECIPE)
+
+
+@pytest.fixture(scope="module")
+def reid_dir(tmp_path_factory):
+    from tests import kit
+
+    return kit.trained_model_dir(tmp_path_factory.mktemp("reid"), "reid-resnet50", REID, source="synthetic-identities",
+                                 data_options=IDENTITIES, recipe={**RECIPE, "batch_size": 16})
+
+
+def _forget(model_dir, every: int = 7) -> list[int]:
+    return training_set(read_card(model_dir)).sample_ids[::every].tolist()
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+
+
+# -- (a) the whole model: Retrain -----------------------------------------------------------------------
+def test_whole_model_scope_is_retrain(cnn_dir):
+    card = read_card(cnn_dir)
+    ids = _forget(cnn_dir)
+    run = remove(cnn_dir, ids, method="suffix-retrain", settings={"scope_cost_share": 1.0})
+    data = training_set(card)
+    retain = data.without(data.positions_of(ids))
+    reference = train(card.preset, card.options, retain, recipe_of(card)).model.state_dict()
+    assert _max_difference(run.new_state, reference) <= 1e-6
+    original = load_trained(cnn_dir).model.state_dict()
+    assert _max_difference(run.new_state, original) > 1e-2  # it moved: not the trained model
+    assert run.record["scope"]["split_at"] is None and run.record["retrain"]["epochs"] == RECIPE["epochs"]
+    assert run.record["release"]["guarantee"] == "none"
+
+
+# -- (b) a prefix: the suffix is the recipe's fit of the recipe's start, the prefix untouched ------------
+@pytest.mark.parametrize("epochs,batch_size,lr_scale", [(None, None, 1.0), (1, 128, 2.0)])
+def test_suffix_is_the_recipes_fit_from_its_start_with_the_prefix_frozen(cnn_dir, epochs, batch_size, lr_scale):
+    card = read_card(cnn_dir)
+    ids = _forget(cnn_dir)
+    settings = {"scope_cost_share": 0.3, "lr_scale": lr_scale, **({"epochs": epochs} if epochs else {}),
+                **({"batch_size": batch_size} if batch_size else {})}
+    run = remove(cnn_dir, ids, method="suffix-retrain", settings=settings)
+    split_at = run.record["scope"]["split_at"]
+    assert split_at is not None and split_at != "0"
+    names = run.record["scope"]["parameters"]
+
+    trained = load_trained(cnn_dir)
+    original = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    start, _, _ = initial_model(card.preset, card.options, seed=RECIPE["seed"])
+    reference = trained.model
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name in names:
+                p.copy_(start.state_dict()[name])
+            p.requires_grad_(name in names)
+    data = training_set(card)
+    recipe = recipe_of(card).model_copy(update={"lr": RECIPE["lr"] * lr_scale})
+    if epochs:
+        recipe = recipe.model_copy(update={"epochs": epochs, "batch_size": batch_size})
+    fit(reference, trained.task, data.without(data.positions_of(ids)), recipe)  # caches the prefix (no batch norm)
+    expected = reference.state_dict()
+    assert _max_difference(run.new_state, expected) <= 1e-6
+    for key in original:
+        if key.rsplit(".", 1)[0] + ".weight" not in names and key not in names:
+            assert torch.equal(run.new_state[key], original[key]), key  # the prefix: the trained model's
+    assert all(_max_difference({n: run.new_state[n]}, {n: original[n]}) > 1e-3 for n in names)
+    assert run.record["retrain"]["epochs"] == (epochs or RECIPE["epochs"])
+    assert run.record["retrain"]["batch_size"] == (batch_size or RECIPE["batch_size"])
+
+
+# -- (c) batch norm: the suffix's statistics re-estimated, the prefix's kept ----------------------------
+def test_batch_norm_statistics_of_the_suffix_are_re_estimated_and_written(reid_dir):
+    ids = _forget(reid_dir, 5)
+    trained = load_trained(reid_dir)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    run = remove(trained, ids, method="suffix-retrain", settings={"scope_cost_share": 0.5})
+    assert run.record["scope"]["split_at"].startswith("layer")
+    stage = int(run.record["scope"]["split_at"][5])
+    suffix_stats = [k for k in before if k.endswith("running_mean") and
+                    (k.startswith(("bottleneck", "classifier")) or (k.startswith("layer") and int(k[5]) >= stage))]
+    prefix_stats = [k for k in before if k.endswith("running_mean") and k not in suffix_stats]
+    assert suffix_stats and prefix_stats
+    for k in prefix_stats:
+        assert torch.equal(run.new_state[k], before[k]), k
+    for k in suffix_stats:
+        assert not torch.allclose(run.new_state[k], before[k]), k   # re-estimated, not the original's
+        assert float(run.new_state[k].abs().max()) > 0, k           # nor the initial zeros
+    live = run.after.model.state_dict()
+    assert all(torch.equal(live[k], run.new_state[k]) for k in run.new_state)  # the in-memory model is the version
+
+
+# -- (d) the prepared state carries to the next version --------------------------------------------------
+def test_prepared_state_carries_and_serves_as_a_fresh_one(cnn_dir):
+    ids = _forget(cnn_dir)
+    settings = {"scope_cost_share": 0.3, "epochs": 1}
+    run = remove(cnn_dir, ids, method="suffix-retrain", settings=settings)
+    assert run.record["preparation"]["built_for_this_request"]
+    nxt = run.next_prepared()
+    assert nxt is not None and nxt.details["updated_from_removal"]
+    more = [int(i) for i in run.after.train.sample_ids[:9]]
+    carried = remove(run.after, more, method="suffix-retrain", settings=settings, prepared=nxt)
+    assert not carried.record["preparation"]["built_for_this_request"]
+
+    again = load_trained(cnn_dir)
+    first = remove(again, ids, method="suffix-retrain", settings=settings)
+    fresh = remove(first.after, more, method="suffix-retrain", settings=settings)
+    assert fresh.record["preparation"]["built_for_this_request"]
+    assert _max_difference(carried.new_state, fresh.new_state) == 0.0
+
+
+# -- (e) bad input ---------------------------------------------------------------------------------------
+def test_a_model_without_its_card_is_an_error_naming_it(cnn_dir):
+    trained = load_trained(cnn_dir)
+    problem = RemovalProblem(trained.model, trained.task, trained.train, torch.arange(3), trained.weight_decay)
+    with pytest.raises(ValueError, match="card"):
+        get_method("suffix-retrain").run(problem, parse_settings("suffix-retrain", {}))
+
+
+@pytest.mark.parametrize("field,value", [("epochs", 0), ("batch_size", 0), ("lr_scale", 0.0),
+                                         ("scope_cost_share", 0.0)])
+def test_out_of_range_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        parse_settings("suffix-retrain", {field: value})
