@@ -26,7 +26,7 @@ from pipeline.data import SampleSet, load_source
 from pipeline.errors import RemovalNotServed
 from pipeline.methods import RemovalProblem, get_method
 from pipeline.methods.base import parse_settings
-from pipeline.methods.block_gauss_newton import choose_scope
+from pipeline.methods.trailing_scope import choose_scope
 from pipeline.models.card import DataRef, ModelCard, TrainingRecord
 from pipeline.tasks import DenseInputTask
 from pipeline.training import fit_lbfgs, fit_sgd

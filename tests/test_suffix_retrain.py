@@ -161,3 +161,15 @@ def test_a_model_without_its_card_is_an_error_naming_it(cnn_dir):
 def test_out_of_range_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         parse_settings("suffix-retrain", {field: value})
+
+
+def test_a_prefix_cache_over_the_memory_budget_is_refused_before_anything_is_computed(cnn_dir):
+    from pipeline.memory import MemoryBudgetError
+
+    trained = load_trained(cnn_dir)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    with pytest.raises(MemoryBudgetError, match="prefix's outputs on D .* raise memory_budget") as err:
+        remove(trained, _forget(cnn_dir), method="suffix-retrain", settings={"scope_cost_share": 0.3},
+               memory_budget="256KiB")
+    assert "scope_cost_share" in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())

@@ -1,8 +1,8 @@
 """A removal for networks trained end to end: a budget-filtered Gauss-Newton step on the network's
 trailing layers, a trust region, and a bounded refit: ``block-gauss-newton``.
 
-Scope. The trailing modules of the network whose forward cost is at most ``scope_cost_share`` of
-the whole forward pass (multiply-accumulates counted by forward hooks on one batch: a Linear
+Scope (``pipeline.methods.trailing_scope``). The trailing modules of the network whose forward cost is at most
+``scope_cost_share`` of the whole forward pass (multiply-accumulates counted by forward hooks on one batch: a Linear
 out.numel x in_features, a Conv out.numel x in_channels / groups x kernel size; other modules
 count nothing), cut where a registered splitter divides the model (``pipeline.frozen_prefix``:
 nn.Sequential, ``vggface``, ``reid-resnet50``, the text presets). Every trainable parameter of the
@@ -46,26 +46,26 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipeline.curvature.hessian import block_gradient
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed
 from pipeline.eval_mode import eval_mode_restored
-from pipeline.frozen_prefix import Split, cache_frozen_prefix, prefix_digest
+from pipeline.frozen_prefix import cache_frozen_prefix, prefix_digest
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
+from pipeline.methods.trailing_scope import Scope, choose_scope
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
-from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.recipe import Recipe, recipe_of
 from pipeline.target import replay_schedule
-from pipeline.tasks import Task, output_logits
+from pipeline.tasks import Task
 
-__all__ = ["BlockGaussNewton", "BlockGaussNewtonPrepared", "BlockGaussNewtonSettings", "Scope", "choose_scope",
-           "forward_costs"]
+__all__ = ["BlockGaussNewton", "BlockGaussNewtonPrepared", "BlockGaussNewtonSettings"]
+
 
 class BlockGaussNewtonSettings(MethodSettings):
     scope_cost_share: float = Field(
@@ -92,97 +92,6 @@ class BlockGaussNewtonSettings(MethodSettings):
     refit_epochs: float = Field(0.5, ge=0, description="epochs of the recipe's SGD on R over the scope after the step "
                                                        "(0: none)")
     refit_lr_scale: float = Field(0.2, ge=0, description="refit learning rate = the recipe's lr x this")
-
-
-# -- the scope ------------------------------------------------------------------------------------
-def _macs(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> int:
-    out = output_logits(output) if not isinstance(output, Tensor) else output
-    if not isinstance(out, Tensor):
-        return 0
-    if isinstance(module, nn.Linear):
-        return int(out.numel()) * module.in_features
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return int(out.numel()) * (module.in_channels // module.groups) * math.prod(module.kernel_size)
-    return 0
-
-
-def forward_costs(model: nn.Module, task: Task, data: SampleSet, samples: int = 2) -> list[tuple[str, nn.Module, int]]:
-    """(qualified name, module, multiply-accumulates on ``samples`` samples) of every leaf module, in the
-    order of its first call in the forward pass (modules never called are left out)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    calls: dict[int, tuple[str, nn.Module, int]] = {}
-
-    def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        if id(module) not in calls:
-            calls[id(module)] = (names.get(id(module), ""), module, _macs(module, inputs, output))
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            batch = next(data.take(torch.arange(min(samples, len(data)))).batches(samples))
-            task.forward(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return list(calls.values())
-
-
-@dataclass
-class Scope:
-    """Where the model divides (``split`` None: the whole model), the block of the suffix's trainable
-    parameters (the model's qualified names), and what the choice rested on."""
-
-    split: Split | None
-    block: ParamBlock
-    details: dict[str, Any]
-
-
-def choose_scope(model: nn.Module, task: Task, data: SampleSet, share: float) -> Scope:
-    """The largest trailing part of ``model`` that a registered splitter divides off and whose forward cost
-    is at most ``share`` of the whole (the smallest part that splits, recorded, when none is that cheap)."""
-    from pipeline.frozen_prefix import split_for
-
-    costs = forward_costs(model, task, data)
-    total = sum(c for _, _, c in costs) or 1
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    if not trainable:
-        raise ValueError("block-gauss-newton: the model has no trainable parameter to move")
-    cost_of = {id(m): c for _, m, c in costs}
-    owners = [(name, m) for name, m, _ in costs if any(id(p) in trainable for p in m.parameters(recurse=False))]
-    param_names = {id(p): n for n, p in model.named_parameters()}
-
-    def details(split: Split | None, suffix: nn.Module, block: ParamBlock, note: str | None = None) -> dict[str, Any]:
-        cost = sum(cost_of.get(id(m), 0) for m in suffix.modules())
-        return {"split_at": None if split is None else str(split.start), "cost_share": cost / total,
-                "forward_macs_per_sample": total / max(1, min(2, len(data))), "parameters": [p.name for p in block.parts],
-                "numel": block.numel, "scope_cost_share": share, **({"note": note} if note else {})}
-
-    if share >= 1.0:
-        block = ParamBlock.all_parameters(model)
-        return Scope(None, block, details(None, model, block))
-    smallest: tuple[Split, ParamBlock, float] | None = None
-    for i in range(len(owners)):
-        names = []
-        for _, m in owners[i:]:
-            names += [param_names[id(p)] for p in m.parameters(recurse=False) if id(p) in trainable]
-        split = split_for(model, task, ParamBlock.from_rows(model, {n: None for n in names}))
-        if split is None:
-            continue
-        suffix = split.suffix_of(model)
-        block = ParamBlock.from_rows(model, {n: None for n, p in suffix.named_parameters() if p.requires_grad})
-        cost = sum(cost_of.get(id(m), 0) for m in suffix.modules()) / total
-        if cost <= share:
-            return Scope(split, block, details(split, suffix, block))
-        smallest = (split, block, cost)
-    if smallest is None:
-        raise ValueError(
-            f"settings.scope_cost_share: no registered splitter divides a {type(model).__name__} before its trailing "
-            "layers, so the scope cannot be cut off; set scope_cost_share: 1 to move every parameter (the whole model "
-            "in each curvature product), or register a splitter (pipeline.frozen_prefix.register_splitter)")
-    split, block, cost = smallest
-    return Scope(split, block, details(split, split.suffix_of(model), block,
-                                       f"the smallest trailing part that splits costs {cost:.3f} of the forward pass, "
-                                       f"more than scope_cost_share"))
 
 
 # -- the prepared state ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 before them frozen: ``suffix-retrain`` (EU-k, exact unlearning of the last k layers: Goel et al., "Towards
 Adversarial Evaluation of Machine Unlearning", 2022).
 
-Scope. As block-gauss-newton's (``pipeline.methods.block_gauss_newton.choose_scope``): the largest trailing part
+Scope. As block-gauss-newton's (``pipeline.methods.trailing_scope.choose_scope``): the largest trailing part
 of the network that a registered splitter divides off and whose forward cost is at most ``scope_cost_share`` of
 the whole forward pass; ``scope_cost_share: 1`` is the whole model.
 
@@ -31,11 +31,13 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.frozen_prefix import cache_frozen_prefix, prefix_digest
+from pipeline.frozen_prefix import cache_frozen_prefix, cached_bytes_per_sample, prefix_digest
+from pipeline.memory import MemoryBudgetError
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
-from pipeline.methods.block_gauss_newton import Scope, choose_scope
+from pipeline.methods.prefix_prepared import over_half_budget
+from pipeline.methods.trailing_scope import Scope, choose_scope
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
@@ -125,6 +127,11 @@ class SuffixRetrain(RemovalMethod):
         features, task, digest, t_prefix = None, trained.task, None, 0.0
         suffix = trained.model
         if scope.split is not None:
+            over = over_half_budget(trained.model, len(trained.train) * cached_bytes_per_sample(
+                scope.split, trained.model, trained.task, trained.train), "the prefix's outputs on D")
+            if over is not None:  # before anything is computed
+                raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to "
+                                        "where the prefix's outputs are smaller")
             cache = cache_frozen_prefix(trained.model, trained.task, trained.train, scope.block, trained.batch_size)
             assert cache is not None
             features, task, t_prefix = cache.train, cache.task, cache.seconds
