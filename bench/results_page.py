@@ -91,6 +91,13 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
     **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), *R8_CELL_BASELINES.get(sc, ()))
        for sc in R8_BRIEF_RUNS},
 }
+# suffix-retrain's runs on the identities cells, SalUn beside it in the same run (the table keeps the cell files' own
+# SalUn rows, the same figures where both ran the same sets): the last companion of each cell
+SUFFIX_RETRAIN_FILE = "deep_identities_partial_{}_suffix_retrain.json"
+SUFFIX_RETRAIN_CELLS = ("identity", "random_1pct", "random_10pct", "subject")
+for _sc in SUFFIX_RETRAIN_CELLS:
+    _cell = (f"deep_identities_partial_{_sc}.json", _sc)
+    README_COMPANIONS[_cell] = (*README_COMPANIONS[_cell], SUFFIX_RETRAIN_FILE.format(_sc))
 # Rows of a companion that replace the cell file's own (and the table's lead says so): on the identities,
 # trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
 # points configs/tuning/timing/ gives (placed by sweeps on the tuning sets; the cell files hold an older setting, before
@@ -103,7 +110,8 @@ README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     # R8: the rows of ours and SalUn from one pair of runs, each request charged whole
     **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), R8_RUN_ROWS)
        for sc in R8_BRIEF_RUNS}}
-README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows are charged each request whole: the remove call (its check "
+README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows and the identities' suffix-retrain rows are charged each "
+                 "request whole: the remove call (its check "
                  "that the kept state holds included) and, in a campaign, the next version's state. The other rows, "
                  "the default's included, were charged the removal's own seconds, which left out those (on the image "
                  "cells 0.01-0.06 s, a median 0.1 %-3 % of a request; on R8 about 0.1 s of a cold request and 0.5 s "
@@ -124,16 +132,17 @@ README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
         "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",),
     ("deep_identities_partial_random_1pct.json", "random_1pct"): (
-        "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",),
+        "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",
+        SUFFIX_RETRAIN_FILE.format("random_1pct")),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
 # README_ROWS of them, the other baselines folded into its best-of row
 HEADLINE_ROWS = ("original", "retrain-reseed", "lfoci-newton", "lfoci-newton-recorded-run", "trajectory-refit",
                  "trajectory-refit-sampled", "trajectory-refit-sampled-orthogonal", "trajectory-refit-lean",
-                 "trajectory-refit-leaner", "salun", "finetune")
+                 "trajectory-refit-leaner", "suffix-retrain", "salun", "finetune")
 README_ROWS = ("original", "retrain-reseed", "lfoci-newton", "trajectory-refit", "trajectory-refit-sampled",
-               "trajectory-refit-sampled-orthogonal", "trajectory-refit-lean", "trajectory-refit-leaner", "salun")
+               "trajectory-refit-sampled-orthogonal", "trajectory-refit-leaner", "suffix-retrain", "salun")
 # (block-gauss-newton, measured on the Fashion-MNIST class alone, 62 % served, is in docs/RESULTS.md)
 # one more row: per cell, the one of these baselines with the least Avg. Gap, named (every row of every cell is in
 # docs/RESULTS.md); the table stays short however many baselines a cell ran

@@ -188,7 +188,7 @@ class SuffixRetrain(RemovalMethod):
                         "epochs_run": report.steps},
             "timings": timings,
         }
-        what = ("the whole model retrained from the recipe's start on the retained data (Retrain)" if scope.split is None
+        what = ("the whole model retrained from the recipe's start on the retained data" if scope.split is None
                 else "the trailing layers retrained from the recipe's start on the retained data; the frozen layers "
                      "before them were trained on the removed samples too (a heuristic removal, no certificate)")
         return RemovalOutcome(new, record, PrivacyRelease.non_private(f"no noise: {what}"))
