@@ -292,6 +292,7 @@ def run_removal(method: str, settings: dict[str, Any], original: nn.Module, task
     the removal's own seconds (the record's ``removal_seconds``, preparation apart)."""
     from pipeline.methods import RemovalProblem, get_method
     from pipeline.progress import StageProgress
+    from pipeline.removal import write_returned_buffers
 
     model = copy.deepcopy(original)
     impl = get_method(method_of(method))
@@ -302,7 +303,9 @@ def run_removal(method: str, settings: dict[str, Any], original: nn.Module, task
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in outcome.new_parameters.items():
-            params[name].copy_(value)
+            if name in params:
+                params[name].copy_(value)
+    write_returned_buffers(model, outcome.new_parameters)  # batch-norm statistics a method re-estimated
     model.eval()
     return model, outcome.record["removal_seconds"], _jsonable(outcome.record)
 

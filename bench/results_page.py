@@ -135,6 +135,8 @@ README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
         "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",
         SUFFIX_RETRAIN_FILE.format("random_1pct")),
 }
+# games of README_ULIRA_AGAIN that were not played again but first, for the rows their file adds to the cell
+ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct")})
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
 # README_ROWS of them, the other baselines folded into its best-of row
@@ -517,7 +519,9 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
             why = _disagreement_or_unreadable(d, o, sc) if replay else "no U-LiRA game"
             if why is None:
-                lines.append(f"- {_cell_title(d, sc)}, played again at the table's settings, {replay['shadows']} "
+                how = ("played for the rows that file adds" if other in ULIRA_FIRST_PLAYED
+                       else "played again at the table's settings")
+                lines.append(f"- {_cell_title(d, sc)}, {how}, {replay['shadows']} "
                              f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:
                 lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")

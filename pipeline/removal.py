@@ -101,6 +101,16 @@ def method_ref(method: "str | MethodRef", settings: MethodSettings | Mapping[str
     return MethodRef.model_validate({"name": method, "settings": dict(settings or {})})
 
 
+def write_returned_buffers(model: nn.Module, returned: Mapping[str, Tensor]) -> None:
+    """Writes the buffers among a removal's returned tensors (batch-norm statistics a method re-estimated) into
+    ``model``. The seam restores every buffer after ``remove`` (``pipeline.eval_mode``), so the in-memory model
+    would otherwise keep the old statistics while the written version holds the new."""
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for key in sorted(returned.keys() & buffers.keys()):
+            buffers[key].copy_(returned[key])
+
+
 def remove(
     model_dir: "str | Path | TrainedModel",
     sample_ids: Sequence[int],
@@ -162,16 +172,13 @@ def remove(
     if unknown:
         raise KeyError(f"method '{ref.method}' returned parameters the model does not have: {unknown[:10]}")
     state.update(core)
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():  # buffers a method re-estimated (batch-norm statistics): the seam restored the model's
-        for key in sorted(core.keys() & buffers.keys()):
-            buffers[key].copy_(core[key])
     for key, value in user.items():
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"the removal produced non-finite user weights in '{key}'; nothing was written")
     for key, value in state.items():
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"the removal produced non-finite values in '{key}'; nothing was written")
+    write_returned_buffers(model, core)
     new_card = card.model_copy(deep=True)
     new_card.training.removed_ids = sorted(set(card.training.removed_ids) | set(ids))
     new_card.training.n = card.training.n - len(ids)

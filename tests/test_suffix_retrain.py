@@ -6,10 +6,14 @@ and trained again with the recipe on the retained data, over the frozen prefix's
   (b) with a prefix (a Sequential CNN, no batch norm) the prefix is the trained model's to the bit and the suffix
       is what the recipe's ``fit`` makes of the recipe's start with the prefix frozen, also with other epochs,
       batch size and learning rate;
-  (c) on the re-ID ResNet (batch norm in both parts) the suffix's statistics are re-estimated and written into
-      the version and the in-memory model, the prefix's kept;
-  (d) the prepared state carries to the next version and serves it as a fresh one does;
-  (e) bad input: a model without its card, epochs 0.
+  (c) on the re-ID ResNet (batch norm in both parts) the suffix's statistics are re-estimated on D \\ U (its
+      batch counts are the suffix's steps) and written into the version and the in-memory model, the prefix's kept;
+      a run that fails half-way leaves every parameter and buffer as it was;
+  (d) the prepared state carries to the next version and serves it as a fresh one does, and is not carried once
+      the prefix moved;
+  (e) an L-BFGS recipe is retrained as it is (Retrain, to 1e-9 in float64) and refuses the SGD settings; frozen
+      parameters and non-persistent buffers are not part of the scope's state;
+  (f) bad input: a model without its card, settings out of range, a prefix cache over the memory budget.
 """
 from __future__ import annotations
 
@@ -173,3 +177,66 @@ def test_a_prefix_cache_over_the_memory_budget_is_refused_before_anything_is_com
                memory_budget="256KiB")
     assert "scope_cost_share" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())
+
+
+def test_a_failed_retrain_leaves_every_parameter_and_buffer_as_it_was(reid_dir, monkeypatch):
+    from pipeline.methods import suffix_retrain
+
+    trained = load_trained(reid_dir)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    sgd = suffix_retrain.OPTIMIZERS["sgd"]
+
+    def one_epoch_then_fail(model, task, data, recipe):
+        sgd(model, task, data, recipe.model_copy(update={"epochs": 1}))  # moves the suffix and its statistics
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setitem(suffix_retrain.OPTIMIZERS, "sgd", one_epoch_then_fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        remove(trained, _forget(reid_dir, 5), method="suffix-retrain", settings={"scope_cost_share": 0.5})
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())
+
+
+def test_batch_norm_counts_are_the_suffix_s_steps_on_the_retained_data(reid_dir):
+    ids = _forget(reid_dir, 5)
+    trained = load_trained(reid_dir)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    run = remove(trained, ids, method="suffix-retrain", settings={"scope_cost_share": 0.5, "epochs": 2})
+    steps = 2 * -(-(len(trained.train) - len(ids)) // 16)   # epochs x batches of 16 over D \ U
+    stage = int(run.record["scope"]["split_at"][5])
+    for key, count in run.new_state.items():
+        if key.endswith("num_batches_tracked"):
+            in_suffix = key.startswith("bottleneck") or (key.startswith("layer") and int(key[5]) >= stage)
+            assert int(count) == (steps if in_suffix else int(before[key])), key
+
+
+def test_an_lbfgs_recipe_is_retrained_as_it_is_and_refuses_sgd_settings(trained_model_dir):
+    model_dir = trained_model_dir("linear", dtype="float64")
+    card = read_card(model_dir)
+    ids = _forget(model_dir)
+    run = remove(model_dir, ids, method="suffix-retrain", settings={"scope_cost_share": 1.0})
+    data = training_set(card)
+    reference = train(card.preset, card.options, data.without(data.positions_of(ids)), recipe_of(card),
+                      dtype=torch.float64).model.state_dict()
+    assert _max_difference(run.new_state, reference) <= 1e-9
+    with pytest.raises(ValueError, match="settings.epochs: the model card's recipe is 'lbfgs'"):
+        remove(model_dir, ids, method="suffix-retrain", settings={"scope_cost_share": 1.0, "epochs": 3})
+
+
+def test_the_scope_state_leaves_out_frozen_parameters_and_non_persistent_buffers():
+    from torch import nn
+
+    from pipeline.methods.suffix_retrain import scope_state_names
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[2].register_buffer("scratch", torch.zeros(2), persistent=False)
+    model[2].bias.requires_grad_(False)
+    names = scope_state_names(model, model[1:])
+    assert names == ["1.weight", "1.bias", "2.weight", "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+
+
+def test_a_prepared_state_whose_prefix_moved_is_not_carried(cnn_dir):
+    settings = {"scope_cost_share": 0.3, "epochs": 1}
+    run = remove(cnn_dir, _forget(cnn_dir), method="suffix-retrain", settings=settings)
+    with torch.no_grad():
+        next(run.after.model.parameters()).add_(1.0)   # the first layer: the prefix
+    assert run.next_prepared() is None

@@ -217,6 +217,8 @@ class RemovalProblem:
 
 @dataclass
 class RemovalOutcome:
+    # the new values of the parameters the removal moved, and of the persistent buffers it re-estimated (batch-norm
+    # statistics), by the model's state-dict names
     new_parameters: dict[str, Tensor]
     record: dict[str, Any]
     # What noise was added and what it may claim; the record carries it as record["release"].

@@ -9,12 +9,14 @@ the whole forward pass; ``scope_cost_share: 1`` is the whole model.
 Removal. The scope's parameters and buffers (batch-norm statistics) are set to w_init, where the model card's
 recipe started them (its seeded initialisation and init checkpoint, ``pipeline.recipe.start_weights``); then the
 recipe's optimiser (SGD: its momentum, weight decay, shuffling seed and cosine decay; its learning rate times
-``lr_scale``; ``batch_size`` and ``epochs`` where given, else the recipe's) trains the scope on R = D \ U, the
+``lr_scale``; ``batch_size`` and ``epochs`` where given, else the recipe's) trains the scope on R = D \\ U, the
 suffix reading the frozen prefix's outputs (computed in eval mode: the prefix's batch-norm statistics are the
 trained model's). With ``scope_cost_share: 1`` and the recipe's own settings this is Retrain itself (the same
-start, data, seed and steps): the exact reference the tests hold it to. With a prefix, no parameter or statistic
-of the suffix keeps anything of U, but the prefix does (U shaped its weights): a heuristic removal, no
-certificate, and a request costs the suffix's training, not one step.
+start, data, seed and steps): the exact reference the tests hold it to. With a prefix, the suffix is trained on
+D \\ U only, but over the outputs of a prefix that U shaped (its weights are the original's): a heuristic removal,
+no certificate, and a request costs the suffix's training, not one step. Parameters frozen in the trained model
+(``requires_grad`` False) are not trained by the recipe and are kept as they are. A recipe run to its optimum
+(L-BFGS) is run as it is: the SGD settings below are refused for it.
 
 Prepared once per model version (what does not depend on U): the scope, the prefix's outputs on D, w_init on
 the scope and the prefix's digest. A removal moves only the suffix, so the next version keeps the outputs of
@@ -58,10 +60,13 @@ class SuffixRetrainSettings(MethodSettings):
 
 
 def scope_state_names(model: nn.Module, suffix: nn.Module) -> list[str]:
-    """The model's state-dict names of the suffix's parameters and buffers (found by identity: a suffix module
-    shares its tensors with the model)."""
-    own = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    return [own[id(t)] for t in [*suffix.parameters(), *suffix.buffers()] if id(t) in own]
+    """The model's state-dict names of the suffix's trainable parameters and persistent buffers (found by identity:
+    a suffix module shares its tensors with the model); frozen parameters and non-persistent buffers are left out."""
+    persistent = set(model.state_dict().keys())
+    name_of_tensor = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                      if name in persistent}
+    trainable = [p for p in suffix.parameters() if p.requires_grad]
+    return [name_of_tensor[id(t)] for t in [*trainable, *suffix.buffers()] if id(t) in name_of_tensor]
 
 
 @dataclass
@@ -95,14 +100,20 @@ class SuffixRetrainPrepared(Prepared):
                                      prefix=self.prefix)
 
 
-def _recipe(trained: TrainedModel | RemovalProblem, settings: SuffixRetrainSettings) -> Recipe:
+def _removal_recipe(trained: TrainedModel | RemovalProblem, settings: SuffixRetrainSettings) -> Recipe:
+    """The card's recipe with the settings' epochs, batch size and learning-rate scale (an SGD recipe only)."""
     card = trained.card
     if card is None:
         raise ValueError("suffix-retrain retrains with the model card's recipe and from its initial weights: load "
                          "the model from its directory (its model.json), or pick another method")
     recipe = recipe_of(card)
     if recipe.optimizer != "sgd":
-        return recipe  # run to its optimum: the settings below shape an SGD run only
+        shaped = [name for name in ("epochs", "batch_size") if getattr(settings, name) is not None]
+        shaped += ["lr_scale"] if settings.lr_scale != 1.0 else []
+        if shaped:
+            raise ValueError(f"settings.{shaped[0]}: the model card's recipe is '{recipe.optimizer}', run to its "
+                             f"optimum; {', '.join(shaped)} shape an SGD recipe only (leave them at their defaults)")
+        return recipe
     changes: dict[str, Any] = {"lr": recipe.lr * settings.lr_scale}
     if settings.epochs is not None:
         changes["epochs"] = int(settings.epochs)
@@ -119,7 +130,7 @@ class SuffixRetrain(RemovalMethod):
 
     def prepare(self, trained: TrainedModel, settings: SuffixRetrainSettings,  # type: ignore[override]
                 binding: Binding) -> SuffixRetrainPrepared:
-        _recipe(trained, settings)  # a model without a card fails here, before anything is computed
+        _removal_recipe(trained, settings)  # a model without a card fails here, before anything is computed
         assert trained.card is not None
         started = time.perf_counter()
         scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
@@ -133,19 +144,20 @@ class SuffixRetrain(RemovalMethod):
                 raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to "
                                         "where the prefix's outputs are smaller")
             cache = cache_frozen_prefix(trained.model, trained.task, trained.train, scope.block, trained.batch_size)
-            assert cache is not None
+            assert cache is not None and cache.start == scope.split.start
             features, task, t_prefix = cache.train, cache.task, cache.seconds
             digest = prefix_digest(scope.split, trained.model)
             suffix = scope.split.suffix_of(trained.model)
-        t = time.perf_counter()
+        weights_started = time.perf_counter()
         names = scope_state_names(trained.model, suffix)
         initial = start_weights(trained.card)
         missing = [n for n in names if n not in initial]
         if missing:
             raise ValueError(f"the model card's initial weights lack {missing[:5]}: the card does not describe this "
                              "model's architecture")
-        start = {n: initial[n].to(dtype=trained.model.state_dict()[n].dtype) for n in names}
-        t_start = time.perf_counter() - t
+        current = trained.model.state_dict()
+        start = {n: initial[n].to(dtype=current[n].dtype) for n in names}
+        t_start = time.perf_counter() - weights_started
         return SuffixRetrainPrepared(
             binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": t_prefix,
                               "initial_weights_seconds": t_start},
@@ -154,17 +166,17 @@ class SuffixRetrain(RemovalMethod):
     def remove(self, problem: RemovalProblem, settings: SuffixRetrainSettings,  # type: ignore[override]
                prepared: SuffixRetrainPrepared) -> RemovalOutcome:
         assert prepared.scope is not None and prepared.task is not None
-        recipe = _recipe(problem, settings)
+        recipe = _removal_recipe(problem, settings)
         timings: dict[str, float] = {}
         scope = prepared.scope
         model = problem.model
         suffix = scope.split.suffix_of(model) if scope.split is not None else model
-        state = dict([*model.named_parameters(), *model.named_buffers()])
-        saved = {n: state[n].detach().clone() for n in prepared.start}
+        live = dict([*model.named_parameters(), *model.named_buffers()])
+        saved = {n: live[n].detach().clone() for n in prepared.start}
         try:
             with torch.no_grad():
                 for name, value in prepared.start.items():
-                    state[name].copy_(value)
+                    live[name].copy_(value)
             with problem.stage("retrain", timings), torch.random.fork_rng(devices=[]):
                 torch.manual_seed(recipe.seed)  # as pipeline.recipe.fit seeds Retrain's run
                 if scope.split is None:
@@ -174,21 +186,20 @@ class SuffixRetrain(RemovalMethod):
                     retain = prepared.features.without(problem.forget_positions)
                     report = OPTIMIZERS[recipe.optimizer](suffix, prepared.task, retain, recipe)
         except BaseException:
-            with torch.no_grad():  # the seam restores the buffers; the parameters go back here
+            with torch.no_grad():  # the parameters and buffers as they were
                 for name, value in saved.items():
-                    state[name].copy_(value)
+                    live[name].copy_(value)
             raise
         suffix.eval()
-        new = {name: state[name].detach().clone() for name in prepared.start}
+        retrained = {name: live[name].detach().clone() for name in prepared.start}
         record: dict[str, Any] = {
             "scope": scope.details,
             "retrain": {"optimizer": recipe.optimizer, "epochs": recipe.epochs, "lr": recipe.lr,
                         "batch_size": recipe.batch_size, "seed": recipe.seed, "retained": problem.n - problem.m,
-                        "final_objective": report.final_objective, "gradient_norm": report.gradient_norm,
-                        "epochs_run": report.steps},
+                        "final_objective": report.final_objective, "gradient_norm": report.gradient_norm},
             "timings": timings,
         }
         what = ("the whole model retrained from the recipe's start on the retained data" if scope.split is None
                 else "the trailing layers retrained from the recipe's start on the retained data; the frozen layers "
                      "before them were trained on the removed samples too (a heuristic removal, no certificate)")
-        return RemovalOutcome(new, record, PrivacyRelease.non_private(f"no noise: {what}"))
+        return RemovalOutcome(retrained, record, PrivacyRelease.non_private(f"no noise: {what}"))

@@ -81,7 +81,8 @@ def choose_scope(model: nn.Module, task: Task, data: SampleSet, share: float) ->
     def details(split: Split | None, suffix: nn.Module, block: ParamBlock, note: str | None = None) -> dict[str, Any]:
         cost = sum(cost_of.get(id(m), 0) for m in suffix.modules())
         return {"split_at": None if split is None else str(split.start), "cost_share": cost / total,
-                "forward_macs_per_sample": total / max(1, min(2, len(data))), "parameters": [p.name for p in block.parts],
+                "forward_macs_per_sample": total / max(1, min(2, len(data))),
+                "parameters": [p.name for p in block.parts],
                 "numel": block.numel, "scope_cost_share": share, **({"note": note} if note else {})}
 
     if share >= 1.0:
@@ -104,8 +105,8 @@ def choose_scope(model: nn.Module, task: Task, data: SampleSet, share: float) ->
     if smallest is None:
         raise ValueError(
             f"settings.scope_cost_share: no registered splitter divides a {type(model).__name__} before its trailing "
-            "layers, so the scope cannot be cut off; set scope_cost_share: 1 to move every parameter (the whole model "
-            "in each curvature product), or register a splitter (pipeline.frozen_prefix.register_splitter)")
+            "layers, so the scope cannot be cut off; set scope_cost_share: 1 to take every parameter of the model "
+            "(no prefix run once), or register a splitter (pipeline.frozen_prefix.register_splitter)")
     split, block, cost = smallest
     return Scope(split, block, details(split, split.suffix_of(model), block,
                                        f"the smallest trailing part that splits costs {cost:.3f} of the forward pass, "
