@@ -82,12 +82,6 @@ class SuffixRetrainPrepared(Prepared):
 
     what = "the scope (trailing layers by forward cost), the prefix's outputs on D and the scope's initial weights"
 
-    def held_bytes(self) -> int:
-        held = sum(t.numel() * t.element_size() for t in self.start.values())
-        if self.features is not None:
-            held += sum(t.numel() * t.element_size() for t in self.features.columns.values())
-        return int(held)
-
     def after_removal(self, trained: Any, removed: Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         """Only the suffix moved: the prefix's outputs on D \\ U and w_init stay (checked: the prefix's digest)."""
         assert self.scope is not None
