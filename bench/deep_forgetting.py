@@ -67,8 +67,8 @@ Writes bench/results/deep_<dataset>[_quick|_smoke].json and .md (atomically, aft
 Cost of each full run (``--threads 1``, this shared 2-core box, measured; see each JSON's wall_seconds):
   fmnist-cnn  the full profile: not run whole; one scenario of it (--scenarios class --sets 2 --shadows 0
               --campaign 2, six rows) 1,487 s; --scenarios random_1pct (same options, four rows) 1,210 s, the
-              two at once on the two cores; random_10pct (four rows) 1,535 s; --quick (n = 3,000, 2 epochs, the QUICK_ROWS): 565 s wall on core
-              1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
+              two at once on the two cores; random_10pct (four rows) 1,535 s; --quick (n = 3,000, 2 epochs, the
+              QUICK_ROWS): 565 s wall on core 1 of the shared box at load average ~5 (189 s user + 17 s system CPU)
   identities  the full profile: not run whole; --scenarios identity --sets 3 --shadows 0 --campaign 2 with three
               rows (lfoci-newton, finetune, salun) 1,379 s (Retrain 95 s), the other core busy
   r8-minilm   the full profile: not run whole; --scenarios class --sets 2 --shadows 0 --campaign 2 with three

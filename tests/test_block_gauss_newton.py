@@ -11,7 +11,8 @@ on a network's trailing layers, a trust region and a bounded refit, for networks
   (d) a step the trust region cannot accept is refused (RemovalNotServed -> needs_retrain), the model
       left as it was;
   (e) the config file runs through pipeline.removal.remove (unlearn forget's path) on a model directory
-      trained with an SGD recipe, and its prepared state carries to the next version.
+      trained with an SGD recipe, and its prepared state carries to the next version; a prefix cache over half the
+      memory budget is refused before anything is computed.
 """
 from __future__ import annotations
 
@@ -254,3 +255,24 @@ def test_config_runs_through_remove_and_its_state_carries_over(trained_model_dir
     again = remove(run.after, [int(i) for i in run.after.train.sample_ids[:5]], method="block-gauss-newton",
                    prepared=nxt)
     assert not again.record["preparation"]["built_for_this_request"]
+
+
+def test_a_prefix_cache_over_the_memory_budget_is_refused_before_anything_is_computed(trained_model_dir, monkeypatch):
+    from pipeline.memory import MemoryBudgetError
+    from pipeline.removal import load_trained, remove, training_set
+    from pipeline.models.card import read_card
+
+    model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
+                                  data_options={"flatten": False}, recipe={**RECIPE, "epochs": 3, "seed": 0})
+    trained = load_trained(model_dir)
+    ids = training_set(read_card(model_dir)).sample_ids[:12].tolist()
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+
+    def not_computed(*args, **kwargs):
+        raise AssertionError("the prefix ran before the budget was checked")
+
+    monkeypatch.setattr("pipeline.methods.trailing_scope.cache_frozen_prefix", not_computed)
+    with pytest.raises(MemoryBudgetError, match="prefix's outputs on D .* raise memory_budget") as err:
+        remove(trained, ids, method="block-gauss-newton", memory_budget="256KiB")
+    assert "scope_cost_share" in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())

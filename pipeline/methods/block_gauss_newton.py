@@ -32,7 +32,8 @@ the recipe's SGD (learning rate times ``refit_lr_scale``, cosine decay) on R ove
 through the suffix on the cached features, in eval mode; skipped (recorded) without an SGD recipe.
 
 A heuristic: no noise, no certificate (the release says so). Prepared once per model version
-(what does not depend on U): the scope, the prefix's outputs on D and g_D; a removal keeps the
+(what does not depend on U): the scope, the prefix's outputs on D (refused before anything is computed where
+they would take more than half the memory budget: ``trailing_scope.scope_inputs``) and g_D; a removal keeps the
 features of D \\ U for the next version (``after_removal``: only the suffix moved) and recomputes
 g_D there. The record gives each part's seconds: the preparation's (prefix, gradient), then the
 removal's gradients, step (curvature, solves, ratio tests) and refit.
@@ -52,11 +53,10 @@ from pipeline.curvature.hessian import block_gradient
 from pipeline.data.sampleset import SampleSet
 from pipeline.errors import RemovalNotServed
 from pipeline.eval_mode import eval_mode_restored
-from pipeline.frozen_prefix import cache_frozen_prefix, prefix_digest
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
-from pipeline.methods.trailing_scope import Scope, choose_scope
+from pipeline.methods.trailing_scope import Scope, carried_inputs, choose_scope, scope_inputs
 from pipeline.methods.trust_region import TrustRegion, gauss_newton_trust_step, refit_block
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
@@ -114,10 +114,10 @@ class BlockGaussNewtonPrepared(Prepared):
         """Only the suffix moved: the features of D \\ U stay; g_D is recomputed at the new weights."""
         assert self.scope is not None and self.features is not None and self.task is not None
         split = self.scope.split
-        if split is not None and prefix_digest(split, trained.model) != self.prefix:
+        features = carried_inputs(self.scope, self.features, self.prefix, trained.model, removed)
+        if features is None:
             return None
         started = time.perf_counter()
-        features = self.features.without(removed)
         with eval_mode_restored(trained.model):
             suffix = split.suffix_of(trained.model) if split is not None else trained.model
             gradient = block_gradient(suffix, self.task, features, self.scope.block, trained.weight_decay,
@@ -161,21 +161,17 @@ class BlockGaussNewton(RemovalMethod):
         started = time.perf_counter()
         scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
         t_scope = time.perf_counter() - started
-        features, task, digest, t_prefix = trained.train, trained.task, None, 0.0
-        if scope.split is not None:
-            cache = cache_frozen_prefix(trained.model, trained.task, trained.train, scope.block, trained.batch_size)
-            assert cache is not None
-            features, task, t_prefix = cache.train, cache.task, cache.seconds
-            digest = prefix_digest(scope.split, trained.model)
+        inputs = scope_inputs(trained.model, trained.task, trained.train, scope, trained.batch_size)
+        features, task = inputs.features, inputs.task
         suffix = scope.split.suffix_of(trained.model) if scope.split is not None else trained.model
         t = time.perf_counter()
         gradient = block_gradient(suffix, task, features, scope.block, trained.weight_decay, reduction="mean",
                                   batch_size=trained.batch_size)
         t_gradient = time.perf_counter() - t
         return BlockGaussNewtonPrepared(
-            binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": t_prefix,
+            binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": inputs.seconds,
                               "gradient_seconds": t_gradient},
-            scope=scope, features=features, task=task, gradient=gradient, prefix=digest)
+            scope=scope, features=features, task=task, gradient=gradient, prefix=inputs.prefix)
 
     def remove(self, problem: RemovalProblem, settings: BlockGaussNewtonSettings,  # type: ignore[override]
                prepared: BlockGaussNewtonPrepared) -> RemovalOutcome:

@@ -33,13 +33,10 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.frozen_prefix import cache_frozen_prefix, cached_bytes_per_sample, prefix_digest
-from pipeline.memory import MemoryBudgetError
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
-from pipeline.methods.prefix_prepared import over_half_budget
-from pipeline.methods.trailing_scope import Scope, choose_scope
+from pipeline.methods.trailing_scope import Scope, carried_inputs, choose_scope, scope_inputs
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
@@ -85,10 +82,11 @@ class SuffixRetrainPrepared(Prepared):
     def after_removal(self, trained: Any, removed: Tensor, outcome: Any, binding: Binding) -> "Prepared | None":
         """Only the suffix moved: the prefix's outputs on D \\ U and w_init stay (checked: the prefix's digest)."""
         assert self.scope is not None
-        split = self.scope.split
-        if split is not None and prefix_digest(split, trained.model) != self.prefix:
-            return None
-        features = None if self.features is None else self.features.without(removed)
+        features = None
+        if self.features is not None:
+            features = carried_inputs(self.scope, self.features, self.prefix, trained.model, removed)
+            if features is None:
+                return None
         return SuffixRetrainPrepared(binding, 0.0, {**self.details, "updated_from_removal": True},
                                      scope=self.scope, features=features, task=self.task, start=self.start,
                                      prefix=self.prefix)
@@ -129,19 +127,8 @@ class SuffixRetrain(RemovalMethod):
         started = time.perf_counter()
         scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
         t_scope = time.perf_counter() - started
-        features, task, digest, t_prefix = None, trained.task, None, 0.0
-        suffix = trained.model
-        if scope.split is not None:
-            over = over_half_budget(trained.model, len(trained.train) * cached_bytes_per_sample(
-                scope.split, trained.model, trained.task, trained.train), "the prefix's outputs on D")
-            if over is not None:  # before anything is computed
-                raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to "
-                                        "where the prefix's outputs are smaller")
-            cache = cache_frozen_prefix(trained.model, trained.task, trained.train, scope.block, trained.batch_size)
-            assert cache is not None and cache.start == scope.split.start
-            features, task, t_prefix = cache.train, cache.task, cache.seconds
-            digest = prefix_digest(scope.split, trained.model)
-            suffix = scope.split.suffix_of(trained.model)
+        inputs = scope_inputs(trained.model, trained.task, trained.train, scope, trained.batch_size)
+        suffix = scope.split.suffix_of(trained.model) if scope.split is not None else trained.model
         weights_started = time.perf_counter()
         names = scope_state_names(trained.model, suffix)
         initial = start_weights(trained.card)
@@ -153,9 +140,10 @@ class SuffixRetrain(RemovalMethod):
         start = {n: initial[n].to(dtype=current[n].dtype) for n in names}
         t_start = time.perf_counter() - weights_started
         return SuffixRetrainPrepared(
-            binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": t_prefix,
+            binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": inputs.seconds,
                               "initial_weights_seconds": t_start},
-            scope=scope, features=features, task=task, start=start, prefix=digest)
+            scope=scope, features=inputs.features if scope.split is not None else None, task=inputs.task, start=start,
+            prefix=inputs.prefix)
 
     def remove(self, problem: RemovalProblem, settings: SuffixRetrainSettings,  # type: ignore[override]
                prepared: SuffixRetrainPrepared) -> RemovalOutcome:

@@ -4,6 +4,8 @@ Forward cost: multiply-accumulates counted by forward hooks on one batch (a Line
 out.numel x in_channels / groups x kernel size; other modules count nothing). The scope is the largest trailing
 part that a registered splitter (``pipeline.frozen_prefix``: nn.Sequential, ``vggface``, ``reid-resnet50``, the text
 presets) divides off and whose cost is at most a given share of the whole forward pass; share 1: the whole model.
+The scope's inputs on D (the prefix's outputs, computed once per model version and carried to the next while the
+prefix does not move) are what both methods prepare: ``scope_inputs`` and ``carried_inputs``.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.data.sampleset import SampleSet
-from pipeline.frozen_prefix import Split
+from pipeline.frozen_prefix import Split, cache_frozen_prefix, cached_bytes_per_sample, prefix_digest
+from pipeline.memory import MemoryBudgetError
+from pipeline.methods.prefix_prepared import over_half_budget
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
-__all__ = ["Scope", "choose_scope", "forward_costs"]
+__all__ = ["Scope", "ScopeInputs", "carried_inputs", "choose_scope", "forward_costs", "scope_inputs"]
 
 
 def _macs(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> int:
@@ -111,3 +115,39 @@ def choose_scope(model: nn.Module, task: Task, data: SampleSet, share: float) ->
     return Scope(split, block, details(split, split.suffix_of(model), block,
                                        f"the smallest trailing part that splits costs {cost:.3f} of the forward pass, "
                                        f"more than scope_cost_share"))
+
+
+@dataclass(frozen=True)
+class ScopeInputs:
+    """What the scope's passes read on D: ``features`` (the prefix's outputs; D itself where the scope is the whole
+    model), the suffix's ``task``, the prefix's digest (None without a prefix) and the prefix pass's seconds."""
+
+    features: SampleSet
+    task: Task
+    prefix: str | None
+    seconds: float
+
+
+def scope_inputs(model: nn.Module, task: Task, train: SampleSet, scope: Scope, batch_size: int) -> ScopeInputs:
+    """The scope's inputs on D: the prefix run once over D (in eval mode). Outputs that would take more than half of
+    the memory budget are refused (``MemoryBudgetError``, naming the two settings that change them) before anything
+    is computed."""
+    if scope.split is None:
+        return ScopeInputs(train, task, None, 0.0)
+    over = over_half_budget(model, len(train) * cached_bytes_per_sample(scope.split, model, task, train),
+                            "the prefix's outputs on D")
+    if over is not None:
+        raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to where "
+                                "the prefix's outputs are smaller")
+    cache = cache_frozen_prefix(model, task, train, scope.block, batch_size)
+    assert cache is not None and cache.start == scope.split.start
+    return ScopeInputs(cache.train, cache.task, prefix_digest(scope.split, model), cache.seconds)
+
+
+def carried_inputs(scope: Scope, features: SampleSet, prefix: str | None, model: nn.Module,
+                   removed: Tensor) -> SampleSet | None:
+    """The scope's inputs on D \\ U for the next version (``model``: its weights), or None where its prefix is not
+    the one they were computed with (its digest): a removal that moved only the suffix keeps every other row."""
+    if scope.split is not None and prefix_digest(scope.split, model) != prefix:
+        return None
+    return features.without(removed)
