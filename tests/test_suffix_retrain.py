@@ -13,7 +13,10 @@ and trained again with the recipe on the retained data, over the frozen prefix's
       the prefix moved;
   (e) an L-BFGS recipe is retrained as it is (Retrain, to 1e-9 in float64) and refuses the SGD settings; frozen
       parameters and non-persistent buffers are not part of the scope's state;
-  (f) bad input: a model without its card, settings out of range, a prefix cache over the memory budget.
+  (f) bad input: a model without its card, settings out of range, a prefix cache over the memory budget;
+  (g) where nothing outside the scope moved from the recipe's start (a text model's frozen lower layers, the cut at
+      its first trained layer) the record says the result depends on the retained data alone, and it is Retrain
+      (``pipeline.recipe.train`` on D \\ U) to float rounding; where the prefix was trained, it says which entries.
 """
 from __future__ import annotations
 
@@ -52,6 +55,21 @@ def reid_dir(tmp_path_factory):
                                  data_options=IDENTITIES, recipe={**RECIPE, "batch_size": 16})
 
 
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    """A 4-layer BERT of width 32 (seeded, MiniLM's tokenizer) with its last layer, pooler and head trained on a few
+    Reuters R8 stories, the embeddings and lower layers frozen where the recipe started them."""
+    from bench.deep_forgetting import tiny_text_model
+    from tests import kit
+
+    tiny = tiny_text_model(tmp_path_factory.mktemp("tiny-bert") / "tiny-bert")
+    return kit.trained_model_dir(
+        tmp_path_factory.mktemp("text"), "text",
+        {"model_path": str(tiny), "num_labels": 8, "train_last_layers": 1, "dropout": 0.0}, source="reuters-r8",
+        data_options={"tokenizer": "all-MiniLM-L6-v2", "max_length": 12, "per_class": 6, "test_per_class": 3},
+        recipe={**RECIPE, "epochs": 2, "batch_size": 8})
+
+
 def _forget(model_dir, every: int = 7) -> list[int]:
     return training_set(read_card(model_dir)).sample_ids[::every].tolist()
 
@@ -74,6 +92,7 @@ def test_whole_model_scope_is_retrain(cnn_dir):
     assert _max_difference(run.new_state, original) > 1e-2  # it moved: not the trained model
     assert run.record["scope"]["split_at"] is None and run.record["retrain"]["epochs"] == RECIPE["epochs"]
     assert run.record["release"]["guarantee"] == "none"
+    assert run.record["retrain"]["outside_scope_at_start"] is True  # nothing outside the whole model
 
 
 # -- (b) a prefix: the suffix is the recipe's fit of the recipe's start, the prefix untouched ------------
@@ -110,6 +129,9 @@ def test_suffix_is_the_recipes_fit_from_its_start_with_the_prefix_frozen(cnn_dir
     assert all(_max_difference({n: run.new_state[n]}, {n: original[n]}) > 1e-3 for n in names)
     assert run.record["retrain"]["epochs"] == (epochs or RECIPE["epochs"])
     assert run.record["retrain"]["batch_size"] == (batch_size or RECIPE["batch_size"])
+    assert run.record["retrain"]["outside_scope_at_start"] is False  # the prefix was trained on D, U included
+    reason = " ".join(run.record["release"]["reasons"])
+    assert "heuristic" in reason and "0.weight" in reason
 
 
 # -- (c) batch norm: the suffix's statistics re-estimated, the prefix's kept ----------------------------
@@ -240,3 +262,20 @@ def test_a_prepared_state_whose_prefix_moved_is_not_carried(cnn_dir):
     with torch.no_grad():
         next(run.after.model.parameters()).add_(1.0)   # the first layer: the prefix
     assert run.next_prepared() is None
+
+
+# -- (g) a frozen prefix where the recipe started it: Retrain ---------------------------------------------
+def test_cut_at_a_frozen_encoders_first_trained_layer_is_retrain(text_dir):
+    card = read_card(text_dir)
+    ids = _forget(text_dir, 5)
+    run = remove(text_dir, ids, method="suffix-retrain", settings={"scope_cost_share": 0.9})
+    assert run.record["scope"]["split_at"] is not None  # the frozen layers ran once, not per request
+    assert run.record["retrain"]["outside_scope_at_start"] is True
+    assert "retained data alone" in " ".join(run.record["release"]["reasons"])
+    data = training_set(card)
+    reference = train(card.preset, card.options, data.without(data.positions_of(ids)), recipe_of(card)).model
+    assert _max_difference(run.new_state, {k: v for k, v in reference.state_dict().items() if k in run.new_state}) <= 1e-6
+    original = load_trained(text_dir).model.state_dict()
+    assert _max_difference(run.new_state, {k: original[k] for k in run.new_state}) > 1e-3  # it moved
+    trained_names = {n for n, p in load_trained(text_dir).model.named_parameters() if p.requires_grad}
+    assert trained_names <= set(run.new_state)  # every trained weight was retrained

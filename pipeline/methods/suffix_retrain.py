@@ -12,9 +12,12 @@ recipe's optimiser (SGD: its momentum, weight decay, shuffling seed and cosine d
 ``lr_scale``; ``batch_size`` and ``epochs`` where given, else the recipe's) trains the scope on R = D \\ U, the
 suffix reading the frozen prefix's outputs (computed in eval mode: the prefix's batch-norm statistics are the
 trained model's). With ``scope_cost_share: 1`` and the recipe's own settings this is Retrain itself (the same
-start, data, seed and steps): the exact reference the tests hold it to. With a prefix, the suffix is trained on
-D \\ U only, but over the outputs of a prefix that U shaped (its weights are the original's): a heuristic removal,
-no certificate, and a request costs the suffix's training, not one step. Parameters frozen in the trained model
+start, data, seed and steps): the exact reference the tests hold it to. Where nothing outside the scope moved from
+where the recipe started it (checked once per version, entry by entry: e.g. a text model's frozen lower layers,
+the cut at its first trained layer) the result depends on D \\ U alone, and with the recipe's own settings it is
+Retrain, its frozen layers' outputs carried instead of recomputed. Otherwise the suffix is trained on D \\ U only,
+but over the outputs of a prefix that U shaped (its weights are the original's): a heuristic removal, no
+certificate. Either way a request costs the suffix's training, not one step. Parameters frozen in the trained model
 (``requires_grad`` False) are not trained by the recipe and are kept as they are. A recipe run to its optimum
 (L-BFGS) is run as it is: the SGD settings below are refused for it.
 
@@ -42,7 +45,8 @@ from pipeline.privacy.release import PrivacyRelease
 from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
 from pipeline.tasks import Task
 
-__all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "scope_state_names"]
+__all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "moved_outside_scope",
+           "scope_state_names"]
 
 
 class SuffixRetrainSettings(MethodSettings):
@@ -54,6 +58,15 @@ class SuffixRetrainSettings(MethodSettings):
                                 "(null: the recipe's own epochs)")
     batch_size: int | None = Field(None, ge=1, description="the SGD batch size (null: the recipe's)")
     lr_scale: float = Field(1.0, gt=0, description="the SGD learning rate = the recipe's lr x this")
+
+
+def moved_outside_scope(current: dict[str, Tensor], initial: dict[str, Tensor], names: list[str]) -> list[str]:
+    """The model's state entries outside the scope (``names``) that are not where the recipe started them
+    (``initial``; an entry the start lacks counts as moved). None moved: nothing outside the scope was trained, so a
+    removal's result depends on the retained data alone (with the recipe's own settings, it is Retrain)."""
+    inside = set(names)
+    return [n for n, value in current.items() if n not in inside and
+            (n not in initial or not torch.equal(value, initial[n].to(dtype=value.dtype, device=value.device)))]
 
 
 def scope_state_names(model: nn.Module, suffix: nn.Module) -> list[str]:
@@ -138,10 +151,12 @@ class SuffixRetrain(RemovalMethod):
                              "model's architecture")
         current = trained.model.state_dict()
         start = {n: initial[n].to(dtype=current[n].dtype) for n in names}
+        moved = moved_outside_scope(current, initial, names)
         t_start = time.perf_counter() - weights_started
         return SuffixRetrainPrepared(
             binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": inputs.seconds,
-                              "initial_weights_seconds": t_start},
+                              "initial_weights_seconds": t_start, "outside_scope_at_start": not moved,
+                              "outside_scope_moved": moved[:5], "outside_scope_moved_count": len(moved)},
             scope=scope, features=inputs.features if scope.split is not None else None, task=inputs.task, start=start,
             prefix=inputs.prefix)
 
@@ -181,7 +196,14 @@ class SuffixRetrain(RemovalMethod):
                         "final_objective": report.final_objective, "gradient_norm": report.gradient_norm},
             "timings": timings,
         }
-        what = ("the whole model retrained from the recipe's start on the retained data" if scope.split is None
-                else "the trailing layers retrained from the recipe's start on the retained data; the frozen layers "
-                     "before them were trained on the removed samples too (a heuristic removal, no certificate)")
+        at_start = bool(prepared.details.get("outside_scope_at_start"))
+        record["retrain"]["outside_scope_at_start"] = at_start
+        if at_start:
+            what = ("every trained weight retrained from the recipe's start on the retained data, every other weight "
+                    "where the recipe started it (checked): the result depends on the retained data alone")
+        else:
+            what = (f"the trailing layers retrained from the recipe's start on the retained data; "
+                    f"{prepared.details.get('outside_scope_moved_count')} state entries outside them (e.g. "
+                    f"{', '.join(prepared.details.get('outside_scope_moved') or [])}) were trained on the removed "
+                    "samples too (a heuristic removal, no certificate)")
         return RemovalOutcome(retrained, record, PrivacyRelease.non_private(f"no noise: {what}"))
