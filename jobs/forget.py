@@ -34,7 +34,7 @@ from pipeline import memory
 from pipeline.jsonio import dumps
 from pipeline.methods.base import MethodRef, MethodSettings, get_method, parse_settings
 from pipeline.methods.mixed_linear import USER_WEIGHTS_FILE, save_user_weights
-from pipeline.trajectory import copy_trajectory
+from pipeline.trajectory import refer_to_trajectory
 from pipeline.models.card import write_model_dir
 
 
@@ -144,10 +144,10 @@ def run_forget(config: ForgetConfig, base: Path, cluster: "ClusterOptions | None
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        write_model_dir(staging, run.new_state, run.card)
+        # the recorded run is referred to, not copied: it saw the removed samples (its last checkpoint is the original)
+        write_model_dir(staging, run.new_state, refer_to_trajectory(run.card, model_dir, output))
         if run.user_weights is not None:
             save_user_weights(staging / USER_WEIGHTS_FILE, run.user_weights)
-        copy_trajectory(model_dir, staging)  # the recipe's recorded trajectory goes with every version
         record_bytes = dumps(run.record).encode()
         with open(staging / "removal.json", "wb") as fh:
             fh.write(record_bytes)

@@ -29,7 +29,7 @@ from pipeline.methods.base import (
     get_method, run_removal,
 )
 from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX, USER_WEIGHTS_FILE, UserWeights, read_user_weights
-from pipeline.trajectory import TRAJECTORY_FILE, read_trajectory
+from pipeline.trajectory import read_trajectory, recorded_trajectory
 from pipeline.models.card import ModelCard, load_model_dir
 from pipeline.prepared import Prepared
 
@@ -86,8 +86,8 @@ def load_trained(model_dir: str | Path, *, device: str = "cpu", batch_size: int 
     model.to(device)
     user_file = Path(model_dir) / USER_WEIGHTS_FILE
     user = read_user_weights(user_file) if user_file.exists() else None
-    trajectory_file = Path(model_dir) / TRAJECTORY_FILE
-    trajectory = read_trajectory(trajectory_file) if trajectory_file.exists() else None
+    trajectory_file = recorded_trajectory(model_dir, card)  # its own, or the one its card refers to (checked)
+    trajectory = read_trajectory(trajectory_file) if trajectory_file is not None else None
     return TrainedModel(model, task, train.to(device), card.training.weight_decay, batch_size, card, user, trajectory)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -24,13 +24,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from pipeline.checkpoint import sha256_of
+from pipeline.models.card import CARD_FILE
+
 if TYPE_CHECKING:
+    from pipeline.models.card import ModelCard
     from pipeline.recipe import Recipe
 
-__all__ = ["TRAJECTORY_FILE", "Trajectory", "TrajectoryRecorder", "checkpoint_epochs", "checkpoint_every",
-           "copy_trajectory", "read_trajectory", "save_trajectory", "stretch_rates"]
+__all__ = ["TRAJECTORY_FILE", "TRAJECTORY_REFERENCE", "Trajectory", "TrajectoryRecorder", "TrajectoryReferenceError",
+           "checkpoint_epochs", "checkpoint_every", "read_trajectory", "recorded_trajectory", "refer_to_trajectory",
+           "save_trajectory", "stretch_rates"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
+TRAJECTORY_REFERENCE = "trajectory"   # the card's training.extra key a later version refers to it by
 
 
 def checkpoint_every(epochs: int, checkpoints: int) -> int:
@@ -139,13 +145,57 @@ def load_checkpoint(model: nn.Module, checkpoint: dict[str, Tensor]) -> None:
             target.copy_(value.to(target.device, target.dtype))
 
 
-def copy_trajectory(source_dir: str | Path, target_dir: str | Path) -> bool:
-    """Copy a model directory's recorded trajectory to a new version's directory (False: it has none)."""
-    source = Path(source_dir) / TRAJECTORY_FILE
-    if not source.exists():
-        return False
-    shutil.copyfile(source, Path(target_dir) / TRAJECTORY_FILE)
-    return True
+class TrajectoryReferenceError(ValueError):
+    """A card refers to a recorded trajectory whose file is not the one it recorded (its sha256 differs)."""
+
+
+def _reference_of(card: "ModelCard") -> dict[str, str] | None:
+    ref = card.training.extra.get(TRAJECTORY_REFERENCE)
+    if ref is None:
+        return None
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(ref.get("sha256"), str):
+        raise TrajectoryReferenceError(f"the card's training.extra.{TRAJECTORY_REFERENCE} must be {{path, sha256}}, "
+                                       f"got {ref!r}")
+    return ref
+
+
+def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None:
+    """Where a model directory's recorded trajectory is: its own ``trajectory.safetensors`` (the directory
+    ``unlearn train`` wrote, or a store's version 0), else the file its card refers to (``training.extra.trajectory``:
+    a path relative to the directory and its sha256, checked: ``TrajectoryReferenceError`` where it differs). None
+    where it has neither, or where the file referred to is gone (e.g. the original deleted on purpose): the methods
+    that read the run then refuse."""
+    own = Path(model_dir) / TRAJECTORY_FILE
+    if own.exists():
+        return own
+    ref = _reference_of(card)
+    if ref is None:
+        return None
+    path = (Path(model_dir) / ref["path"]).resolve()
+    if not path.exists():
+        return None
+    if sha256_of(path) != ref["sha256"]:
+        raise TrajectoryReferenceError(f"{path}: the recorded trajectory {Path(model_dir) / CARD_FILE} refers to has "
+                                       f"changed (its sha256 is not the {ref['sha256'][:12]}... the card records)")
+    return path
+
+
+def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: str | Path) -> "ModelCard":
+    """The card of a new version written to ``target_dir`` from ``source_dir``'s model: a reference to the recorded
+    trajectory (its path relative to ``target_dir`` and its sha256) in place of a copy. The run was recorded on all
+    of D, the removed samples included, and its last checkpoint is the original's weights, so no version a removal
+    publishes holds it: it stays with the original (or the store's version 0), and the methods that read it find it
+    there. Where ``source_dir`` has no trajectory, the card without a reference."""
+    from pipeline.models.card import read_card
+
+    source = recorded_trajectory(source_dir, read_card(source_dir))
+    extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
+    if source is not None:
+        own = Path(source_dir) / TRAJECTORY_FILE
+        digest = sha256_of(source) if source == own else _reference_of(read_card(source_dir))["sha256"]  # type: ignore[index]
+        extra[TRAJECTORY_REFERENCE] = {"path": os.path.relpath(source.resolve(), Path(target_dir).resolve()),
+                                       "sha256": digest}
+    return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
 
 
 def save_trajectory(path: str | Path, trajectory: Trajectory) -> None:

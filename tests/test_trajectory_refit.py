@@ -1307,41 +1307,76 @@ def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
     assert second.record["frozen_prefix"]["rows_computed"] <= len(nxt) + unvisited
 
 
-# -- (f) every new version keeps the trajectory: unlearn forget's output and the version store -------------
-def test_new_versions_carry_the_trajectory(trained_model_dir, tmp_path):
+# -- (f) a new version refers to the trajectory, never holds it: unlearn forget's output and the version store ---
+def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir, tmp_path):
+    """The recorded run saw the removed samples and its last checkpoint is the original's weights: a version a
+    removal writes holds no copy, its card refers to the original's file (path and sha256), and the next removal
+    reads it from there; a changed file is refused, a deleted one leaves trajectory-refit refusing."""
+    import shutil
+
     import yaml
     from click.testing import CliRunner
 
     from jobs.cli import cli
+    from pipeline.models.card import read_card
     from pipeline.removal import load_trained
     from pipeline.store.versions import VersionStore
-    from pipeline.trajectory import TRAJECTORY_FILE
+    from pipeline.trajectory import TRAJECTORY_FILE, TrajectoryReferenceError
 
     model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
                                   data_options={"flatten": False}, recipe={**RECIPE, "epochs": 2, "seed": 0})
-    recorded = (model_dir / TRAJECTORY_FILE).read_bytes()
-    first = load_trained(model_dir).train.sample_ids[:4].tolist()
-    config = tmp_path / "forget.yaml"
-    config.write_text(yaml.safe_dump({"model": str(model_dir), "forget": {"sample_ids": first},
-                                      "method": "trajectory-refit", "output": str(tmp_path / "v1")}))
-    result = CliRunner().invoke(cli, ["forget", "--config", str(config)])
+    original = tmp_path / "original"
+    shutil.copytree(model_dir, original)  # this test deletes and changes it
+    recorded = (original / TRAJECTORY_FILE).read_bytes()
+    first = load_trained(original).train.sample_ids[:4].tolist()
+
+    def forget(source, output, ids):
+        config = tmp_path / f"{output.name}.yaml"
+        config.write_text(yaml.safe_dump({"model": str(source), "forget": {"sample_ids": ids},
+                                          "method": "trajectory-refit", "output": str(output)}))
+        return CliRunner().invoke(cli, ["forget", "--config", str(config)])
+
+    result = forget(original, tmp_path / "v1", first)
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "v1" / TRAJECTORY_FILE).read_bytes() == recorded
-    again = load_trained(tmp_path / "v1")  # the next removal from the new version reads it
+    assert not (tmp_path / "v1" / TRAJECTORY_FILE).exists()
+    ref = read_card(tmp_path / "v1").training.extra["trajectory"]
+    assert ref["path"] == "../original/" + TRAJECTORY_FILE and len(ref["sha256"]) == 64
+    again = load_trained(tmp_path / "v1")  # the next removal from the new version reads the original's run
     assert again.trajectory is not None and len(again.trajectory.checkpoints) == 3
+    nested = tmp_path / "later" / "v2"
+    nested.parent.mkdir()
+    result = forget(tmp_path / "v1", nested, again.train.sample_ids[:3].tolist())  # a version of a version
+    assert result.exit_code == 0, result.output
+    assert read_card(nested).training.extra["trajectory"] == {"path": "../../original/" + TRAJECTORY_FILE,
+                                                               "sha256": ref["sha256"]}
+    assert load_trained(nested).trajectory is not None
 
     vs = VersionStore(tmp_path / "store", create=True)
     with vs.lock("m", create=True):
-        vs.import_model_dir("m", model_dir)
+        vs.import_model_dir("m", original)
     with vs.lock("m"):
         state = {k: v.detach() for k, v in again.model.state_dict().items()}
         vs.publish("m", state, again.card, parent=0, manifest={"batch": {"key": "b", "content_sha256": "h"}})
-    for version in (0, 1):
-        info = vs.verify("m", version)  # the file is in the manifest and checked like the weights
-        assert (info.path / TRAJECTORY_FILE).read_bytes() == recorded and TRAJECTORY_FILE in info.manifest["files"]
-    (vs.version_dir("m", 1) / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
-    with pytest.raises(Exception, match=TRAJECTORY_FILE):
-        vs.verify("m", 1)
+    zero, one = vs.verify("m", 0), vs.verify("m", 1)
+    assert (zero.path / TRAJECTORY_FILE).read_bytes() == recorded and TRAJECTORY_FILE in zero.manifest["files"]
+    assert not (one.path / TRAJECTORY_FILE).exists() and TRAJECTORY_FILE not in one.manifest["files"]
+    assert read_card(one.path).training.extra["trajectory"]["path"] == "../000000/" + TRAJECTORY_FILE
+    assert load_trained(one.path).trajectory is not None
+    other = VersionStore(tmp_path / "other-store", create=True)
+    with other.lock("v1", create=True):  # a later version imported as a model: the reference re-pointed, no copy
+        imported = other.import_model_dir("v1", tmp_path / "v1")
+    assert not (imported.path / TRAJECTORY_FILE).exists()
+    assert read_card(imported.path).training.extra["trajectory"]["sha256"] == ref["sha256"]
+    assert load_trained(imported.path).trajectory is not None
+
+    (original / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
+    with pytest.raises(TrajectoryReferenceError, match="sha256"):
+        load_trained(tmp_path / "v1")
+    (original / TRAJECTORY_FILE).unlink()
+    gone = load_trained(tmp_path / "v1")
+    assert gone.trajectory is None
+    result = forget(tmp_path / "v1", tmp_path / "v3", gone.train.sample_ids[:2].tolist())
+    assert result.exit_code != 0 and "trajectory" in result.output and not (tmp_path / "v3").exists()
 
 
 def test_a_campaign_carries_the_guard_s_probe_from_batch_to_batch(trained_model_dir, tmp_path):

@@ -29,7 +29,7 @@ from torch import nn
 
 from pipeline import memory
 from pipeline.jsonio import write_json
-from pipeline.trajectory import copy_trajectory
+from pipeline.trajectory import refer_to_trajectory
 from pipeline.methods.base import MethodRef, MethodSettings
 from pipeline.data import SampleSet, load_source
 from pipeline.evaluate.baselines import Baseline, FineTuneSettings, finetune, init_of, recipe_of, retrain
@@ -312,8 +312,7 @@ class Evaluation:
                              batch_size=self.config.batch_size, memory_budget=memory.current_budget(),
                              stage_hook=StageProgress(f"curve {spec.method}"))
                 nxt = Path(tmp) / f"step{len(list(Path(tmp).iterdir()))}"
-                write_model_dir(nxt, run.new_state, run.card)
-                copy_trajectory(current["dir"], nxt)
+                write_model_dir(nxt, run.new_state, refer_to_trajectory(run.card, current["dir"], nxt))
                 current["dir"] = nxt
                 return _with_state(self.model, run.new_state)
 

@@ -41,9 +41,9 @@ from typing import Any, Iterator, Mapping
 from torch import Tensor
 
 from pipeline.checkpoint import atomic_write_bytes, sha256_of
-from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, write_model_dir
+from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, read_card, write_model_dir
 from pipeline.store.crashpoint import crash_point
-from pipeline.trajectory import TRAJECTORY_FILE
+from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE, refer_to_trajectory
 
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
@@ -413,10 +413,16 @@ class VersionStore:
         source = Path(source)
         load_model_dir(source)  # refuses a directory whose weights do not fit its card
 
+        card = read_card(source)
+        refers = not (source / TRAJECTORY_FILE).exists() and TRAJECTORY_REFERENCE in card.training.extra
+
         def write(staging: Path) -> None:
             for name in (WEIGHTS_FILE, CARD_FILE, TRAJECTORY_FILE):  # the recorded trajectory where it exists
                 if name != TRAJECTORY_FILE or (source / name).exists():
                     atomic_write_bytes(staging / name, (source / name).read_bytes())
+            if refers:  # a later version's directory: its reference re-pointed from where the version will be
+                moved = refer_to_trajectory(card, source, self.version_dir(model, 0))
+                atomic_write_bytes(staging / CARD_FILE, moved.model_dump_json(indent=2).encode())
 
         info = self._stage(model, write, {"kind": "import", "parent": None, "source": str(source.resolve()), "note": note}, 0)
         self._write_pointer(model, 0, "import", note, None)
@@ -432,12 +438,12 @@ class VersionStore:
             raise VersionStoreError(f"model '{model}' is at version {pointer['version']}, not at the expected parent {parent}")
         version = max(self.versions(model)) + 1
         parent_sha = sha256_of(self.version_dir(model, parent) / MANIFEST_FILE)
-        recorded = self.version_dir(model, parent) / TRAJECTORY_FILE
+        # the recipe's recorded run stays in the version that holds it (version 0): it saw the removed samples and its
+        # last checkpoint is the original's weights, so the new version's card refers to it instead of a copy
+        card = refer_to_trajectory(card, self.version_dir(model, parent), self.version_dir(model, version))
 
         def write(staging: Path) -> None:
             write_model_dir(staging, dict(state), card)
-            if recorded.exists():  # the recipe's trajectory belongs to every version of the model
-                atomic_write_bytes(staging / TRAJECTORY_FILE, recorded.read_bytes())
 
         info = self._stage(
             model, write,
