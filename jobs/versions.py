@@ -1,4 +1,4 @@
-"""`unlearn versions`: import, list, show, verify and roll back model versions."""
+"""`unlearn versions`: import, list, show, verify, roll back and prune model versions."""
 from __future__ import annotations
 
 import json
@@ -61,7 +61,7 @@ def list_(store: str, model: str, as_json: bool) -> None:
         mark = "*" if r["current"] else " "
         click.echo(f"{mark} v{r['version']:<5} parent={r['parent']!s:<5} {r['kind']:<8} {r['created_at']}  "
                    f"requests={r['requests']:<4} method={r['method'] or '-'} epsilon={r['epsilon']} "
-                   f"epsilon_total={r['epsilon_total']}")
+                   f"epsilon_total={r['epsilon_total']}" + ("  (pruned)" if r["pruned"] else ""))
 
 
 @command.command("show")
@@ -85,13 +85,14 @@ def verify(store: str, model: str, version: int | None) -> None:
     vs = _store(store)
     vs.require_model(model)
     if version is not None:
-        vs.verify(model, version)  # raises (exit 1) with the reason
-        click.echo(f"v{version}: ok")
+        info = vs.verify(model, version)  # raises (exit 1) with the reason
+        click.echo(f"v{version}: {'ok (pruned: its manifest only)' if info.pruned else 'ok'}")
         return
     results = vs.verify_all(model)
     bad = [(v, e) for v, e in results if e]
     for v, e in results:
-        click.echo(f"v{v}: {'ok' if e is None else 'TAMPERED: ' + e}")
+        state = "ok (pruned: its manifest only)" if e is None and vs.info(model, v).pruned else "ok"
+        click.echo(f"v{v}: {state if e is None else 'TAMPERED: ' + e}")
     if bad:
         raise click.ClickException(f"{len(bad)} version(s) of '{model}' failed verification")
 
@@ -117,6 +118,33 @@ def rollback(store: str, model: str, version: int, reason: str, ledger_path: str
         old, new, moved = roll_back(vs, model, version, reason, paths)
     where = ", ".join(str(p) for p in paths) or "no ledger"
     click.echo(f"'{model}': CURRENT moved from v{old} to v{new}; {len(moved)} request(s) now need_retrain ({where})")
+
+
+@command.command("prune")
+@store_option
+@model_option
+@click.option("--before", type=int, required=True,
+              help="Prune every version numbered below this one (at most the current version, which is never pruned).")
+@click.option("--reason", required=True, help="Why (recorded in each pruned version's tombstone).")
+@click.option("--yes", is_flag=True, help="Delete: without it, only the versions that would be pruned are printed.")
+@user_errors
+def prune(store: str, model: str, before: int, reason: str, yes: bool) -> None:
+    """Delete the weights, card and recorded training run of the versions older than --before. They hold the
+    samples later versions removed (version 0 is the original model). Each keeps its manifest and a sealed
+    tombstone, so the chain and the receipts still verify; they can no longer be loaded or rolled back to, and the
+    methods that read the recorded run (trajectory-refit, the recorded-run variants) refuse once version 0 is gone."""
+    vs = _store(store)
+    vs.require_model(model)
+    if before > vs.current(model):
+        raise click.ClickException(f"--before {before} would prune the current version {vs.current(model)} of "
+                                   f"'{model}'; name at most {vs.current(model)}")
+    targets = [v for v in vs.versions(model) if v < before and not vs.info(model, v).pruned]
+    if not yes:
+        click.echo(f"would prune {targets or 'nothing'} of '{model}' (current v{vs.current(model)}); pass --yes to delete")
+        return
+    with vs.lock(model):
+        done = vs.prune(model, before, reason)
+    click.echo(f"'{model}': pruned {done or 'nothing'}; their manifests and tombstones are kept")
 
 
 if __name__ == "__main__":

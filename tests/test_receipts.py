@@ -351,3 +351,32 @@ def test_keys_missing_short_malformed_and_keygen(world, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pem", "k.pem", "seed.hex"]  # no temporary left
     pem = _cli(world, "public-key", "--key-file", str(key))
     assert pem.exit_code == 0 and pem.output.startswith("-----BEGIN PUBLIC KEY-----")
+
+
+def test_receipts_still_verify_after_the_versions_before_them_are_pruned(world, tmp_path):
+    """Pruning deletes the older versions' weights (they hold what later versions removed) and keeps their
+    manifests: the chain and every receipt still verify; a pruned version is neither loaded nor exported again."""
+    store = shutil.copytree(world["store"], tmp_path / "store")
+    files = {rid: tmp_path / f"{rid}.json" for rid in GROUPS}
+    for rid, path in files.items():
+        path.write_text(receipts.dumps(_issue(world, rid, store)))
+    runner = CliRunner()
+    args = ["prune", "--store", str(store), "--model", "m", "--before", "3", "--reason", "retention"]
+    dry = runner.invoke(jobs.versions.command, args)
+    assert dry.exit_code == 0 and "would prune [0, 1, 2]" in dry.output
+    assert (store / "m" / "versions" / "000000" / "model.safetensors").exists()  # nothing deleted without --yes
+    done = runner.invoke(jobs.versions.command, [*args, "--yes"])
+    assert done.exit_code == 0 and "pruned [0, 1, 2]" in done.output, done.output
+    for v in (0, 1, 2):
+        assert sorted(p.name for p in (store / "m" / "versions" / f"{v:06d}").iterdir()) == ["PRUNED", "manifest.json"]
+    for rid, path in files.items():
+        result = _cli(world, "verify", str(path), "--public-key", str(world["public"]), "--store", str(store))
+        assert result.exit_code == 0, result.output
+    assert "its files were pruned" in result.output
+    listing = runner.invoke(jobs.versions.command, ["verify", "--store", str(store), "--model", "m"])
+    assert listing.exit_code == 0 and "v0: ok (pruned" in listing.output and "v3: ok\n" in listing.output
+    exported = _cli(world, "export", "--store", str(store), "--model", "m", "--request-id", "c-1", "--out",
+                    str(tmp_path / "again.json"))
+    assert exported.exit_code == 0, exported.output  # a receipt needs the manifests only
+    again = runner.invoke(jobs.versions.command, [*args, "--yes"])
+    assert again.exit_code == 0 and "pruned nothing" in again.output

@@ -1362,6 +1362,12 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     assert not (one.path / TRAJECTORY_FILE).exists() and TRAJECTORY_FILE not in one.manifest["files"]
     assert read_card(one.path).training.extra["trajectory"]["path"] == "../000000/" + TRAJECTORY_FILE
     assert load_trained(one.path).trajectory is not None
+    pruned_store = tmp_path / "pruned-store"
+    shutil.copytree(tmp_path / "store", pruned_store)
+    pruning = VersionStore(pruned_store)
+    with pruning.lock("m"):
+        assert pruning.prune("m", 1, "retention") == [0]  # the original and its recorded run deleted
+    assert load_trained(pruning.version_dir("m", 1)).trajectory is None
     other = VersionStore(tmp_path / "other-store", create=True)
     with other.lock("v1", create=True):  # a later version imported as a model: the reference re-pointed, no copy
         imported = other.import_model_dir("v1", tmp_path / "v1")

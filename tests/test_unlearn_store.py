@@ -133,6 +133,46 @@ def test_versions_publish_verify_tamper_and_rollback(store):
     assert result.exit_code == 1 and "TAMPERED" in result.output and "v2: ok" in result.output
 
 
+def test_prune_deletes_older_versions_files_keeps_their_manifests_and_finishes_after_a_crash(store, monkeypatch):
+    from pipeline.store.versions import PRUNED_FILE, PrunedVersionError
+
+    vs = store
+    assert _publish(vs, 0, 1.0, "b0") == 1 and _publish(vs, 1, 1.0, "b1") == 2 and _publish(vs, 2, 1.0, "b2") == 3
+    with vs.lock("m"), pytest.raises(VersionStoreError, match="would prune the current version 3"):
+        vs.prune("m", 4, "too far")
+    with vs.lock("m"), pytest.raises(VersionStoreError, match="reason"):
+        vs.prune("m", 2, " ")
+    calls = []
+
+    def crash(name):  # as if killed after the first tombstone was written, before any file went
+        calls.append(name)
+        if name == "prune_tombstone" and len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("pipeline.store.versions.crash_point", crash)
+    with vs.lock("m"), pytest.raises(KeyboardInterrupt):
+        vs.prune("m", 2, "retention")
+    assert (vs.version_dir("m", 0) / PRUNED_FILE).exists() and (vs.version_dir("m", 0) / "model.safetensors").exists()
+    with pytest.raises(VersionStoreError, match="interrupted"):
+        vs.verify("m", 0)
+    with vs.lock("m"):
+        assert vs.prune("m", 2, "retention") == [0, 1]
+        assert vs.prune("m", 2, "retention") == []  # nothing left to do
+    for v in (0, 1):
+        info = vs.verify("m", v)
+        assert info.pruned and sorted(p.name for p in info.path.iterdir()) == [PRUNED_FILE, "manifest.json"]
+        assert json.loads((info.path / PRUNED_FILE).read_text())["reason"] == "retention"
+    assert not vs.verify("m", 2).pruned and vs.load("m", 2)[0] is not None  # the chain through pruned parents holds
+    with pytest.raises(PrunedVersionError, match="pruned"):
+        vs.load("m", 1)
+    with vs.lock("m"), pytest.raises(PrunedVersionError, match="rollback target 1"):
+        vs.rollback("m", 1, "undo")
+    tomb = vs.version_dir("m", 1) / PRUNED_FILE
+    tomb.write_text(tomb.read_text().replace('"version": 1', '"version": 0'))
+    with pytest.raises(TamperedVersionError, match="tombstone names another"):
+        vs.verify("m", 1)
+
+
 # -- privacy ---------------------------------------------------------------------------------
 def test_accountant_rules_and_refusals():
     z_release = Release(sigma=1.0, sensitivity=0.25, epsilon=1.0, delta=1e-6)  # noise multiplier 4

@@ -507,7 +507,9 @@ def _verify_in_store(body: dict[str, Any], opened: VersionStore | None, where: A
         if (info.manifest.get("files") or {}).get(WEIGHTS_FILE) != entry.get("weights_sha256"):
             problems.append(f"version {v} ({name}): the weights' sha256 differs from the receipt's")
             continue
-        checked.append(f"version {v} ({name}): manifest sha256 matches, weights and card match the manifest")
+        checked.append(f"version {v} ({name}): manifest sha256 matches, " + (
+            "its files were pruned (its manifest, with the weights' sha256, is kept)" if info.pruned
+            else "weights and card match the manifest"))
     if problems:
         return _invalid(checked, *problems)
     before, after = entries["before"]["version"], entries["after"]["version"]

@@ -19,7 +19,13 @@ parent version and the parent manifest's sha256) written last, then the director
 into ``versions/`` (atomic; it fails if the number is taken) and ``CURRENT`` is replaced
 atomically. Loading a version verifies every hash, the file list and the chain to the parent;
 any difference raises ``TamperedVersionError``. Rollback moves ``CURRENT`` to an older version
-and records it; nothing is ever deleted.
+and records it; it deletes nothing.
+
+Pruning (``prune``) is the one deletion: the versions older than a given one (CURRENT never) lose their
+weights, card and recorded training run, which hold the samples later versions removed (version 0 is the
+original). Each keeps its manifest (hashes, parent, batch, method, privacy: no weights) and gains a sealed
+``PRUNED`` tombstone written before any file goes, so the chain and every receipt still verify, an interrupted
+prune is finished by running it again, and a pruned version can be neither loaded nor rolled back to.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE, refer_to_
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
 POINTER_FILE = "CURRENT"
+PRUNED_FILE = "PRUNED"
 FORMAT = "unlearn-version/1"
 LEDGERS_FILE = "LEDGERS"
 HMAC_KEY_ENV = "UNLEARN_STORE_HMAC_KEY"
@@ -91,6 +98,10 @@ class TamperedVersionError(VersionStoreError):
     """A version's files do not match its manifest (or the manifest its parent chain)."""
 
 
+class PrunedVersionError(VersionStoreError):
+    """A version whose files were pruned: only its manifest (and tombstone) remain."""
+
+
 class ModelBusyError(VersionStoreError):
     """Another process holds the model's write lock."""
 
@@ -126,6 +137,11 @@ class VersionInfo:
     def batch_key(self) -> str | None:
         return (self.manifest.get("batch") or {}).get("key")
 
+    @property
+    def pruned(self) -> bool:
+        """Whether its files were pruned (its tombstone exists; ``VersionStore.verify`` checks it)."""
+        return (self.path / PRUNED_FILE).is_file()
+
     def summary(self, current: int | None = None) -> dict[str, Any]:
         m = self.manifest
         return {
@@ -134,6 +150,7 @@ class VersionInfo:
             "requests": len((m.get("batch") or {}).get("request_ids", [])), "method": m.get("method"),
             "epsilon": ((m.get("privacy") or {}).get("release") or {}).get("epsilon"),
             "epsilon_total": ((m.get("privacy") or {}).get("spent_after") or {}).get("epsilon"),
+            "pruned": self.pruned,
         }
 
 
@@ -223,13 +240,17 @@ class VersionStore:
         return VersionInfo(model, version, self.version_dir(model, version), self.manifest(model, version))
 
     def verify(self, model: str, version: int) -> VersionInfo:
-        """Check every file's sha256, the file list, and the chain to the parent manifest."""
+        """Check every file's sha256, the file list, and the chain to the parent manifest; of a pruned version,
+        its sealed tombstone and that its files are gone (``VersionInfo.pruned``)."""
         info = self.info(model, version)
         self._check_seal(info.manifest, f"version {version} of '{model}': the manifest")
         files = info.manifest.get("files")
         if not isinstance(files, dict) or set(files) - {TRAJECTORY_FILE} != {WEIGHTS_FILE, CARD_FILE}:
             raise TamperedVersionError(f"version {version} of '{model}': the manifest's file list is damaged")
         present = {p.name for p in info.path.iterdir()}
+        if info.pruned:
+            self._check_tombstone(info, present)
+            files, present = {}, present - {PRUNED_FILE}  # a pruned version is its manifest: the chain is still checked
         unexpected = sorted(present - set(files) - {MANIFEST_FILE})
         missing = sorted(set(files) - present)
         if unexpected or missing:
@@ -263,9 +284,32 @@ class VersionStore:
                 out.append((v, str(err)))
         return out
 
+    def _check_tombstone(self, info: VersionInfo, present: set[str]) -> None:
+        """A pruned version: its tombstone sealed and naming it; nothing of its files left (else the prune was
+        interrupted, and running it again finishes it)."""
+        where = f"version {info.version} of '{info.model}'"
+        try:
+            tomb = json.loads((info.path / PRUNED_FILE).read_text())
+        except (OSError, ValueError) as err:
+            raise TamperedVersionError(f"{where}: the pruning tombstone is unreadable ({err})") from None
+        if not isinstance(tomb, dict) or tomb.get("model") != info.model or tomb.get("version") != info.version:
+            raise TamperedVersionError(f"{where}: the pruning tombstone names another model or version")
+        self._check_seal(tomb, f"{where}: the pruning tombstone")
+        if int(self.pointer(info.model)["version"]) == info.version:
+            raise TamperedVersionError(f"{where}: the current version has a pruning tombstone, which prune never "
+                                       "writes there; restore the version's files or roll back")
+        left = sorted(present - {MANIFEST_FILE, PRUNED_FILE})
+        if left:
+            raise VersionStoreError(f"{where}: pruning was interrupted ({left} still there); run `unlearn versions "
+                                    "prune` again to finish it")
+
     def open_verified(self, model: str, version: int | None = None) -> VersionInfo:
-        """The version (default: current) after verifying it; refuses a tampered one."""
-        return self.verify(model, self.current(model) if version is None else version)
+        """The version (default: current) after verifying it; refuses a tampered or pruned one."""
+        info = self.verify(model, self.current(model) if version is None else version)
+        if info.pruned:
+            raise PrunedVersionError(f"version {info.version} of '{model}' was pruned: its weights and card are deleted "
+                                     "and only its manifest is kept; load a later version")
+        return info
 
     def load(self, model: str, version: int | None = None):
         """(module, task, card) of a verified version."""
@@ -470,6 +514,42 @@ class VersionStore:
             raise VersionStoreError(f"model '{model}' has no version {version} (versions: {self.versions(model)})")
         if version >= old:
             raise VersionStoreError(f"rollback target {version} is not older than the current version {old}; name an older version")
-        self.verify(model, version)
+        if self.verify(model, version).pruned:
+            raise PrunedVersionError(f"rollback target {version} of '{model}' was pruned (only its manifest is kept); "
+                                     "roll back to a version that was not pruned")
         self.set_current(model, version, expected=old, kind="rollback", reason=reason)
         return old, version
+
+    def prune(self, model: str, before: int, reason: str) -> list[int]:
+        """Delete the weights, card and recorded training run of every version numbered below ``before`` (at most
+        the current version: CURRENT is never pruned), keeping each manifest and writing a sealed tombstone first.
+        Returns the versions pruned by this call (those already pruned are skipped; an interrupted one is
+        finished). They can no longer be loaded or rolled back to; a later version whose card refers to version
+        0's recorded run loses it (the methods that read the run then refuse)."""
+        self._require_lock(model)
+        current = self.current(model)
+        if not reason or not reason.strip():
+            raise VersionStoreError("prune needs a reason (recorded in each version's tombstone)")
+        if before > current:
+            raise VersionStoreError(f"--before {before} would prune the current version {current} of '{model}'; "
+                                    f"name at most {current}")
+        pruned: list[int] = []
+        for version in [v for v in self.versions(model) if v < before]:
+            folder = self.version_dir(model, version)
+            leftovers = [p for p in folder.iterdir() if p.name not in (MANIFEST_FILE, PRUNED_FILE)]
+            if (folder / PRUNED_FILE).is_file() and not leftovers:
+                continue
+            self.manifest(model, version)  # a readable manifest, or TamperedVersionError before anything goes
+            if not (folder / PRUNED_FILE).is_file():
+                tomb = self._sealed({"model": model, "version": version, "pruned_at": _now(), "reason": reason,
+                                     "deleted": sorted(p.name for p in leftovers)})
+                atomic_write_bytes(folder / PRUNED_FILE, _json_bytes(tomb))
+            crash_point("prune_tombstone")
+            for path in leftovers:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            _fsync_dir(folder)
+            pruned.append(version)
+        return pruned
