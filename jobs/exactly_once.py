@@ -208,8 +208,8 @@ class ExactlyOnce:
         # from batch to batch)
         self._measure = measure
         self._split_on_error = False
-        # version -> its removal's release (None: not a removal); versions are immutable once
-        # published (never overwritten or deleted), so each manifest is read once, not per batch
+        # version -> its removal's release (None: not a removal); manifests are immutable once
+        # published (never overwritten; prune keeps them), so each is read once, not per batch
         self._releases: dict[int, PrivacyRelease | None] = {}
         store.register_ledger(model, ledger.path)
 

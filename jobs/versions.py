@@ -92,7 +92,8 @@ def verify(store: str, model: str, version: int | None) -> None:
     bad = [(v, e) for v, e in results if e]
     for v, e in results:
         state = "ok (pruned: its manifest only)" if e is None and vs.info(model, v).pruned else "ok"
-        click.echo(f"v{v}: {state if e is None else 'TAMPERED: ' + e}")
+        bad_as = "PRUNE INTERRUPTED: " if e is not None and "pruning was interrupted" in e else "TAMPERED: "
+        click.echo(f"v{v}: {state if e is None else bad_as + e}")
     if bad:
         raise click.ClickException(f"{len(bad)} version(s) of '{model}' failed verification")
 
@@ -130,21 +131,30 @@ def rollback(store: str, model: str, version: int, reason: str, ledger_path: str
 @user_errors
 def prune(store: str, model: str, before: int, reason: str, yes: bool) -> None:
     """Delete the weights, card and recorded training run of the versions older than --before. They hold the
-    samples later versions removed (version 0 is the original model). Each keeps its manifest and a sealed
-    tombstone, so the chain and the receipts still verify; they can no longer be loaded or rolled back to, and the
-    methods that read the recorded run (trajectory-refit, the recorded-run variants) refuse once version 0 is gone."""
+    samples later versions removed (version 0 is the original model). Each keeps its manifest and a tombstone
+    (sealed with the store key where the store has one), so the chain and the receipts still verify; they can no
+    longer be loaded or rolled back to. Once version 0 is gone trajectory-refit refuses and the recorded-run
+    variants of lfoci-newton use U's gradient at the trained weights instead (their record says so)."""
     vs = _store(store)
     vs.require_model(model)
     if before > vs.current(model):
         raise click.ClickException(f"--before {before} would prune the current version {vs.current(model)} of "
                                    f"'{model}'; name at most {vs.current(model)}")
-    targets = [v for v in vs.versions(model) if v < before and not vs.info(model, v).pruned]
+    from pipeline.store.versions import MANIFEST_FILE, PRUNED_FILE
+
+    targets = [v for v in vs.versions(model) if v < before and (not vs.info(model, v).pruned or any(
+        p.name not in (MANIFEST_FILE, PRUNED_FILE) for p in vs.version_dir(model, v).iterdir()))]
     if not yes:
         click.echo(f"would prune {targets or 'nothing'} of '{model}' (current v{vs.current(model)}); pass --yes to delete")
         return
     with vs.lock(model):
         done = vs.prune(model, before, reason)
     click.echo(f"'{model}': pruned {done or 'nothing'}; their manifests and tombstones are kept")
+    holding = vs.holding_run(model)
+    if holding:
+        click.echo(f"note: versions {holding} still hold a copy of the recorded training run (written before versions "
+                   "referred to it), whose last checkpoint is the original's weights; pruning them removes it",
+                   err=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -146,7 +147,7 @@ def load_checkpoint(model: nn.Module, checkpoint: dict[str, Tensor]) -> None:
 
 
 class TrajectoryReferenceError(ValueError):
-    """A card refers to a recorded trajectory whose file is not the one it recorded (its sha256 differs)."""
+    """A card's reference to a recorded trajectory is malformed (not {path, sha256})."""
 
 
 def _reference_of(card: "ModelCard") -> dict[str, str] | None:
@@ -162,9 +163,10 @@ def _reference_of(card: "ModelCard") -> dict[str, str] | None:
 def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None:
     """Where a model directory's recorded trajectory is: its own ``trajectory.safetensors`` (the directory
     ``unlearn train`` wrote, or a store's version 0), else the file its card refers to (``training.extra.trajectory``:
-    a path relative to the directory and its sha256, checked: ``TrajectoryReferenceError`` where it differs). None
-    where it has neither, or where the file referred to is gone (e.g. the original deleted on purpose): the methods
-    that read the run then refuse."""
+    a path relative to the directory and its sha256, checked). None where it has neither, where the file referred to
+    is gone (e.g. the original pruned on purpose), or where it changed (its sha256 differs: warned, never read).
+    Without it trajectory-refit refuses and the recorded-run variants of lfoci-newton take U's gradient at the
+    trained weights instead (their record says so); every other method serves as before."""
     own = Path(model_dir) / TRAJECTORY_FILE
     if own.exists():
         return own
@@ -175,8 +177,9 @@ def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None
     if not path.exists():
         return None
     if sha256_of(path) != ref["sha256"]:
-        raise TrajectoryReferenceError(f"{path}: the recorded trajectory {Path(model_dir) / CARD_FILE} refers to has "
-                                       f"changed (its sha256 is not the {ref['sha256'][:12]}... the card records)")
+        warnings.warn(f"{path}: the recorded trajectory {Path(model_dir) / CARD_FILE} refers to has changed (its "
+                      f"sha256 is not the {ref['sha256'][:12]}... the card records); it is not read", stacklevel=2)
+        return None
     return path
 
 
@@ -185,16 +188,20 @@ def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: s
     trajectory (its path relative to ``target_dir`` and its sha256) in place of a copy. The run was recorded on all
     of D, the removed samples included, and its last checkpoint is the original's weights, so no version a removal
     publishes holds it: it stays with the original (or the store's version 0), and the methods that read it find it
-    there. Where ``source_dir`` has no trajectory, the card without a reference."""
+    there. A reference of ``source_dir``'s card is carried, re-pointed from ``target_dir``, whether or not its file is
+    there now (a file moved away and back is found again). Where ``source_dir`` has neither, the card without one."""
     from pipeline.models.card import read_card
 
-    source = recorded_trajectory(source_dir, read_card(source_dir))
     extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
-    if source is not None:
-        own = Path(source_dir) / TRAJECTORY_FILE
-        digest = sha256_of(source) if source == own else _reference_of(read_card(source_dir))["sha256"]  # type: ignore[index]
-        extra[TRAJECTORY_REFERENCE] = {"path": os.path.relpath(source.resolve(), Path(target_dir).resolve()),
-                                       "sha256": digest}
+    own = Path(source_dir) / TRAJECTORY_FILE
+    if own.exists():
+        where, digest = own.resolve(), sha256_of(own)
+    else:
+        ref = _reference_of(read_card(source_dir))
+        if ref is None:
+            return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+        where, digest = (Path(source_dir) / ref["path"]).resolve(), ref["sha256"]
+    extra[TRAJECTORY_REFERENCE] = {"path": os.path.relpath(where, Path(target_dir).resolve()), "sha256": digest}
     return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
 
 

@@ -1311,7 +1311,8 @@ def test_the_refit_over_a_pool_counts_the_epoch_of_r_and_reads_only_the_pool():
 def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir, tmp_path):
     """The recorded run saw the removed samples and its last checkpoint is the original's weights: a version a
     removal writes holds no copy, its card refers to the original's file (path and sha256), and the next removal
-    reads it from there; a changed file is refused, a deleted one leaves trajectory-refit refusing."""
+    reads it from there; a changed file is not read (warned), a deleted one leaves trajectory-refit refusing while
+    other methods serve and keep the reference; an import copies the run into version 0, where prune deletes it."""
     import shutil
 
     import yaml
@@ -1321,7 +1322,7 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     from pipeline.models.card import read_card
     from pipeline.removal import load_trained
     from pipeline.store.versions import VersionStore
-    from pipeline.trajectory import TRAJECTORY_FILE, TrajectoryReferenceError
+    from pipeline.trajectory import TRAJECTORY_FILE
 
     model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
                                   data_options={"flatten": False}, recipe={**RECIPE, "epochs": 2, "seed": 0})
@@ -1330,10 +1331,10 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     recorded = (original / TRAJECTORY_FILE).read_bytes()
     first = load_trained(original).train.sample_ids[:4].tolist()
 
-    def forget(source, output, ids):
+    def forget(source, output, ids, method="trajectory-refit"):
         config = tmp_path / f"{output.name}.yaml"
         config.write_text(yaml.safe_dump({"model": str(source), "forget": {"sample_ids": ids},
-                                          "method": "trajectory-refit", "output": str(output)}))
+                                          "method": method, "output": str(output)}))
         return CliRunner().invoke(cli, ["forget", "--config", str(config)])
 
     result = forget(original, tmp_path / "v1", first)
@@ -1357,6 +1358,7 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     with vs.lock("m"):
         state = {k: v.detach() for k, v in again.model.state_dict().items()}
         vs.publish("m", state, again.card, parent=0, manifest={"batch": {"key": "b", "content_sha256": "h"}})
+    assert vs.holding_run("m") == [0]
     zero, one = vs.verify("m", 0), vs.verify("m", 1)
     assert (zero.path / TRAJECTORY_FILE).read_bytes() == recorded and TRAJECTORY_FILE in zero.manifest["files"]
     assert not (one.path / TRAJECTORY_FILE).exists() and TRAJECTORY_FILE not in one.manifest["files"]
@@ -1367,22 +1369,27 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     pruning = VersionStore(pruned_store)
     with pruning.lock("m"):
         assert pruning.prune("m", 1, "retention") == [0]  # the original and its recorded run deleted
-    assert load_trained(pruning.version_dir("m", 1)).trajectory is None
+    assert load_trained(pruning.version_dir("m", 1)).trajectory is None and pruning.holding_run("m") == []
     other = VersionStore(tmp_path / "other-store", create=True)
     with other.lock("v1", create=True):  # a later version imported as a model: the reference re-pointed, no copy
         imported = other.import_model_dir("v1", tmp_path / "v1")
-    assert not (imported.path / TRAJECTORY_FILE).exists()
-    assert read_card(imported.path).training.extra["trajectory"]["sha256"] == ref["sha256"]
+    assert (imported.path / TRAJECTORY_FILE).read_bytes() == recorded  # the store holds what it reads
+    assert "trajectory" not in read_card(imported.path).training.extra and other.holding_run("v1") == [0]
     assert load_trained(imported.path).trajectory is not None
 
     (original / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
-    with pytest.raises(TrajectoryReferenceError, match="sha256"):
-        load_trained(tmp_path / "v1")
+    with pytest.warns(UserWarning, match="sha256"):
+        assert load_trained(tmp_path / "v1").trajectory is None  # a changed run is never read
     (original / TRAJECTORY_FILE).unlink()
     gone = load_trained(tmp_path / "v1")
     assert gone.trajectory is None
     result = forget(tmp_path / "v1", tmp_path / "v3", gone.train.sample_ids[:2].tolist())
     assert result.exit_code != 0 and "trajectory" in result.output and not (tmp_path / "v3").exists()
+    result = forget(tmp_path / "v1", tmp_path / "v4", gone.train.sample_ids[:2].tolist(), method="finetune")
+    assert result.exit_code == 0, result.output  # the other methods serve, and keep the reference
+    assert read_card(tmp_path / "v4").training.extra["trajectory"] == ref
+    (original / TRAJECTORY_FILE).write_bytes(recorded)  # the file back where it was: found again
+    assert load_trained(tmp_path / "v4").trajectory is not None
 
 
 def test_a_campaign_carries_the_guard_s_probe_from_batch_to_batch(trained_model_dir, tmp_path):

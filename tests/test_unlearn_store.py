@@ -173,6 +173,41 @@ def test_prune_deletes_older_versions_files_keeps_their_manifests_and_finishes_a
         vs.verify("m", 1)
 
 
+def test_prune_on_a_sealed_store_needs_its_key_and_a_copied_manifest_is_no_tombstone(tmp_path, tmp_path_factory):
+    import shutil
+
+    from pipeline.models.card import load_model_dir
+    from pipeline.store.versions import PRUNED_FILE
+
+    key = b"k" * 32
+    vs = VersionStore(tmp_path / "sealed", create=True, hmac_key=key)
+    with vs.lock("m", create=True):
+        vs.import_model_dir("m", cached_model_dir(tmp_path_factory))
+    module, _, card = load_model_dir(vs.open_verified("m", 0).path)
+    with vs.lock("m"):
+        vs.publish("m", {k: v + 1.0 for k, v in module.state_dict().items()}, card, parent=0,
+                   manifest={"batch": {"key": "b", "content_sha256": "h"}})
+    keyless = VersionStore(vs.root, hmac_key=None)
+    with keyless.lock("m"), pytest.raises(VersionStoreError, match="sealed but no store key"):
+        keyless.prune("m", 1, "retention")
+    assert (vs.version_dir("m", 0) / "model.safetensors").exists()  # nothing deleted
+    forged = tmp_path / "forged"  # without the key: the files deleted, the sealed manifest passed off as a tombstone
+    shutil.copytree(vs.root, forged)
+    folder = forged / "m" / "versions" / "000000"
+    shutil.copy(folder / "manifest.json", folder / PRUNED_FILE)
+    for name in ("model.safetensors", "model.json"):
+        (folder / name).unlink()
+    with pytest.raises(TamperedVersionError, match="not a pruning tombstone"):
+        VersionStore(forged, hmac_key=key).verify("m", 0)
+    with vs.lock("m"):
+        assert vs.prune("m", 1, "retention") == [0]
+    assert vs.verify("m", 0).pruned and vs.verify("m", 1) is not None
+    with pytest.raises(TamperedVersionError, match="seal"):  # the tombstone is sealed like the manifests
+        tomb = vs.version_dir("m", 0) / PRUNED_FILE
+        tomb.write_text(tomb.read_text().replace('"retention"', '"other"'))
+        vs.verify("m", 0)
+
+
 # -- privacy ---------------------------------------------------------------------------------
 def test_accountant_rules_and_refusals():
     z_release = Release(sigma=1.0, sensitivity=0.25, epsilon=1.0, delta=1e-6)  # noise multiplier 4

@@ -15,7 +15,8 @@ trained model's). With ``scope_cost_share: 1`` and the recipe's own settings thi
 start, data, seed and steps): the exact reference the tests hold it to. Where nothing outside the scope moved from
 where the recipe started it (checked once per version, entry by entry: e.g. a text model's frozen lower layers,
 the cut at its first trained layer) the result depends on D \\ U alone, and with the recipe's own settings it is
-Retrain, its frozen layers' outputs carried instead of recomputed. Otherwise the suffix is trained on D \\ U only,
+Retrain where those layers draw nothing at random (no dropout: ``pipeline.recipe.fit`` then runs them once too, in
+eval mode), their outputs carried instead of recomputed. Otherwise the suffix is trained on D \\ U only,
 but over the outputs of a prefix that U shaped (its weights are the original's): a heuristic removal, no
 certificate. Either way a request costs the suffix's training, not one step. Parameters frozen in the trained model
 (``requires_grad`` False) are not trained by the recipe and are kept as they are. A recipe run to its optimum
@@ -63,7 +64,8 @@ class SuffixRetrainSettings(MethodSettings):
 def moved_outside_scope(current: dict[str, Tensor], initial: dict[str, Tensor], names: list[str]) -> list[str]:
     """The model's state entries outside the scope (``names``) that are not where the recipe started them
     (``initial``; an entry the start lacks counts as moved). None moved: nothing outside the scope was trained, so a
-    removal's result depends on the retained data alone (with the recipe's own settings, it is Retrain)."""
+    removal's result depends on the retained data alone (with the recipe's own settings and no dropout in front, it
+    is Retrain)."""
     inside = set(names)
     return [n for n, value in current.items() if n not in inside and
             (n not in initial or not torch.equal(value, initial[n].to(dtype=value.dtype, device=value.device)))]

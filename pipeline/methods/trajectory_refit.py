@@ -288,7 +288,7 @@ class TrajectoryRefit(RemovalMethod):
         if trained.trajectory is None:
             return (f"needs the recipe's recorded training trajectory ({TRAJECTORY_FILE}, written by `unlearn train` "
                     "for an SGD recipe beside the original; a later version's card refers to it there); this model "
-                    "has none, or the original's file it refers to is gone")
+                    "has none, or the original's file it refers to is gone or changed")
         return None
 
     def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]

@@ -49,7 +49,7 @@ from torch import Tensor
 from pipeline.checkpoint import atomic_write_bytes, sha256_of
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, read_card, write_model_dir
 from pipeline.store.crashpoint import crash_point
-from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE, refer_to_trajectory
+from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE, recorded_trajectory, refer_to_trajectory
 
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
@@ -292,8 +292,12 @@ class VersionStore:
             tomb = json.loads((info.path / PRUNED_FILE).read_text())
         except (OSError, ValueError) as err:
             raise TamperedVersionError(f"{where}: the pruning tombstone is unreadable ({err})") from None
-        if not isinstance(tomb, dict) or tomb.get("model") != info.model or tomb.get("version") != info.version:
+        if not isinstance(tomb, dict) or tomb.get("kind") != "pruned":
+            raise TamperedVersionError(f"{where}: {PRUNED_FILE} is not a pruning tombstone (kind 'pruned')")
+        if tomb.get("model") != info.model or tomb.get("version") != info.version:
             raise TamperedVersionError(f"{where}: the pruning tombstone names another model or version")
+        if not set(tomb.get("deleted") or []) <= set(info.manifest.get("files") or {}):
+            raise TamperedVersionError(f"{where}: the pruning tombstone lists files its manifest never had")
         self._check_seal(tomb, f"{where}: the pruning tombstone")
         if int(self.pointer(info.model)["version"]) == info.version:
             raise TamperedVersionError(f"{where}: the current version has a pruning tombstone, which prune never "
@@ -458,15 +462,17 @@ class VersionStore:
         load_model_dir(source)  # refuses a directory whose weights do not fit its card
 
         card = read_card(source)
-        refers = not (source / TRAJECTORY_FILE).exists() and TRAJECTORY_REFERENCE in card.training.extra
+        run = recorded_trajectory(source, card)  # its own, or the one a later version's card refers to (checked)
 
         def write(staging: Path) -> None:
-            for name in (WEIGHTS_FILE, CARD_FILE, TRAJECTORY_FILE):  # the recorded trajectory where it exists
-                if name != TRAJECTORY_FILE or (source / name).exists():
-                    atomic_write_bytes(staging / name, (source / name).read_bytes())
-            if refers:  # a later version's directory: its reference re-pointed from where the version will be
-                moved = refer_to_trajectory(card, source, self.version_dir(model, 0))
-                atomic_write_bytes(staging / CARD_FILE, moved.model_dump_json(indent=2).encode())
+            for name in (WEIGHTS_FILE, CARD_FILE):
+                atomic_write_bytes(staging / name, (source / name).read_bytes())
+            if run is not None:  # the store holds the run it reads, in version 0, where prune can delete it
+                atomic_write_bytes(staging / TRAJECTORY_FILE, run.read_bytes())
+            if TRAJECTORY_REFERENCE in card.training.extra:  # version 0 holds it now (or it was gone): no reference
+                extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
+                kept = card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+                atomic_write_bytes(staging / CARD_FILE, kept.model_dump_json(indent=2).encode())
 
         info = self._stage(model, write, {"kind": "import", "parent": None, "source": str(source.resolve()), "note": note}, 0)
         self._write_pointer(model, 0, "import", note, None)
@@ -520,12 +526,20 @@ class VersionStore:
         self.set_current(model, version, expected=old, kind="rollback", reason=reason)
         return old, version
 
+    def holding_run(self, model: str) -> list[int]:
+        """The versions not pruned that hold a copy of the recorded training run (its last checkpoint is the
+        original's weights): version 0, and later versions published before versions referred to it instead."""
+        return [v for v in self.versions(model)
+                if (self.version_dir(model, v) / TRAJECTORY_FILE).is_file() and not self.info(model, v).pruned]
+
     def prune(self, model: str, before: int, reason: str) -> list[int]:
         """Delete the weights, card and recorded training run of every version numbered below ``before`` (at most
         the current version: CURRENT is never pruned), keeping each manifest and writing a sealed tombstone first.
         Returns the versions pruned by this call (those already pruned are skipped; an interrupted one is
-        finished). They can no longer be loaded or rolled back to; a later version whose card refers to version
-        0's recorded run loses it (the methods that read the run then refuse)."""
+        finished). Every version about to lose its files is verified first, and a store whose manifests are sealed
+        is pruned only with its key. Pruned versions can no longer be loaded or rolled back to; a later version
+        whose card refers to version 0's recorded run loses it (``holding_run`` lists the versions that still hold
+        a copy: CURRENT may, in a store published before versions referred to it)."""
         self._require_lock(model)
         current = self.current(model)
         if not reason or not reason.strip():
@@ -533,16 +547,25 @@ class VersionStore:
         if before > current:
             raise VersionStoreError(f"--before {before} would prune the current version {current} of '{model}'; "
                                     f"name at most {current}")
+        targets = [v for v in self.versions(model) if v < before]
+        if self.hmac_key is None and any(SEAL_FIELD in self.manifest(model, v) for v in targets):
+            raise VersionStoreError(f"the manifests of '{model}' are sealed but no store key is loaded: a tombstone "
+                                    f"written now could never be verified; set {HMAC_KEY_ENV} (or {HMAC_KEY_FILE_ENV}) "
+                                    "and prune again; nothing was deleted")
+        fresh = [v for v in targets if not (self.version_dir(model, v) / PRUNED_FILE).is_file()]
+        for version in fresh:  # every version about to lose its files verifies first: no evidence of tampering goes
+            self.verify(model, version)
         pruned: list[int] = []
-        for version in [v for v in self.versions(model) if v < before]:
+        for version in targets:
             folder = self.version_dir(model, version)
             leftovers = [p for p in folder.iterdir() if p.name not in (MANIFEST_FILE, PRUNED_FILE)]
-            if (folder / PRUNED_FILE).is_file() and not leftovers:
-                continue
-            self.manifest(model, version)  # a readable manifest, or TamperedVersionError before anything goes
-            if not (folder / PRUNED_FILE).is_file():
-                tomb = self._sealed({"model": model, "version": version, "pruned_at": _now(), "reason": reason,
-                                     "deleted": sorted(p.name for p in leftovers)})
+            if version not in fresh:
+                if not leftovers:
+                    continue
+                self._check_tombstone(self.info(model, version), {MANIFEST_FILE, PRUNED_FILE})  # finish it
+            else:
+                tomb = self._sealed({"kind": "pruned", "model": model, "version": version, "pruned_at": _now(),
+                                     "reason": reason, "deleted": sorted(p.name for p in leftovers)})
                 atomic_write_bytes(folder / PRUNED_FILE, _json_bytes(tomb))
             crash_point("prune_tombstone")
             for path in leftovers:
