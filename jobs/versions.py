@@ -29,9 +29,14 @@ def command() -> None:
 @model_option
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--note", default=None, help="Free text recorded with version 0.")
+@click.option("--with-recorded-run", is_flag=True,
+              help="MODEL_DIR is a later version that refers to its original's recorded training run: copy that run "
+                   "into version 0 (it holds the original's weights until a removal and a prune follow).")
 @user_errors
-def import_(store: str, model: str, model_dir: str, note: str | None) -> None:
-    """Import MODEL_DIR (model.safetensors + model.json) as version 0 of a new model."""
+def import_(store: str, model: str, model_dir: str, note: str | None, with_recorded_run: bool) -> None:
+    """Import MODEL_DIR (model.safetensors + model.json) as version 0 of a new model. A directory `unlearn train`
+    wrote brings its recorded training run; a later version's reference to its original's run is dropped unless
+    --with-recorded-run (then trajectory-refit and the emptied-class replay go without it)."""
     from pipeline.models.card import load_model_dir
 
     if not Path(model_dir).is_dir():
@@ -40,8 +45,14 @@ def import_(store: str, model: str, model_dir: str, note: str | None) -> None:
     vs = _store(store, create=True)
     vs.model_dir(model)  # validates the name
     with vs.lock(model, create=True):
-        info = vs.import_model_dir(model, model_dir, note=note)
-    click.echo(f"imported {model_dir} as version {info.version} of '{model}' in {vs.root}")
+        info = vs.import_model_dir(model, model_dir, note=note, with_recorded_run=with_recorded_run)
+    from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE
+    from pipeline.models.card import read_card
+
+    dropped = TRAJECTORY_REFERENCE in read_card(model_dir).training.extra and not (info.path / TRAJECTORY_FILE).exists()
+    click.echo(f"imported {model_dir} as version {info.version} of '{model}' in {vs.root}"
+               + ("; without the recorded training run its card referred to (--with-recorded-run brings it)"
+                  if dropped else ""))
 
 
 @command.command("list")
@@ -128,13 +139,17 @@ def rollback(store: str, model: str, version: int, reason: str, ledger_path: str
               help="Prune every version numbered below this one (at most the current version, which is never pruned).")
 @click.option("--reason", required=True, help="Why (recorded in each pruned version's tombstone).")
 @click.option("--yes", is_flag=True, help="Delete: without it, only the versions that would be pruned are printed.")
+@click.option("--include-damaged", is_flag=True,
+              help="Prune versions that fail verification too (each tombstone records the error); by default a "
+                   "damaged version stops the prune before anything is deleted.")
 @user_errors
-def prune(store: str, model: str, before: int, reason: str, yes: bool) -> None:
+def prune(store: str, model: str, before: int, reason: str, yes: bool, include_damaged: bool) -> None:
     """Delete the weights, card and recorded training run of the versions older than --before. They hold the
     samples later versions removed (version 0 is the original model). Each keeps its manifest and a tombstone
     (sealed with the store key where the store has one), so the chain and the receipts still verify; they can no
-    longer be loaded or rolled back to. Once version 0 is gone trajectory-refit refuses and the recorded-run
-    variants of lfoci-newton use U's gradient at the trained weights instead (their record says so)."""
+    longer be loaded or rolled back to. Once version 0 is gone trajectory-refit refuses, the recorded-run variants of
+    lfoci-newton use U's gradient at the trained weights instead and the emptied-class replay is skipped (each
+    record says so). A version that fails verification stops the prune unless --include-damaged."""
     vs = _store(store)
     vs.require_model(model)
     if before > vs.current(model):
@@ -145,15 +160,21 @@ def prune(store: str, model: str, before: int, reason: str, yes: bool) -> None:
     targets = [v for v in vs.versions(model) if v < before and (not vs.info(model, v).pruned or any(
         p.name not in (MANIFEST_FILE, PRUNED_FILE) for p in vs.version_dir(model, v).iterdir()))]
     if not yes:
-        click.echo(f"would prune {targets or 'nothing'} of '{model}' (current v{vs.current(model)}); pass --yes to delete")
-        return
-    with vs.lock(model):
-        done = vs.prune(model, before, reason)
-    click.echo(f"'{model}': pruned {done or 'nothing'}; their manifests and tombstones are kept")
-    holding = vs.holding_run(model)
+        damaged = [v for v, e in vs.verify_all(model) if e and v in targets and not vs.info(model, v).pruned]
+        click.echo(f"would prune {targets or 'nothing'} of '{model}' (current v{vs.current(model)}); pass --yes to delete"
+                   + (f"; {damaged} fail verification (--include-damaged prunes them too)" if damaged else ""))
+    else:
+        with vs.lock(model):
+            done = vs.prune(model, before, reason, include_damaged=include_damaged)
+        click.echo(f"'{model}': pruned {done or 'nothing'}; their manifests and tombstones are kept")
+    holding = [v for v in vs.holding_run(model) if not (v < before and not yes)]
     if holding:
-        click.echo(f"note: versions {holding} still hold a copy of the recorded training run (written before versions "
-                   "referred to it), whose last checkpoint is the original's weights; pruning them removes it",
+        current = vs.current(model)
+        why = ("v0, the original itself, is CURRENT" if current == 0 else
+               f"v{current} is CURRENT (published before versions referred to the run)")
+        click.echo(f"note: versions {holding} hold a copy of the recorded training run, whose last checkpoint is the "
+                   "original's weights; " + (f"{why}: it goes once a later version is current and a prune runs past it"
+                                             if current in holding else "a prune --before past them deletes it"),
                    err=True)
 
 

@@ -165,8 +165,9 @@ def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None
     ``unlearn train`` wrote, or a store's version 0), else the file its card refers to (``training.extra.trajectory``:
     a path relative to the directory and its sha256, checked). None where it has neither, where the file referred to
     is gone (e.g. the original pruned on purpose), or where it changed (its sha256 differs: warned, never read).
-    Without it trajectory-refit refuses and the recorded-run variants of lfoci-newton take U's gradient at the
-    trained weights instead (their record says so); every other method serves as before."""
+    Without it trajectory-refit refuses, the recorded-run variants of lfoci-newton take U's gradient at the trained
+    weights instead, and the emptied-class replay (lfoci-newton's default, trajectory-refit's) is skipped; each
+    record says so."""
     own = Path(model_dir) / TRAJECTORY_FILE
     if own.exists():
         return own

@@ -1371,11 +1371,15 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
         assert pruning.prune("m", 1, "retention") == [0]  # the original and its recorded run deleted
     assert load_trained(pruning.version_dir("m", 1)).trajectory is None and pruning.holding_run("m") == []
     other = VersionStore(tmp_path / "other-store", create=True)
-    with other.lock("v1", create=True):  # a later version imported as a model: the reference re-pointed, no copy
+    with other.lock("v1", create=True):  # a later version imported as a model: without the original's run
         imported = other.import_model_dir("v1", tmp_path / "v1")
-    assert (imported.path / TRAJECTORY_FILE).read_bytes() == recorded  # the store holds what it reads
-    assert "trajectory" not in read_card(imported.path).training.extra and other.holding_run("v1") == [0]
-    assert load_trained(imported.path).trajectory is not None
+    assert not (imported.path / TRAJECTORY_FILE).exists() and other.holding_run("v1") == []
+    assert "trajectory" not in read_card(imported.path).training.extra
+    assert load_trained(imported.path).trajectory is None
+    with other.lock("v1b", create=True):  # asked for: the run copied into version 0, where the store can prune it
+        brought = other.import_model_dir("v1b", tmp_path / "v1", with_recorded_run=True)
+    assert (brought.path / TRAJECTORY_FILE).read_bytes() == recorded and other.holding_run("v1b") == [0]
+    assert load_trained(brought.path).trajectory is not None
 
     (original / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
     with pytest.warns(UserWarning, match="sha256"):

@@ -167,6 +167,15 @@ def test_prune_deletes_older_versions_files_keeps_their_manifests_and_finishes_a
         vs.load("m", 1)
     with vs.lock("m"), pytest.raises(PrunedVersionError, match="rollback target 1"):
         vs.rollback("m", 1, "undo")
+    weights = vs.version_dir("m", 2) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b" ")  # a damaged version stops the prune, nothing deleted
+    with vs.lock("m"), pytest.raises(VersionStoreError, match=r"versions \[2\] .* fail verification.*--before 2"):
+        vs.prune("m", 3, "retention")
+    assert weights.exists()
+    with vs.lock("m"):
+        assert vs.prune("m", 3, "retention", include_damaged=True) == [2]
+    assert "model.safetensors has sha256" in json.loads((vs.version_dir("m", 2) / PRUNED_FILE).read_text())["verify_error"]
+    assert vs.verify("m", 2).pruned
     tomb = vs.version_dir("m", 1) / PRUNED_FILE
     tomb.write_text(tomb.read_text().replace('"version": 1', '"version": 0'))
     with pytest.raises(TamperedVersionError, match="tombstone names another"):

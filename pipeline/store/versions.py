@@ -453,8 +453,13 @@ class VersionStore:
         crash_point("publish_renamed")
         return VersionInfo(model, version, target, manifest)
 
-    def import_model_dir(self, model: str, source: str | Path, *, note: str | None = None) -> VersionInfo:
-        """Version 0 of a new model, copied from a model directory (validated by loading it)."""
+    def import_model_dir(self, model: str, source: str | Path, *, note: str | None = None,
+                         with_recorded_run: bool = False) -> VersionInfo:
+        """Version 0 of a new model, copied from a model directory (validated by loading it). A directory that
+        holds its recorded training run (``unlearn train``'s) brings it; a later version's directory only refers to
+        its original's run, and that run (whose last checkpoint is the original) is copied into version 0 only with
+        ``with_recorded_run`` (version 0 then holds the original's weights until a removal and a prune follow);
+        otherwise the reference is dropped and the methods that read the run go without it."""
         folder = self._require_lock(model)
         if self.versions(model) or (folder / POINTER_FILE).exists():
             raise VersionStoreError(f"model '{model}' already has versions in {self.root}; import under a new name")
@@ -462,14 +467,18 @@ class VersionStore:
         load_model_dir(source)  # refuses a directory whose weights do not fit its card
 
         card = read_card(source)
-        run = recorded_trajectory(source, card)  # its own, or the one a later version's card refers to (checked)
+        own = (source / TRAJECTORY_FILE).exists()
+        run = recorded_trajectory(source, card) if own or with_recorded_run else None
+        if with_recorded_run and run is None:
+            raise VersionStoreError(f"{source} has no recorded training run to bring (its card refers to none, or the "
+                                    "file is gone or changed); import without with_recorded_run")
 
         def write(staging: Path) -> None:
             for name in (WEIGHTS_FILE, CARD_FILE):
                 atomic_write_bytes(staging / name, (source / name).read_bytes())
             if run is not None:  # the store holds the run it reads, in version 0, where prune can delete it
                 atomic_write_bytes(staging / TRAJECTORY_FILE, run.read_bytes())
-            if TRAJECTORY_REFERENCE in card.training.extra:  # version 0 holds it now (or it was gone): no reference
+            if TRAJECTORY_REFERENCE in card.training.extra:  # version 0 holds it now, or goes without: no reference
                 extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
                 kept = card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
                 atomic_write_bytes(staging / CARD_FILE, kept.model_dump_json(indent=2).encode())
@@ -529,10 +538,10 @@ class VersionStore:
     def holding_run(self, model: str) -> list[int]:
         """The versions not pruned that hold a copy of the recorded training run (its last checkpoint is the
         original's weights): version 0, and later versions published before versions referred to it instead."""
-        return [v for v in self.versions(model)
-                if (self.version_dir(model, v) / TRAJECTORY_FILE).is_file() and not self.info(model, v).pruned]
+        return [v for v in self.versions(model) if (self.version_dir(model, v) / TRAJECTORY_FILE).is_file()
+                and not (self.version_dir(model, v) / PRUNED_FILE).is_file()]
 
-    def prune(self, model: str, before: int, reason: str) -> list[int]:
+    def prune(self, model: str, before: int, reason: str, *, include_damaged: bool = False) -> list[int]:
         """Delete the weights, card and recorded training run of every version numbered below ``before`` (at most
         the current version: CURRENT is never pruned), keeping each manifest and writing a sealed tombstone first.
         Returns the versions pruned by this call (those already pruned are skipped; an interrupted one is
@@ -553,8 +562,17 @@ class VersionStore:
                                     f"written now could never be verified; set {HMAC_KEY_ENV} (or {HMAC_KEY_FILE_ENV}) "
                                     "and prune again; nothing was deleted")
         fresh = [v for v in targets if not (self.version_dir(model, v) / PRUNED_FILE).is_file()]
+        damaged: dict[int, str] = {}
         for version in fresh:  # every version about to lose its files verifies first: no evidence of tampering goes
-            self.verify(model, version)
+            try:
+                self.verify(model, version)
+            except TamperedVersionError as err:
+                damaged[version] = str(err)
+        if damaged and not include_damaged:
+            raise VersionStoreError(
+                f"versions {sorted(damaged)} of '{model}' fail verification ({next(iter(damaged.values()))}); nothing "
+                f"was deleted. Restore their files, prune below them (--before {min(damaged)}), or prune them too "
+                "with --include-damaged (each tombstone records its verification error)")
         pruned: list[int] = []
         for version in targets:
             folder = self.version_dir(model, version)
@@ -564,8 +582,13 @@ class VersionStore:
                     continue
                 self._check_tombstone(self.info(model, version), {MANIFEST_FILE, PRUNED_FILE})  # finish it
             else:
+                listed = set(self.manifest(model, version).get("files") or {})
+                names = sorted(p.name for p in leftovers)
+                unlisted = [n for n in names if n not in listed]  # a damaged version's extra files go too
                 tomb = self._sealed({"kind": "pruned", "model": model, "version": version, "pruned_at": _now(),
-                                     "reason": reason, "deleted": sorted(p.name for p in leftovers)})
+                                     "reason": reason, "deleted": [n for n in names if n in listed],
+                                     **({"deleted_unlisted": unlisted} if unlisted else {}),
+                                     **({"verify_error": damaged[version]} if version in damaged else {})})
                 atomic_write_bytes(folder / PRUNED_FILE, _json_bytes(tomb))
             crash_point("prune_tombstone")
             for path in leftovers:
