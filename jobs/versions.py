@@ -170,7 +170,7 @@ def prune(store: str, model: str, before: int, reason: str, yes: bool, include_d
     holding = [v for v in vs.holding_run(model) if not (v < before and not yes)]
     if holding:
         current = vs.current(model)
-        why = ("v0, the original itself, is CURRENT" if current == 0 else
+        why = ("v0, the imported model, is CURRENT" if current == 0 else
                f"v{current} is CURRENT (published before versions referred to the run)")
         click.echo(f"note: versions {holding} hold a copy of the recorded training run, whose last checkpoint is the "
                    "original's weights; " + (f"{why}: it goes once a later version is current and a prune runs past it"

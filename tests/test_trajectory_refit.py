@@ -1376,10 +1376,22 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     assert not (imported.path / TRAJECTORY_FILE).exists() and other.holding_run("v1") == []
     assert "trajectory" not in read_card(imported.path).training.extra
     assert load_trained(imported.path).trajectory is None
-    with other.lock("v1b", create=True):  # asked for: the run copied into version 0, where the store can prune it
-        brought = other.import_model_dir("v1b", tmp_path / "v1", with_recorded_run=True)
+    import jobs.versions
+
+    runner = CliRunner()  # the same through `unlearn versions import` and `prune`
+    said = runner.invoke(jobs.versions.command, ["import", "--store", str(other.root), "--model", "v1b",
+                                                 "--with-recorded-run", str(tmp_path / "v1")])
+    assert said.exit_code == 0, said.output
+    brought = other.info("v1b", 0)
     assert (brought.path / TRAJECTORY_FILE).read_bytes() == recorded and other.holding_run("v1b") == [0]
     assert load_trained(brought.path).trajectory is not None
+    said = runner.invoke(jobs.versions.command, ["import", "--store", str(other.root), "--model", "v1c",
+                                                 str(tmp_path / "v1")])
+    assert said.exit_code == 0 and "without the recorded training run its card referred to" in said.output
+    said = runner.invoke(jobs.versions.command, ["prune", "--store", str(other.root), "--model", "v1b", "--before",
+                                                 "0", "--reason", "retention"])
+    assert said.exit_code == 0 and "would prune nothing" in said.output
+    assert "v0, the imported model, is CURRENT" in said.output
 
     (original / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
     with pytest.warns(UserWarning, match="sha256"):
