@@ -29,7 +29,7 @@ from pipeline.methods.base import (
     get_method, run_removal,
 )
 from pipeline.methods.mixed_linear import USER_WEIGHT_PREFIX, USER_WEIGHTS_FILE, UserWeights, read_user_weights
-from pipeline.trajectory import read_trajectory, recorded_trajectory
+from pipeline.trajectory import locate_trajectory, read_trajectory
 from pipeline.models.card import ModelCard, load_model_dir
 from pipeline.prepared import Prepared
 
@@ -86,9 +86,10 @@ def load_trained(model_dir: str | Path, *, device: str = "cpu", batch_size: int 
     model.to(device)
     user_file = Path(model_dir) / USER_WEIGHTS_FILE
     user = read_user_weights(user_file) if user_file.exists() else None
-    trajectory_file = recorded_trajectory(model_dir, card)  # its own, or the one its card refers to (checked)
+    trajectory_file, missing = locate_trajectory(model_dir, card)  # its own, or the one its card refers to (checked)
     trajectory = read_trajectory(trajectory_file) if trajectory_file is not None else None
-    return TrainedModel(model, task, train.to(device), card.training.weight_decay, batch_size, card, user, trajectory)
+    return TrainedModel(model, task, train.to(device), card.training.weight_decay, batch_size, card, user, trajectory,
+                        trajectory_missing=missing)
 
 
 def method_ref(method: "str | MethodRef", settings: MethodSettings | Mapping[str, Any] | None = None) -> MethodRef:
@@ -156,7 +157,8 @@ def remove(
     problem = RemovalProblem(
         model=trained.model, task=trained.task, train=trained.train, forget_positions=positions,
         weight_decay=trained.weight_decay, seed=seed, batch_size=trained.batch_size, card=card,
-        user_weights=trained.user_weights, trajectory=trained.trajectory, probe_runner=probe_runner,
+        user_weights=trained.user_weights, trajectory=trained.trajectory,
+        trajectory_missing=trained.trajectory_missing, probe_runner=probe_runner,
         curvature_factory=curvature_factory,
         stage_hook=stage_hook,
     )
@@ -201,6 +203,6 @@ def remove(
                                    sample_ids=problem.retain.sample_ids.tolist())
     after = TrainedModel(model, trained.task, trained.train.without(positions), trained.weight_decay,
                          trained.batch_size, new_card, user_weights if user_weights is not None else outcome.user_weights,
-                         trained.trajectory)
+                         trained.trajectory, trajectory_missing=trained.trajectory_missing)
     return RemovalRun(state, new_card, record, user_weights=user_weights, prepared=outcome.prepared, method=impl,
                       settings=ref.settings, after=after, removed=positions, outcome=outcome)

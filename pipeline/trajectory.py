@@ -26,15 +26,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline.checkpoint import sha256_of
-from pipeline.models.card import CARD_FILE
+
 
 if TYPE_CHECKING:
     from pipeline.models.card import ModelCard
     from pipeline.recipe import Recipe
 
 __all__ = ["TRAJECTORY_FILE", "TRAJECTORY_REFERENCE", "Trajectory", "TrajectoryRecorder", "TrajectoryReferenceError",
-           "checkpoint_epochs", "checkpoint_every", "read_trajectory", "recorded_trajectory", "refer_to_trajectory",
-           "save_trajectory", "stretch_rates"]
+           "checkpoint_epochs", "checkpoint_every", "locate_trajectory", "read_trajectory", "recorded_trajectory",
+           "refer_to_trajectory", "save_trajectory", "stretch_rates"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
 TRAJECTORY_REFERENCE = "trajectory"   # the card's training.extra key a later version refers to it by
@@ -161,27 +161,34 @@ def _reference_of(card: "ModelCard") -> dict[str, str] | None:
 
 
 def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None:
+    """``locate_trajectory``'s path alone."""
+    return locate_trajectory(model_dir, card)[0]
+
+
+def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | None, str | None]:
     """Where a model directory's recorded trajectory is: its own ``trajectory.safetensors`` (the directory
     ``unlearn train`` wrote, or a store's version 0), else the file its card refers to (``training.extra.trajectory``:
     a path relative to the directory and its sha256, checked). None where it has neither, where the file referred to
     is gone (e.g. the original pruned on purpose), or where it changed (its sha256 differs: warned, never read).
     Without it trajectory-refit refuses, the recorded-run variants of lfoci-newton take U's gradient at the trained
     weights instead, and the emptied-class replay (lfoci-newton's default, trajectory-refit's) is skipped; each
-    record says so."""
+    record says so. Returns (the path, None) or (None, why: None where no run was ever recorded, else which of
+    gone / changed, for the records)."""
     own = Path(model_dir) / TRAJECTORY_FILE
     if own.exists():
-        return own
+        return own, None
     ref = _reference_of(card)
     if ref is None:
-        return None
+        return None, None
     path = (Path(model_dir) / ref["path"]).resolve()
     if not path.exists():
-        return None
+        return None, f"the recorded training run the card refers to ({path}) is gone"
     if sha256_of(path) != ref["sha256"]:
-        warnings.warn(f"{path}: the recorded trajectory {Path(model_dir) / CARD_FILE} refers to has changed (its "
-                      f"sha256 is not the {ref['sha256'][:12]}... the card records); it is not read", stacklevel=2)
-        return None
-    return path
+        why = (f"the recorded training run the card refers to ({path}) has changed (its sha256 is not the "
+               f"{ref['sha256'][:12]}... the card records): not read")
+        warnings.warn(why, stacklevel=2)
+        return None, why
+    return path, None
 
 
 def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: str | Path) -> "ModelCard":

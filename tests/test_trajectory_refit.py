@@ -1395,12 +1395,13 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
 
     (original / TRAJECTORY_FILE).write_bytes(recorded[:-1] + b"x")
     with pytest.warns(UserWarning, match="sha256"):
-        assert load_trained(tmp_path / "v1").trajectory is None  # a changed run is never read
+        changed = load_trained(tmp_path / "v1")
+    assert changed.trajectory is None and "has changed" in changed.trajectory_missing  # never read, and said so
     (original / TRAJECTORY_FILE).unlink()
     gone = load_trained(tmp_path / "v1")
-    assert gone.trajectory is None
+    assert gone.trajectory is None and "is gone" in gone.trajectory_missing
     result = forget(tmp_path / "v1", tmp_path / "v3", gone.train.sample_ids[:2].tolist())
-    assert result.exit_code != 0 and "trajectory" in result.output and not (tmp_path / "v3").exists()
+    assert result.exit_code != 0 and "is gone" in result.output and not (tmp_path / "v3").exists()
     result = forget(tmp_path / "v1", tmp_path / "v4", gone.train.sample_ids[:2].tolist(), method="finetune")
     assert result.exit_code == 0, result.output  # the other methods serve, and keep the reference
     assert read_card(tmp_path / "v4").training.extra["trajectory"] == ref

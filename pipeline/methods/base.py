@@ -140,6 +140,7 @@ class TrainedModel:
     card: "ModelCard | None" = None
     user_weights: Any = None
     trajectory: Any = None  # an SGD recipe's recorded epoch checkpoints: pipeline.trajectory.Trajectory
+    trajectory_missing: str | None = None  # why ``trajectory`` is None where the card refers to one (gone, changed)
 
 
 @dataclass
@@ -154,6 +155,7 @@ class RemovalProblem:
     card: "ModelCard | None" = None
     user_weights: Any = None  # Mixed-Linear models: pipeline.methods.mixed_linear.UserWeights
     trajectory: Any = None  # the recipe's recorded epoch checkpoints (pipeline.trajectory.Trajectory), if kept
+    trajectory_missing: str | None = None  # why it is None where the card refers to one (the file gone or changed)
     # How the distributed parts run; None = in this process. cluster/ supplies Ray versions.
     probe_runner: "ProbeRunner | None" = None
     curvature_factory: "CurvatureFactory | None" = None
@@ -191,7 +193,7 @@ class RemovalProblem:
     @property
     def trained(self) -> TrainedModel:
         return TrainedModel(self.model, self.task, self.train, self.weight_decay, self.batch_size, self.card,
-                            self.user_weights, self.trajectory)
+                            self.user_weights, self.trajectory, self.trajectory_missing)
 
     def generator(self, stream: RandomStream) -> torch.Generator:
         """A CPU generator for one named random stream of this removal (seed, stream)."""

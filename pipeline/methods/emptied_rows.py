@@ -99,8 +99,8 @@ def plan_emptied_rows(problem: RemovalProblem, mode: EmptiedMode, samples: int, 
         return _not_set("emptied_classes: corrected")
     trajectory = problem.trajectory
     if trajectory is None:
-        return _not_set("no recorded training trajectory (none written, or the file the card refers to is gone or "
-                        "changed; the replay starts from its first checkpoint)")
+        return _not_set(f"no recorded training trajectory ({problem.trajectory_missing or 'none was written'}; the "
+                        "replay starts from its first checkpoint)")
     labels = problem.train.columns.get("y")
     if problem.task.loss != "cross_entropy" or labels is None or labels.dim() != 1:
         return _not_set("not a single-label cross-entropy classifier")

@@ -637,7 +637,7 @@ def _forget_term(problem: RemovalProblem, block: Any, gn: GaussNewtonStepSetting
     trajectory, how, scale, part = problem.trajectory, gn.forget_gradient, gn.forget_push_scale, gn.forget_push_part
     if how == "end":
         return anchor, {"how": "end", "equation": "U's loss gradient at the trained weights"}
-    why = ("no recorded training trajectory (none written, or the file the card refers to is gone or changed)"
+    why = (f"no recorded training trajectory ({problem.trajectory_missing or 'none was written'})"
            if trajectory is None else
            None if set(p.name for p in block.parts) <= set(trajectory.parameters) else
            "the recorded trajectory lacks the block's parameters")

@@ -287,8 +287,8 @@ class TrajectoryRefit(RemovalMethod):
         """Why this method cannot serve ``trained`` (None: it can): it needs the recipe's recorded trajectory."""
         if trained.trajectory is None:
             return (f"needs the recipe's recorded training trajectory ({TRAJECTORY_FILE}, written by `unlearn train` "
-                    "for an SGD recipe beside the original; a later version's card refers to it there); this model "
-                    "has none, or the original's file it refers to is gone or changed")
+                    "for an SGD recipe beside the original; a later version's card refers to it there); "
+                    + (trained.trajectory_missing or "this model has none"))
         return None
 
     def prepare(self, trained: TrainedModel, settings: TrajectoryRefitSettings,  # type: ignore[override]
