@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TRAJECTORY_FILE", "TRAJECTORY_REFERENCE", "Trajectory", "TrajectoryRecorder", "TrajectoryReferenceError",
            "checkpoint_epochs", "checkpoint_every", "locate_trajectory", "read_trajectory", "recorded_trajectory",
-           "refer_to_trajectory", "save_trajectory", "stretch_rates"]
+           "refer_to_trajectory", "save_trajectory", "stretch_rates", "without_trajectory_reference"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
 TRAJECTORY_REFERENCE = "trajectory"   # the card's training.extra key a later version refers to it by
@@ -191,6 +191,12 @@ def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | 
     return path, None
 
 
+def without_trajectory_reference(card: "ModelCard") -> "ModelCard":
+    """``card`` less its reference to a recorded run (a model whose run it is not, or a version that holds it)."""
+    extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
+    return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+
+
 def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: str | Path) -> "ModelCard":
     """The card of a new version written to ``target_dir`` from ``source_dir``'s model: a reference to the recorded
     trajectory (its path relative to ``target_dir`` and its sha256) in place of a copy. The run was recorded on all
@@ -200,16 +206,16 @@ def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: s
     there now (a file moved away and back is found again). Where ``source_dir`` has neither, the card without one."""
     from pipeline.models.card import read_card
 
-    extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
     own = Path(source_dir) / TRAJECTORY_FILE
     if own.exists():
         where, digest = own.resolve(), sha256_of(own)
     else:
         ref = _reference_of(read_card(source_dir))
         if ref is None:
-            return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+            return without_trajectory_reference(card)
         where, digest = (Path(source_dir) / ref["path"]).resolve(), ref["sha256"]
-    extra[TRAJECTORY_REFERENCE] = {"path": os.path.relpath(where, Path(target_dir).resolve()), "sha256": digest}
+    extra = {**card.training.extra,
+             TRAJECTORY_REFERENCE: {"path": os.path.relpath(where, Path(target_dir).resolve()), "sha256": digest}}
     return card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
 
 

@@ -28,7 +28,7 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
 from pipeline.recipe import Recipe, fit, init_of, initial_model, recipe_of
 from pipeline.tasks import Task
-from pipeline.trajectory import TRAJECTORY_REFERENCE
+from pipeline.trajectory import without_trajectory_reference
 
 RECORD_FILE = "baseline.json"
 
@@ -84,8 +84,7 @@ def _cached(kind: str, key: str, cache_dir: str | Path | None) -> tuple[Path | N
 def _store(directory: Path | None, kind: str, key: str, model: nn.Module, card: ModelCard, seconds: float) -> None:
     if directory is None:
         return
-    extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}  # not this model's run
-    card = card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+    card = without_trajectory_reference(card)  # the recorded run it may refer to is not this model's
     write_model_dir(directory, {k: v.detach().cpu() for k, v in model.state_dict().items()}, card)
     atomic_write_bytes(directory / RECORD_FILE, json.dumps({"kind": kind, "key": key, "seconds": seconds}).encode())
 

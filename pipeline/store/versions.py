@@ -49,7 +49,9 @@ from torch import Tensor
 from pipeline.checkpoint import atomic_write_bytes, sha256_of
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, read_card, write_model_dir
 from pipeline.store.crashpoint import crash_point
-from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_REFERENCE, recorded_trajectory, refer_to_trajectory
+from pipeline.trajectory import (
+    TRAJECTORY_FILE, TRAJECTORY_REFERENCE, recorded_trajectory, refer_to_trajectory, without_trajectory_reference,
+)
 
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANIFEST_FILE = "manifest.json"
@@ -479,8 +481,7 @@ class VersionStore:
             if run is not None:  # the store holds the run it reads, in version 0, where prune can delete it
                 atomic_write_bytes(staging / TRAJECTORY_FILE, run.read_bytes())
             if TRAJECTORY_REFERENCE in card.training.extra:  # version 0 holds it now, or goes without: no reference
-                extra = {k: v for k, v in card.training.extra.items() if k != TRAJECTORY_REFERENCE}
-                kept = card.model_copy(update={"training": card.training.model_copy(update={"extra": extra})})
+                kept = without_trajectory_reference(card)
                 atomic_write_bytes(staging / CARD_FILE, kept.model_dump_json(indent=2).encode())
 
         info = self._stage(model, write, {"kind": "import", "parent": None, "source": str(source.resolve()), "note": note}, 0)
