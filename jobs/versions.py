@@ -152,17 +152,10 @@ def prune(store: str, model: str, before: int, reason: str, yes: bool, include_d
     record says so). A version that fails verification stops the prune unless --include-damaged."""
     vs = _store(store)
     vs.require_model(model)
-    if before > vs.current(model):
-        raise click.ClickException(f"--before {before} would prune the current version {vs.current(model)} of "
-                                   f"'{model}'; name at most {vs.current(model)}")
-    from pipeline.store.versions import MANIFEST_FILE, PRUNED_FILE
-
-    targets = [v for v in vs.versions(model) if v < before and (not vs.info(model, v).pruned or any(
-        p.name not in (MANIFEST_FILE, PRUNED_FILE) for p in vs.version_dir(model, v).iterdir()))]
     if not yes:
-        damaged = [v for v, e in vs.verify_all(model) if e and v in targets and not vs.info(model, v).pruned]
+        targets, damaged = vs.prune_plan(model, before)
         click.echo(f"would prune {targets or 'nothing'} of '{model}' (current v{vs.current(model)}); pass --yes to delete"
-                   + (f"; {damaged} fail verification (--include-damaged prunes them too)" if damaged else ""))
+                   + (f"; {sorted(damaged)} fail verification (--include-damaged prunes them too)" if damaged else ""))
     else:
         with vs.lock(model):
             done = vs.prune(model, before, reason, include_damaged=include_damaged)

@@ -542,6 +542,34 @@ class VersionStore:
         return [v for v in self.versions(model) if (self.version_dir(model, v) / TRAJECTORY_FILE).is_file()
                 and not (self.version_dir(model, v) / PRUNED_FILE).is_file()]
 
+    def prune_plan(self, model: str, before: int) -> tuple[list[int], dict[int, str]]:
+        """(the versions below ``before`` a prune still has work on: not pruned, or pruned half-way; those of them
+        that fail verification, with the error). Refuses ``before`` past the current version, and a store whose
+        manifests are sealed when no key is loaded (a tombstone written then could never be verified)."""
+        current = self.current(model)
+        if before > current:
+            raise VersionStoreError(f"--before {before} would prune the current version {current} of '{model}'; "
+                                    f"name at most {current}")
+        below = [v for v in self.versions(model) if v < before]
+        if self.hmac_key is None and any(SEAL_FIELD in self.manifest(model, v) for v in below):
+            raise VersionStoreError(f"the manifests of '{model}' are sealed but no store key is loaded: a tombstone "
+                                    f"written now could never be verified; set {HMAC_KEY_ENV} (or {HMAC_KEY_FILE_ENV}) "
+                                    "and prune again; nothing was deleted")
+        targets: list[int] = []
+        damaged: dict[int, str] = {}
+        for version in below:
+            folder = self.version_dir(model, version)
+            if (folder / PRUNED_FILE).is_file():
+                if any(p.name not in (MANIFEST_FILE, PRUNED_FILE) for p in folder.iterdir()):
+                    targets.append(version)  # interrupted: to finish
+                continue
+            targets.append(version)
+            try:  # every version about to lose its files verifies first: no evidence of tampering goes unnoticed
+                self.verify(model, version)
+            except TamperedVersionError as err:
+                damaged[version] = str(err)
+        return targets, damaged
+
     def prune(self, model: str, before: int, reason: str, *, include_damaged: bool = False) -> list[int]:
         """Delete the weights, card and recorded training run of every version numbered below ``before`` (at most
         the current version: CURRENT is never pruned), keeping each manifest and writing a sealed tombstone first.
@@ -551,24 +579,9 @@ class VersionStore:
         whose card refers to version 0's recorded run loses it (``holding_run`` lists the versions that still hold
         a copy: CURRENT may, in a store published before versions referred to it)."""
         self._require_lock(model)
-        current = self.current(model)
         if not reason or not reason.strip():
             raise VersionStoreError("prune needs a reason (recorded in each version's tombstone)")
-        if before > current:
-            raise VersionStoreError(f"--before {before} would prune the current version {current} of '{model}'; "
-                                    f"name at most {current}")
-        targets = [v for v in self.versions(model) if v < before]
-        if self.hmac_key is None and any(SEAL_FIELD in self.manifest(model, v) for v in targets):
-            raise VersionStoreError(f"the manifests of '{model}' are sealed but no store key is loaded: a tombstone "
-                                    f"written now could never be verified; set {HMAC_KEY_ENV} (or {HMAC_KEY_FILE_ENV}) "
-                                    "and prune again; nothing was deleted")
-        fresh = [v for v in targets if not (self.version_dir(model, v) / PRUNED_FILE).is_file()]
-        damaged: dict[int, str] = {}
-        for version in fresh:  # every version about to lose its files verifies first: no evidence of tampering goes
-            try:
-                self.verify(model, version)
-            except TamperedVersionError as err:
-                damaged[version] = str(err)
+        targets, damaged = self.prune_plan(model, before)
         if damaged and not include_damaged:
             raise VersionStoreError(
                 f"versions {sorted(damaged)} of '{model}' fail verification ({next(iter(damaged.values()))}); nothing "
@@ -578,10 +591,8 @@ class VersionStore:
         for version in targets:
             folder = self.version_dir(model, version)
             leftovers = [p for p in folder.iterdir() if p.name not in (MANIFEST_FILE, PRUNED_FILE)]
-            if version not in fresh:
-                if not leftovers:
-                    continue
-                self._check_tombstone(self.info(model, version), {MANIFEST_FILE, PRUNED_FILE})  # finish it
+            if (folder / PRUNED_FILE).is_file():  # interrupted: its tombstone checked, then finished
+                self._check_tombstone(self.info(model, version), {MANIFEST_FILE, PRUNED_FILE})
             else:
                 listed = set(self.manifest(model, version).get("files") or {})
                 names = sorted(p.name for p in leftovers)
