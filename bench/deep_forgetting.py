@@ -113,7 +113,7 @@ class Dataset:
     config: str                       # configs/models/<config>.yaml
     title: str
     scenarios: tuple[str, ...]
-    ulira: tuple[str, ...]            # the U-LiRA cells (first reported set of each)
+    ulira: tuple[str, ...]            # the U-LiRA cells (the first ``ulira_sets`` reported sets of each)
     retrieval: bool = False           # embedding metrics (identity / subject scenarios)
     prefix_eval: bool = False         # evaluate through the frozen prefix's memoised outputs
 
@@ -132,7 +132,8 @@ DATASETS: dict[str, Dataset] = {
 # recipe: recipe overrides; sets / tuning_sets: per scenario (three tuning identities, not one, are what placed
 # the tie rule's phi level on the identity cell: docs/NOTES.md, thirteenth session); tuning_retrains: Retrains
 # (seeds 0..R-1) on each tuning set whose mean phi the tie rule's phi gap is measured against (one seed's mean phi
-# on an identity's images moves by about the gap that separates two scales); shadows: U-LiRA pairs; campaign: requests;
+# on an identity's images moves by about the gap that separates two scales); shadows: U-LiRA pairs; ulira_sets: the
+# reported sets (the first k) each U-LiRA cell plays its game on, pooled where more than one; campaign: requests;
 # retain_eval: D_r samples RA and the MIA members come from; grid: settings tried per row (<= the file's size);
 # mia / tuning_mia: [members (= non-members) the MIA's SVC is fitted on, independent draws averaged] on the
 # reported / tuning sets (an RBF SVC on 2,000 + 2,000 takes ~1.6 s here; bench/forgetting.py uses 2000 x 4);
@@ -141,16 +142,16 @@ DATASETS: dict[str, Dataset] = {
 # a removal timed out, the same row and settings are not tried again on that scenario unless under a larger limit
 # (timeout_scope "run", the quick and smoke profiles' time budget: the row is not tried again in the run at all, at
 # any settings or limit).
-_FULL = {"sets": 3, "tuning_sets": 3, "tuning_retrains": 3, "shadows": 16, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
+_FULL = {"sets": 3, "tuning_sets": 3, "tuning_retrains": 3, "shadows": 16, "ulira_sets": 1, "campaign": 10, "mia": [2000, 4], "tuning_mia": [1000, 2],
          "row_limit": [1.0, 2.0], "row_floor": 60.0}
 # rows: the rows a profile runs (every other registered row is recorded as skipped, with the reason): quick and
 # smoke run our methods for deep networks and the baselines the issue names, not every variant of the registry.
 QUICK_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "gradient-ascent", "neggrad-plus",
               "salun", "l1-sparse")
 SMOKE_ROWS = ("block-gauss-newton", "lfoci-newton", "trajectory-refit", "finetune", "salun")
-_QUICK = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 1, "shadows": 3, "campaign": 2, "mia": [500, 1], "tuning_mia": [300, 1], "grid": 2,
+_QUICK = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 1, "shadows": 3, "ulira_sets": 1, "campaign": 2, "mia": [500, 1], "tuning_mia": [300, 1], "grid": 2,
           "row_limit": [1.5, 2.0], "row_floor": 10.0, "timeout_scope": "run", "rows": QUICK_ROWS}
-_SMOKE = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 2, "shadows": 3, "campaign": 2, "mia": [100, 1], "tuning_mia": [100, 1], "grid": 1,
+_SMOKE = {"sets": 1, "tuning_sets": 1, "tuning_retrains": 2, "shadows": 3, "ulira_sets": 1, "campaign": 2, "mia": [100, 1], "tuning_mia": [100, 1], "grid": 1,
           "row_limit": [3.0, 3.0], "row_floor": 3.0, "timeout_scope": "run", "rows": SMOKE_ROWS}
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
@@ -1085,6 +1086,33 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
                      "nothing from Retrain here; no U-LiRA floor is read in this cell")}
 
 
+def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A cell's U-LiRA: its one set's game as it is, or the games of several sets pooled per row
+    (pipeline.evaluate.lira.pooled_attack_accuracy; a row refused or failed on any set's shadows is not pooled and
+    says on which), read where the pooled original scores at least ``ULIRA_ATTACKABLE``."""
+    from pipeline.evaluate.lira import pooled_attack_accuracy
+
+    if len(games) <= 1:
+        return games[0] if games else None
+    rows: dict[str, Any] = {}
+    for name in games[0]["rows"]:
+        played = [g["rows"].get(name) for g in games]
+        unplayed = next(((g["forget_set"], r) for g, r in zip(games, played)
+                         if not isinstance(r, dict) or "accuracy" not in r), None)
+        if unplayed is not None:
+            rows[name] = {"not_pooled": f"no game on forget set {unplayed[0]}",
+                          **(unplayed[1] if isinstance(unplayed[1], dict) else {})}
+            continue
+        rows[name] = pooled_attack_accuracy(played)
+    original = rows["original"]["accuracy"]
+    return {"shadows": games[0]["shadows"], "forget_set": games[0]["forget_set"],
+            "forget_sets": [g["forget_set"] for g in games], "rows": rows,
+            "attackable": bool(original >= ULIRA_ATTACKABLE),
+            "note": (f"pooled over forget sets {', '.join(str(g['forget_set']) for g in games)}: the original row scores "
+                     f"{original:.1f} " + (f"(>= {ULIRA_ATTACKABLE:g}): the cell can be read" if original >= ULIRA_ATTACKABLE
+                                          else f"(< {ULIRA_ATTACKABLE:g}): no U-LiRA floor is read in this cell"))}
+
+
 def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
     """Per row: prepare once on the original, then the requests in order, each on the previous published model
     (``pipeline.removal.remove`` with the kept state, ``RemovalRun.next_prepared``). Seconds per request: the whole
@@ -1247,6 +1275,17 @@ def charge(block: dict[str, Any]) -> None:
         charge_set(run)
     charge_campaign(block)
     block["summary"] = aggregate(block["runs"], block.get("campaign"))
+    game = block.get("ulira") or {}
+    if len(game.get("forget_sets") or ()) > 1:  # a game over several sets: the row's figure is the pooled one
+        for name, res in game["rows"].items():
+            if name not in block["summary"]:
+                continue
+            if isinstance(res, dict) and "accuracy" in res:
+                block["summary"][name]["ULiRA"] = {"mean": res["accuracy"], "std": 0.0, "count": 1}
+                block["summary"][name]["ULiRA_ci95"] = res.get("ci95")
+            else:  # not pooled: no one figure for the cell
+                block["summary"][name].pop("ULiRA", None)
+                block["summary"][name].pop("ULiRA_ci95", None)
     block["retrain_charge"] = RETRAIN_CHARGE
 
 
@@ -1358,6 +1397,9 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
     spec, prof = ctx.spec, ctx.profile
     scenarios = tuple(scenarios or spec.scenarios)
     shadows = int(prof["shadows"])
+    ulira_sets = int(prof.get("ulira_sets", 1))
+    if shadows and ulira_sets > int(prof["sets"]):
+        raise ValueError(f"ulira_sets ({ulira_sets}) is more than the reported sets per scenario (sets: {prof['sets']})")
     note(f"deep forgetting {dataset} ({profile}): n = {len(ctx.train)}, test {len(ctx.test)}")
     # the plan: one progress unit per training or removal
     ctx.original(0)
@@ -1372,7 +1414,8 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
     retrains = int(prof["tuning_retrains"])
     total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + (0 if tuning_only else (
                 len(p["reported"]) * (2 + rows_n)
-                + (2 * (shadows - 1) + (shadows - 1) * rows_n if sc in spec.ulira and shadows else 0)
+                + (min(ulira_sets, len(p["reported"])) * (2 * (shadows - 1) + (shadows - 1) * rows_n)
+                   if sc in spec.ulira and shadows >= 3 else 0)
                 + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0))) for sc, p in plan.items())
     model0 = ctx.original(0)
     result: dict[str, Any] = {
@@ -1419,12 +1462,12 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
                 continue
             runs = []
             for i, fs in enumerate(p["reported"]):
-                game = shadows if (sc in spec.ulira and i == 0 and shadows >= 3) else 0
+                game = shadows if (sc in spec.ulira and i < ulira_sets and shadows >= 3) else 0
                 runs.append(run_set(ctx, fs, game))
             camp = campaign(ctx, sc, p["campaign"]) if p["campaign"] else None  # --campaign 0: no per-request figure
             block = {"runs": runs, "campaign": camp, "retrain_seconds": ctx.retrain_seconds.get(sc),
                      "retrain_timings": ctx.retrain_timings.get(sc),
-                     "ulira": next((r["ulira"] for r in runs if "ulira" in r), None)}
+                     "ulira": ulira_of_cell([r["ulira"] for r in runs if "ulira" in r])}
             charge(block)
             orig, reseed = block["summary"]["original"].get("AvgGap"), block["summary"]["retrain-reseed"].get("AvgGap")
             block["cannot_discriminate"] = cannot_discriminate(orig["mean"], reseed["mean"]) if orig and reseed else None
@@ -1491,8 +1534,8 @@ HEADERS = {"KL_forget": "KL forget (reseed u.)", "KL_test": "KL test (reseed u.)
            "membership_gap": "membership gap", "rank1": "rank-1"}
 
 
-OVERRIDABLE = ("sets", "tuning_sets", "tuning_retrains", "shadows", "campaign")  # the profile keys flags set
-SETTING_BEFORE_RECORDED = {"tuning_retrains": 1}  # what a file written before a profile key existed ran with
+OVERRIDABLE = ("sets", "tuning_sets", "tuning_retrains", "shadows", "ulira_sets", "campaign")  # the profile keys flags set
+SETTING_BEFORE_RECORDED = {"tuning_retrains": 1, "ulira_sets": 1}  # what a file written before a profile key existed ran with
 
 
 def _same_setting(a: Any, b: Any) -> bool:
@@ -1539,8 +1582,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         + (f", ties broken against {retrains} Retrain seeds per tuning set"
            if (retrains := result['profile_settings'].get('tuning_retrains',
                                                            SETTING_BEFORE_RECORDED['tuning_retrains'])) > 1 else "")
-        + f"; U-LiRA: {result['shadows']} shadow "
-        f"pairs on the first set of {', '.join(result['ulira_cells'])}.")
+        + f"; U-LiRA: {result['shadows']} shadow pairs on the "
+        + (f"first {k} sets (pooled)" if (k := int(result['profile_settings'].get('ulira_sets', 1))) > 1 else "first set")
+        + f" of {', '.join(result['ulira_cells'])}.")
     reproducing, changed = reproduce_command(result)
     if changed:
         lines.append("The profile has changed since this file was written in settings no flag sets ("
@@ -1581,7 +1625,11 @@ def render_markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {label} | {why} |" + " |" * (len(cols) - 4) + " " + " | ".join(tail) + " |")
                 continue
             lines.append(f"| {label} | " + " | ".join(_fmt(agg, c) for c in cols) + " |")
-        lines += render_ulira_reads(block.get("ulira"))
+        games = [run["ulira"] for run in block.get("runs", []) if run.get("ulira")]
+        if len(games) > 1:
+            lines += render_ulira_pooled(block.get("ulira"))
+        for game in games:
+            lines += render_ulira_reads(game, f" on forget set {game.get('forget_set')}" if len(games) > 1 else "")
     return "\n".join(lines) + "\n"
 
 
@@ -1605,13 +1653,32 @@ def render_tuning(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_ulira_reads(cell: dict[str, Any] | None) -> list[str]:
-    """What the U-LiRA attack reads in a cell: per row, the mean shift of phi and of its parts from the retrained
-    models', in the retrained models' own spread (absent in files written before the parts were recorded)."""
+def render_ulira_pooled(cell: dict[str, Any] | None) -> list[str]:
+    """A game pooled over several forget sets: per row, the pooled accuracy [95 % interval] and each set's."""
+    if not cell or len(cell.get("forget_sets") or ()) < 2:
+        return []
+    out = ["", f"U-LiRA pooled over forget sets {', '.join(str(k) for k in cell['forget_sets'])} ({cell['shadows']} "
+           f"shadow pairs each; {cell.get('note', '')}):", "", "| row | pooled [95 %] | per set [95 %] |", "|---|---|---|"]
+    for name, res in cell["rows"].items():
+        if "accuracy" not in res:
+            out.append(f"| {name} | not pooled: {res.get('not_pooled', '-')} | - |")
+            continue
+        per = "; ".join(f"{p['accuracy']:.1f} [{p['ci95'][0]:.1f}, {p['ci95'][1]:.1f}]" if p.get("ci95")
+                        else f"{p['accuracy']:.1f}" for p in res["per_set"])
+        ci = res.get("ci95")
+        out.append(f"| {name} | {res['accuracy']:.1f}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "")
+                   + f" | {per} |")
+    return out
+
+
+def render_ulira_reads(cell: dict[str, Any] | None, where: str = "") -> list[str]:
+    """What the U-LiRA attack reads in a cell (``where``: which set, for a cell played on several): per row, the
+    mean shift of phi and of its parts from the retrained models', in the retrained models' own spread (absent in
+    files written before the parts were recorded)."""
     rows = {name: game["reads"] for name, game in ((cell or {}).get("rows") or {}).items() if "reads" in game}
     if not rows:
         return []
-    out = ["", f"U-LiRA reads ({cell['shadows']} shadow pairs): mean over the forget examples of the row's mean minus "
+    out = ["", f"U-LiRA reads{where} ({cell['shadows']} shadow pairs): mean over the forget examples of the row's mean minus "
            "the retrained models' mean, in the retrained models' spread around their own per-example mean "
            "(phi = the label's logit - the others' logsumexp):", "",
            "| row | phi | label logit | others' logsumexp |", "|---|---|---|---|"]
@@ -1707,6 +1774,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuning-retrains", type=at_least_one, default=None,
                         help="Retrain seeds per tuning set the tie rule's phi gap is measured against")
     parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
+    parser.add_argument("--ulira-sets", type=at_least_one, default=None, help="reported sets (the first k) each "
+                        "U-LiRA cell plays its game on; more than one: the games pooled, their interval over all "
+                        "their examples")
     parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a shared machine)")
     parser.add_argument("--tuning-grid", type=Path, default=None, help="a tuning grid file in place of "

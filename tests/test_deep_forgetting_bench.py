@@ -698,3 +698,49 @@ def test_an_older_file_whose_charge_cannot_be_rebuilt_is_refused() -> None:
     with pytest.raises(ValueError, match="scenario subject: campaign.retrain_seconds_charged is missing"):
         recharged({"data": {"n_train": 104}, "tuning": {"scenarios": {"subject": {"sets": [{"m": 4}, {"m": 2}]}}},
                    "scenarios": {"subject": old}})
+
+
+def test_ulira_played_on_several_sets_is_pooled_per_row() -> None:
+    """--ulira-sets k: the cell's game is played on each of its first k reported sets and pooled per row (the
+    accuracy over all their decisions, its interval over all their examples); the summary's U-LiRA is the pooled
+    one; the table shows the pooled game and each set's reads; a row with no game on some set is not pooled."""
+    from bench import deep_forgetting
+    from bench.deep_forgetting import render_markdown, ulira_of_cell
+
+    with pytest.raises(ValueError, match="ulira_sets"):
+        deep_forgetting.run("identities", profile="smoke", scenarios=("random_1pct",), methods=["finetune"],
+                            overrides={"sets": 1, "ulira_sets": 2})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = deep_forgetting.run("identities", profile="smoke", scenarios=("random_1pct",), methods=["finetune"],
+                                     overrides={"sets": 2, "ulira_sets": 2})
+    finally:
+        torch.set_num_threads(threads)
+    block = result["scenarios"]["random_1pct"]
+    games = [run["ulira"] for run in block["runs"]]
+    assert [g["forget_set"] for g in games] == [0, 1]
+    cell = block["ulira"]
+    assert cell["forget_sets"] == [0, 1] and cell["shadows"] == result["shadows"]
+    for row in ("original", "finetune"):
+        pooled, own = cell["rows"][row], [g["rows"][row] for g in games]
+        n = [g["examples"] for g in own]
+        assert pooled["examples"] == sum(n)
+        assert pooled["accuracy"] == pytest.approx(sum(k * g["accuracy"] for k, g in zip(n, own)) / sum(n))
+        assert [p["accuracy"] for p in pooled["per_set"]] == [g["accuracy"] for g in own]
+        assert pooled["ci95"][0] <= pooled["accuracy"] <= pooled["ci95"][1]
+        assert block["summary"][row]["ULiRA"]["mean"] == pooled["accuracy"]
+        assert block["summary"][row]["ULiRA_ci95"] == pooled["ci95"]
+    assert cell["attackable"] == (cell["rows"]["original"]["accuracy"] >= deep_forgetting.ULIRA_ATTACKABLE)
+    table = render_markdown(json.loads(json.dumps(result)))
+    assert "shadow pairs on the first 2 sets (pooled)" in table
+    assert "U-LiRA pooled over forget sets 0, 1" in table
+    assert "U-LiRA reads on forget set 0" in table and "U-LiRA reads on forget set 1" in table
+    # a row refused on one set's shadows is not pooled, and says where
+    refused = json.loads(json.dumps(games))
+    refused[1]["rows"]["finetune"] = {"needs_retrain": ["no step serves"], "shadow": 2}
+    partial = ulira_of_cell(refused)
+    assert "accuracy" not in partial["rows"]["finetune"]
+    assert partial["rows"]["finetune"]["not_pooled"] == "no game on forget set 1"
+    assert partial["rows"]["finetune"]["needs_retrain"] == ["no step serves"]
+    assert ulira_of_cell(games[:1]) is games[0] and ulira_of_cell([]) is None

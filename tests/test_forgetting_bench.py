@@ -127,6 +127,42 @@ def test_ulira_accuracy_is_chance_for_same_distribution_and_high_when_apart() ->
         ulira_attack_accuracy(same_u[:2], same_r[:2])
 
 
+def test_pooled_ulira_is_the_accuracy_over_all_decisions_with_a_stratified_interval() -> None:
+    from pipeline.evaluate.lira import pooled_attack_accuracy, ulira_attack_accuracy
+
+    rng = np.random.default_rng(1)
+    games = []
+    for n, shift in ((41, 0.3), (41, 0.0), (20, 1.0)):  # sets of different size and distance from Retrain
+        difficulty = rng.normal(0, 3, size=n)
+        u = difficulty + shift + rng.normal(0, 1, size=(16, n))
+        r = difficulty + rng.normal(0, 1, size=(16, n))
+        games.append(ulira_attack_accuracy(u, r))
+    for g in games:  # each game's accuracy is the mean of its examples' (2 S decisions each)
+        assert len(g["per_example"]) == g["examples"]
+        assert 100.0 * np.mean(g["per_example"]) == pytest.approx(g["accuracy"])
+    pooled = pooled_attack_accuracy(games)
+    weights = np.array([g["examples"] for g in games], dtype=float)
+    # the accuracy over all decisions: the sets weighted by their examples (not the mean of the three accuracies)
+    expected = float(np.dot(weights, [g["accuracy"] for g in games]) / weights.sum())
+    assert pooled["accuracy"] == pytest.approx(expected)
+    assert pooled["accuracy"] != pytest.approx(float(np.mean([g["accuracy"] for g in games])), abs=0.05)
+    assert pooled["examples"] == 102 and pooled["decisions"] == sum(g["decisions"] for g in games)
+    assert [p["accuracy"] for p in pooled["per_set"]] == [g["accuracy"] for g in games]
+    lo, hi = pooled["ci95"]
+    assert lo < pooled["accuracy"] < hi
+    # more examples, a narrower interval than either 41-example set's own
+    assert hi - lo < min(g["ci95"][1] - g["ci95"][0] for g in games[:2])
+    assert pooled_attack_accuracy(games) == pooled  # seeded
+    # one set pooled is that set's game (the same examples, the same resampling)
+    one = pooled_attack_accuracy(games[:1])
+    assert one["accuracy"] == pytest.approx(games[0]["accuracy"])
+    assert one["ci95"] == pytest.approx(games[0]["ci95"])
+    with pytest.raises(ValueError, match="different numbers of shadow pairs"):
+        pooled_attack_accuracy([games[0], {**games[1], "shadow_pairs": 8}])
+    with pytest.raises(ValueError, match="per-example"):
+        pooled_attack_accuracy([{k: v for k, v in games[0].items() if k != "per_example"}])
+
+
 def test_feature_cache_is_reused_and_trunk_is_seeded(tmp_path: Path) -> None:
     from pipeline.data.sampleset import SampleSet
     from pipeline.features import cached_features

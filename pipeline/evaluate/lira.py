@@ -170,13 +170,47 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
     acc = np.stack(correct)  # (2 S, N)
     per_example = acc.mean(0)
     out: dict[str, Any] = {"accuracy": 100.0 * float(acc.mean()), "shadow_pairs": int(s_count),
-                           "examples": int(u.shape[1]), "decisions": int(acc.size)}
+                           "examples": int(u.shape[1]), "decisions": int(acc.size),
+                           "per_example": [float(a) for a in per_example]}
     if resamples > 0:
         rng = np.random.default_rng(seed)
         draws = rng.integers(0, len(per_example), size=(int(resamples), len(per_example)))
         means = 100.0 * per_example[draws].mean(1)
         out["ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
         out["interval"] = f"bootstrap over the {len(per_example)} forget examples ({int(resamples)} resamples)"
+    return out
+
+
+def pooled_attack_accuracy(games: Sequence[Mapping[str, Any]], *, resamples: int = 1000,
+                           seed: int = 0) -> dict[str, Any]:
+    """One U-LiRA game's result over several forget sets, each played on its own (``ulira_attack_accuracy``, with
+    the same number of shadow pairs): the accuracy over all their decisions, = sum_k N_k acc_k / sum_k N_k, and a
+    95 % interval by a bootstrap stratified by set (each draw takes N_k examples with replacement from set k, each
+    example's 2 S decisions kept together; seeded): the sets are fixed by the design, their examples are the
+    independent units. ``per_set``: each game's own accuracy and interval."""
+    if not games:
+        raise ValueError("pooling needs at least one game")
+    pairs = {int(g["shadow_pairs"]) for g in games}
+    if len(pairs) != 1:
+        raise ValueError(f"the games were played with different numbers of shadow pairs: {sorted(pairs)}")
+    missing = [i for i, g in enumerate(games) if "per_example" not in g]
+    if missing:
+        raise ValueError(f"games {missing} hold no per-example accuracies (written before they were recorded)")
+    sets = [np.asarray(g["per_example"], dtype=np.float64) for g in games]
+    allx = np.concatenate(sets)
+    out: dict[str, Any] = {"accuracy": 100.0 * float(allx.mean()), "shadow_pairs": pairs.pop(),
+                           "examples": int(allx.size), "decisions": int(sum(int(g["decisions"]) for g in games)),
+                           "per_set": [{"accuracy": float(g["accuracy"]), "ci95": g.get("ci95"),
+                                        "examples": int(g["examples"])} for g in games]}
+    if resamples > 0:
+        rng = np.random.default_rng(seed)
+        total = np.zeros(int(resamples))
+        for x in sets:
+            total += x[rng.integers(0, len(x), size=(int(resamples), len(x)))].sum(1)
+        means = 100.0 * total / allx.size
+        out["ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+        out["interval"] = (f"bootstrap over the {allx.size} forget examples of {len(sets)} sets, stratified by set "
+                           f"({int(resamples)} resamples)")
     return out
 
 
