@@ -52,7 +52,8 @@ Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forge
   pairs) and a membership gap (its training images' similarity to its held-out centre minus the held-out images'
   own); U-LiRA (pipeline.evaluate.lira: ``shadows`` pairs of models trained on D / retrained on D_r with seeds
   0..S-1, each row's removal applied to every original) on the first forget set of the ``ULIRA`` cells, with a 95 %
-  bootstrap interval; a cell is marked "cannot discriminate" where the original row's mean Avg. Gap is within
+  bootstrap interval over its examples (``--ulira-sets k``: on each of the first k sets, pooled per row, the
+  interval over all their examples, stratified by set); a cell is marked "cannot discriminate" where the original row's mean Avg. Gap is within
   max(1.0, 2 x retrain-reseed's) of Retrain.
 Cost as the user pays it: Retrain seconds measured in the same run; per row, cold seconds = the method's
   preparation (measured once for the original and these settings) + the request (``request_seconds``: the whole

@@ -521,13 +521,17 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             if why is None:
                 how = ("played for the rows that file adds" if other in ULIRA_FIRST_PLAYED
                        else "played again at the table's settings")
+                if len(replay.get("forget_sets") or ()) > 1:
+                    how += (f" on reported sets {', '.join(str(k) for k in replay['forget_sets'])}, pooled "
+                            f"({replay['rows']['original']['examples']} forget examples)")
                 lines.append(f"- {_cell_title(d, sc)}, {how}, {replay['shadows']} "
                              f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:
                 lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
     if lines:
-        lines = ["", "U-LiRA on the first reported forget set of a cell (the attack's accuracy in %, its 95 % "
-                     "interval; 50: it cannot tell the removal from Retrain):", ""] + lines
+        lines = ["", "U-LiRA on the first reported forget set of a cell, or on several pooled where a line says so "
+                     "(the attack's accuracy in %, its 95 % interval; 50: it cannot tell the removal from Retrain):",
+                 ""] + lines
     return lines
 
 

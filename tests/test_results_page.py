@@ -265,6 +265,12 @@ def test_the_games_played_again_follow_the_cell_s_own_where_their_sets_agree() -
     assert lines[-1] == ("- Identities, identity, played again at the table's settings, 16 shadow pairs "
                          "([o.json](bench/results/o.json)): original 100.0 [100.0, 100.0], "
                          "trajectory-refit-sampled 54.0 [51.0, 57.0].")
+    pooled = json.loads(json.dumps(again))  # a game played on three reported sets and pooled says so
+    pooled["scenarios"][scenario]["ulira"]["forget_sets"] = [0, 1, 2]
+    pooled["scenarios"][scenario]["ulira"]["rows"]["original"]["examples"] = 144
+    assert readme_ulira(cells, {(name, scenario): ("p.json",)}, {"p.json": pooled})[-1].startswith(
+        "- Identities, identity, played again at the table's settings on reported sets 0, 1, 2, pooled (144 forget "
+        "examples), 16 shadow pairs ([p.json]")
     other = json.loads(json.dumps(again))
     other["scenarios"][scenario]["summary"]["original"]["TA"]["mean"] += 1.0  # another original: not the same game
     assert readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": other})[-1].startswith(
