@@ -1089,14 +1089,19 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
 
 def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A cell's U-LiRA: its one set's game as it is, or the games of several sets pooled per row
-    (pipeline.evaluate.lira.pooled_attack_accuracy; a row refused or failed on any set's shadows is not pooled and
-    says on which), read where the pooled original scores at least ``ULIRA_ATTACKABLE``."""
+    (pipeline.evaluate.lira.pooled_attack_accuracy); a row with no game on some set (refused or failed on a shadow
+    request, or not served on the set itself) is not pooled and says on which. The pooled cell is read only where
+    the original row scores at least ``ULIRA_ATTACKABLE`` on every set: on a set where the attack cannot tell
+    doing nothing from Retrain every row reads near 50, whatever it did, and would pull the pool towards 50."""
     from pipeline.evaluate.lira import pooled_attack_accuracy
 
     if len(games) <= 1:
         return games[0] if games else None
+    names: list[str] = []
+    for g in games:
+        names += [name for name in g["rows"] if name not in names]
     rows: dict[str, Any] = {}
-    for name in games[0]["rows"]:
+    for name in names:
         played = [g["rows"].get(name) for g in games]
         unplayed = next(((g["forget_set"], r) for g, r in zip(games, played)
                          if not isinstance(r, dict) or "accuracy" not in r), None)
@@ -1105,13 +1110,15 @@ def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:
                           **(unplayed[1] if isinstance(unplayed[1], dict) else {})}
             continue
         rows[name] = pooled_attack_accuracy(played)
-    original = rows["original"]["accuracy"]
+    originals = [float(g["rows"]["original"]["accuracy"]) for g in games]
+    weak = [g["forget_set"] for g, a in zip(games, originals) if a < ULIRA_ATTACKABLE]
+    shown = ", ".join(f"{a:.1f}" for a in originals)
     return {"shadows": games[0]["shadows"], "forget_set": games[0]["forget_set"],
-            "forget_sets": [g["forget_set"] for g in games], "rows": rows,
-            "attackable": bool(original >= ULIRA_ATTACKABLE),
-            "note": (f"pooled over forget sets {', '.join(str(g['forget_set']) for g in games)}: the original row scores "
-                     f"{original:.1f} " + (f"(>= {ULIRA_ATTACKABLE:g}): the cell can be read" if original >= ULIRA_ATTACKABLE
-                                          else f"(< {ULIRA_ATTACKABLE:g}): no U-LiRA floor is read in this cell"))}
+            "forget_sets": [g["forget_set"] for g in games], "rows": rows, "attackable": not weak,
+            "note": (f"the original row scores {shown} on its sets (each >= {ULIRA_ATTACKABLE:g}): the cell can be read"
+                     if not weak else
+                     f"the original row scores {shown} on its sets, under {ULIRA_ATTACKABLE:g} on set(s) "
+                     f"{', '.join(str(k) for k in weak)}: no U-LiRA floor is read on the pool")}
 
 
 def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:
@@ -1277,16 +1284,14 @@ def charge(block: dict[str, Any]) -> None:
     charge_campaign(block)
     block["summary"] = aggregate(block["runs"], block.get("campaign"))
     game = block.get("ulira") or {}
-    if len(game.get("forget_sets") or ()) > 1:  # a game over several sets: the row's figure is the pooled one
-        for name, res in game["rows"].items():
-            if name not in block["summary"]:
-                continue
+    if len(game.get("forget_sets") or ()) > 1:  # a game over several sets: a row's figure is its pooled one or none
+        for name, agg in block["summary"].items():
+            res = game["rows"].get(name)
+            agg.pop("ULiRA", None)
+            agg.pop("ULiRA_ci95", None)
             if isinstance(res, dict) and "accuracy" in res:
-                block["summary"][name]["ULiRA"] = {"mean": res["accuracy"], "std": 0.0, "count": 1}
-                block["summary"][name]["ULiRA_ci95"] = res.get("ci95")
-            else:  # not pooled: no one figure for the cell
-                block["summary"][name].pop("ULiRA", None)
-                block["summary"][name].pop("ULiRA_ci95", None)
+                agg["ULiRA"] = {"mean": res["accuracy"], "std": 0.0, "count": 1}
+                agg["ULiRA_ci95"] = res.get("ci95")
     block["retrain_charge"] = RETRAIN_CHARGE
 
 
@@ -1399,7 +1404,7 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
     scenarios = tuple(scenarios or spec.scenarios)
     shadows = int(prof["shadows"])
     ulira_sets = int(prof.get("ulira_sets", 1))
-    if shadows and ulira_sets > int(prof["sets"]):
+    if shadows >= 3 and ulira_sets > int(prof["sets"]):
         raise ValueError(f"ulira_sets ({ulira_sets}) is more than the reported sets per scenario (sets: {prof['sets']})")
     note(f"deep forgetting {dataset} ({profile}): n = {len(ctx.train)}, test {len(ctx.test)}")
     # the plan: one progress unit per training or removal
@@ -1413,11 +1418,14 @@ def run(dataset: str, *, profile: str = "full", methods: list[str] | None = None
                     "campaign": [] if tuning_only else campaign_sets(sc, ctx.train, ctx.num_classes, int(prof["campaign"]))}
     rows_n = len(ctx.rows)
     retrains = int(prof["tuning_retrains"])
+    games = 0 if tuning_only or shadows < 3 else sum(min(ulira_sets, len(p["reported"])) for sc, p in plan.items()
+                                                      if sc in spec.ulira)
+    # U-LiRA: the originals 1..S-1 once per run; per game, the Retrains 2..S-1 (1 is retrain-reseed) and each row's
+    # removal from originals 1..S-1
     total = sum(len(p["tuning"]) * (retrains + rows_n * grid_size) + (0 if tuning_only else (
                 len(p["reported"]) * (2 + rows_n)
-                + (min(ulira_sets, len(p["reported"])) * (2 * (shadows - 1) + (shadows - 1) * rows_n)
-                   if sc in spec.ulira and shadows >= 3 else 0)
-                + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0))) for sc, p in plan.items())
+                + (rows_n * (1 + len(p["campaign"])) if p["campaign"] else 0))) for sc, p in plan.items()) \
+        + ((shadows - 1) + games * ((shadows - 2) + (shadows - 1) * rows_n) if games else 0)
     model0 = ctx.original(0)
     result: dict[str, Any] = {
         "benchmark": "deep_forgetting", "dataset": dataset, "dataset_title": spec.title, "profile": profile,
@@ -1595,7 +1603,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                      + " ".join(reproducing) + "`.")
     lines.append("Cells: mean ± std over the reported forget sets (served ones for metrics). KL: mean KL(model || "
                  "Retrain) in units of KL(retrain-reseed || Retrain) on the same set. ULiRA: attack accuracy "
-                 "[95 % interval], 50 = indistinguishable. cold x: Retrain seconds / (preparation + removal); "
+                 "[95 % interval], 50 = indistinguishable (the first set's game, or the games of the sets it names pooled: "
+                 "their interval over the shadow pairs and examples together). cold x: Retrain seconds / (preparation + removal); "
                  "per-request x: the campaign's Retrain seconds over its own (preparation included). "
                  + charged_how(result) + " served: requests served (reported sets + campaign).")
     if result.get("skipped_rows"):
@@ -1658,17 +1667,22 @@ def render_ulira_pooled(cell: dict[str, Any] | None) -> list[str]:
     """A game pooled over several forget sets: per row, the pooled accuracy [95 % interval] and each set's."""
     if not cell or len(cell.get("forget_sets") or ()) < 2:
         return []
+    def span(ci: Any) -> str:
+        return f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else ""
+
     out = ["", f"U-LiRA pooled over forget sets {', '.join(str(k) for k in cell['forget_sets'])} ({cell['shadows']} "
-           f"shadow pairs each; {cell.get('note', '')}):", "", "| row | pooled [95 %] | per set [95 %] |", "|---|---|---|"]
+           f"shadow pairs each; {cell.get('note', '')}). The pooled interval resamples the shadow pairs and the "
+           "examples together (conservative); the second, the examples alone with the models held fixed; per set, the "
+           "game's own interval over its examples:", "",
+           "| row | pooled [95 %, pairs and examples] | [95 %, examples] | per set [95 %, examples] |",
+           "|---|---|---|---|"]
     for name, res in cell["rows"].items():
         if "accuracy" not in res:
-            out.append(f"| {name} | not pooled: {res.get('not_pooled', '-')} | - |")
+            out.append(f"| {name} | not pooled: {res.get('not_pooled', '-')} | - | - |")
             continue
-        per = "; ".join(f"{p['accuracy']:.1f} [{p['ci95'][0]:.1f}, {p['ci95'][1]:.1f}]" if p.get("ci95")
-                        else f"{p['accuracy']:.1f}" for p in res["per_set"])
-        ci = res.get("ci95")
-        out.append(f"| {name} | {res['accuracy']:.1f}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "")
-                   + f" | {per} |")
+        per = "; ".join(f"{p['accuracy']:.1f}{span(p.get('ci95'))}" for p in res["per_set"])
+        out.append(f"| {name} | {res['accuracy']:.1f}{span(res.get('ci95'))} | {span(res.get('ci95_examples')).strip()}"
+                   f" | {per} |")
     return out
 
 

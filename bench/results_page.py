@@ -126,8 +126,9 @@ README_RETIMED_WHY = ("on the identities, the current method, its guard's siblin
 for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a companion too (first, unless named already)
     if _retimed not in README_COMPANIONS.get(_cell, ()):
         README_COMPANIONS[_cell] = (_retimed, *README_COMPANIONS.get(_cell, ()))
-# U-LiRA games played again at the settings of the retimed rows (README_RETIMED), on the cell's first reported set:
-# each file's game is a line after the cell file's own (checked: the same sets and reference rows)
+# U-LiRA games played again at the settings of the retimed rows (README_RETIMED), on the cell's first reported set
+# or, where the file's game names its forget_sets, on its first k pooled: each file's game is a line after the cell
+# file's own (checked: the same sets and reference rows)
 README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
         "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",),
@@ -498,6 +499,15 @@ def _ulira_parts(game: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _pooled_words(game: dict[str, Any]) -> str:
+    """What a game pooled over several reported sets says of itself in a line ("" for a game on one set)."""
+    sets = game.get("forget_sets") or ()
+    if len(sets) < 2:
+        return ""
+    return (f" on reported sets {', '.join(str(k) for k in sets)}, pooled ({game['rows']['original']['examples']} "
+            "forget examples; the interval over the shadow pairs and examples together)")
+
+
 def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                  again: dict[tuple[str, str], tuple[str, ...]] | None = None,
                  loaded: dict[str, dict[str, Any] | None] | None = None, link: str = "") -> list[str]:
@@ -513,17 +523,15 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             continue
         read = ("read: the original scores at least " if game.get("attackable") else
                 "not read: the original scores under ") + f"{ULIRA_ATTACKABLE:g}"
-        lines.append(f"- {_cell_title(d, sc)}, {game['shadows']} shadow pairs ({read}): {_ulira_parts(game)}.")
+        lines.append(f"- {_cell_title(d, sc)}{_pooled_words(game)}, {game['shadows']} shadow pairs ({read}): "
+                     f"{_ulira_parts(game)}.")
         for other in (again or {}).get((name, sc), ()):
             o = (loaded or {}).get(other)
             replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
             why = _disagreement_or_unreadable(d, o, sc) if replay else "no U-LiRA game"
             if why is None:
                 how = ("played for the rows that file adds" if other in ULIRA_FIRST_PLAYED
-                       else "played again at the table's settings")
-                if len(replay.get("forget_sets") or ()) > 1:
-                    how += (f" on reported sets {', '.join(str(k) for k in replay['forget_sets'])}, pooled "
-                            f"({replay['rows']['original']['examples']} forget examples)")
+                       else "played again at the table's settings") + _pooled_words(replay)
                 lines.append(f"- {_cell_title(d, sc)}, {how}, {replay['shadows']} "
                              f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:

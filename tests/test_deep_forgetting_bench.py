@@ -731,16 +731,38 @@ def test_ulira_played_on_several_sets_is_pooled_per_row() -> None:
         assert pooled["ci95"][0] <= pooled["accuracy"] <= pooled["ci95"][1]
         assert block["summary"][row]["ULiRA"]["mean"] == pooled["accuracy"]
         assert block["summary"][row]["ULiRA_ci95"] == pooled["ci95"]
-    assert cell["attackable"] == (cell["rows"]["original"]["accuracy"] >= deep_forgetting.ULIRA_ATTACKABLE)
     table = render_markdown(json.loads(json.dumps(result)))
     assert "shadow pairs on the first 2 sets (pooled)" in table
     assert "U-LiRA pooled over forget sets 0, 1" in table
     assert "U-LiRA reads on forget set 0" in table and "U-LiRA reads on forget set 1" in table
-    # a row refused on one set's shadows is not pooled, and says where
+    # read only where the original scores at least ULIRA_ATTACKABLE on every set, not on the pool alone
+    strong = json.loads(json.dumps(games))
+    for g, acc in zip(strong, (100.0, 55.0)):
+        g["rows"]["original"]["accuracy"] = acc
+    weak = ulira_of_cell(strong)
+    assert not weak["attackable"] and "under 60 on set(s) 1" in weak["note"]
+    strong[1]["rows"]["original"]["accuracy"] = 60.0
+    assert ulira_of_cell(strong)["attackable"]
+    # a row refused on a later set's shadows, or absent from the first set's game, is not pooled and says where;
+    # the summary then holds no U-LiRA figure for it (not the mean of the sets it has)
     refused = json.loads(json.dumps(games))
     refused[1]["rows"]["finetune"] = {"needs_retrain": ["no step serves"], "shadow": 2}
     partial = ulira_of_cell(refused)
     assert "accuracy" not in partial["rows"]["finetune"]
     assert partial["rows"]["finetune"]["not_pooled"] == "no game on forget set 1"
     assert partial["rows"]["finetune"]["needs_retrain"] == ["no step serves"]
+    absent = json.loads(json.dumps(games))
+    del absent[0]["rows"]["finetune"]
+    assert ulira_of_cell(absent)["rows"]["finetune"]["not_pooled"] == "no game on forget set 0"
+    reblock = json.loads(json.dumps(block))
+    reblock["ulira"] = partial
+    deep_forgetting.charge(reblock)
+    assert "ULiRA" not in reblock["summary"]["finetune"] and "ULiRA_ci95" not in reblock["summary"]["finetune"]
+    assert reblock["summary"]["original"]["ULiRA"]["mean"] == partial["rows"]["original"]["accuracy"]
+    shown = json.loads(json.dumps(result))
+    shown["scenarios"]["random_1pct"] = reblock
+    assert "| finetune | not pooled: no game on forget set 1 | - | - |" in render_markdown(shown)
+    # recharging a written file keeps the pooled figures
+    again = deep_forgetting.recharged(json.loads(json.dumps(result)))
+    assert again["scenarios"]["random_1pct"]["summary"]["finetune"]["ULiRA"] == block["summary"]["finetune"]["ULiRA"]
     assert ulira_of_cell(games[:1]) is games[0] and ulira_of_cell([]) is None

@@ -127,19 +127,24 @@ def test_ulira_accuracy_is_chance_for_same_distribution_and_high_when_apart() ->
         ulira_attack_accuracy(same_u[:2], same_r[:2])
 
 
-def test_pooled_ulira_is_the_accuracy_over_all_decisions_with_a_stratified_interval() -> None:
+def test_pooled_ulira_is_the_accuracy_over_all_decisions_with_intervals_over_pairs_and_examples() -> None:
     from pipeline.evaluate.lira import pooled_attack_accuracy, ulira_attack_accuracy
 
     rng = np.random.default_rng(1)
-    games = []
-    for n, shift in ((41, 0.3), (41, 0.0), (20, 1.0)):  # sets of different size and distance from Retrain
+    model = rng.normal(0, 1.5, size=(16, 1))  # each original's own offset, shared by every set (the same seeds)
+
+    def game(n: int, shift: float, models: np.ndarray) -> dict:
         difficulty = rng.normal(0, 3, size=n)
-        u = difficulty + shift + rng.normal(0, 1, size=(16, n))
+        u = difficulty + shift + models + rng.normal(0, 1, size=(16, n))
         r = difficulty + rng.normal(0, 1, size=(16, n))
-        games.append(ulira_attack_accuracy(u, r))
-    for g in games:  # each game's accuracy is the mean of its examples' (2 S decisions each)
-        assert len(g["per_example"]) == g["examples"]
-        assert 100.0 * np.mean(g["per_example"]) == pytest.approx(g["accuracy"])
+        return ulira_attack_accuracy(u, r)
+
+    games = [game(41, 0.3, model), game(41, 0.0, model), game(20, 1.0, model)]  # sets of other sizes and distances
+    for g in games:  # each pair's two decisions per example: the game's accuracy is their mean
+        per_pair = np.asarray(g["per_pair"])
+        assert per_pair.shape == (16, g["examples"])
+        assert set(np.unique(per_pair)) <= {0.0, 0.25, 0.5, 0.75, 1.0}
+        assert 100.0 * per_pair.mean() == pytest.approx(g["accuracy"])
     pooled = pooled_attack_accuracy(games)
     weights = np.array([g["examples"] for g in games], dtype=float)
     # the accuracy over all decisions: the sets weighted by their examples (not the mean of the three accuracies)
@@ -148,19 +153,30 @@ def test_pooled_ulira_is_the_accuracy_over_all_decisions_with_a_stratified_inter
     assert pooled["accuracy"] != pytest.approx(float(np.mean([g["accuracy"] for g in games])), abs=0.05)
     assert pooled["examples"] == 102 and pooled["decisions"] == sum(g["decisions"] for g in games)
     assert [p["accuracy"] for p in pooled["per_set"]] == [g["accuracy"] for g in games]
-    lo, hi = pooled["ci95"]
-    assert lo < pooled["accuracy"] < hi
-    # more examples, a narrower interval than either 41-example set's own
-    assert hi - lo < min(g["ci95"][1] - g["ci95"][0] for g in games[:2])
+    for key in ("ci95", "ci95_examples"):
+        lo, hi = pooled[key]
+        assert lo < pooled["accuracy"] < hi, key
+    # the models' variation counts: resampling the pairs too widens the interval over the examples alone
+    width = {key: pooled[key][1] - pooled[key][0] for key in ("ci95", "ci95_examples")}
+    assert width["ci95"] > 1.2 * width["ci95_examples"]
+    # more examples, a narrower interval over them than either 41-example set's own
+    assert width["ci95_examples"] < min(g["ci95"][1] - g["ci95"][0] for g in games[:2])
+    assert all(len(p["ci95_pairs_and_examples"]) == 2 for p in pooled["per_set"])
     assert pooled_attack_accuracy(games) == pooled  # seeded
-    # one set pooled is that set's game (the same examples, the same resampling)
+    # one set pooled is that set's game: its accuracy, and over the examples its own interval (the same draws)
     one = pooled_attack_accuracy(games[:1])
     assert one["accuracy"] == pytest.approx(games[0]["accuracy"])
-    assert one["ci95"] == pytest.approx(games[0]["ci95"])
+    assert one["ci95_examples"] == pytest.approx(games[0]["ci95"])
     with pytest.raises(ValueError, match="different numbers of shadow pairs"):
         pooled_attack_accuracy([games[0], {**games[1], "shadow_pairs": 8}])
-    with pytest.raises(ValueError, match="per-example"):
-        pooled_attack_accuracy([{k: v for k, v in games[0].items() if k != "per_example"}])
+    with pytest.raises(ValueError, match="per-pair"):
+        pooled_attack_accuracy([{k: v for k, v in games[0].items() if k != "per_pair"}])
+    # the same sets without the originals' offsets: the interval over pairs and examples narrows (the offsets
+    # were what widened it), and stays at least as wide as the one over the examples alone (it is conservative)
+    rng = np.random.default_rng(1)
+    calm = pooled_attack_accuracy([game(41, 0.3, np.zeros((16, 1))), game(41, 0.0, np.zeros((16, 1))),
+                                   game(20, 1.0, np.zeros((16, 1)))])
+    assert calm["ci95_examples"][1] - calm["ci95_examples"][0] <= calm["ci95"][1] - calm["ci95"][0] < width["ci95"]
 
 
 def test_feature_cache_is_reused_and_trunk_is_seeded(tmp_path: Path) -> None:

@@ -270,7 +270,12 @@ def test_the_games_played_again_follow_the_cell_s_own_where_their_sets_agree() -
     pooled["scenarios"][scenario]["ulira"]["rows"]["original"]["examples"] = 144
     assert readme_ulira(cells, {(name, scenario): ("p.json",)}, {"p.json": pooled})[-1].startswith(
         "- Identities, identity, played again at the table's settings on reported sets 0, 1, 2, pooled (144 forget "
-        "examples), 16 shadow pairs ([p.json]")
+        "examples; the interval over the shadow pairs and examples together), 16 shadow pairs ([p.json]")
+    own = json.loads(json.dumps(d))  # the cell file's own game pooled says so too
+    own["scenarios"][scenario]["ulira"] = pooled["scenarios"][scenario]["ulira"]
+    assert readme_ulira([(name, own, scenario)])[-1].startswith(
+        "- Identities, identity on reported sets 0, 1, 2, pooled (144 forget examples; the interval over the shadow "
+        "pairs and examples together), 16 shadow pairs (read")
     other = json.loads(json.dumps(again))
     other["scenarios"][scenario]["summary"]["original"]["TA"]["mean"] += 1.0  # another original: not the same game
     assert readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": other})[-1].startswith(

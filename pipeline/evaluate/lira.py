@@ -151,8 +151,10 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
     counts half). Accuracy over the 2 S N decisions, in percent: 50 = indistinguishable.
 
     ``ci95``: a 95 % interval of the accuracy by a bootstrap over the forget examples (``resamples``
-    draws of N examples with replacement, each example's 2 S decisions kept together; seeded), the
-    examples being the independent units of the game (the shadow models are shared by all of them)."""
+    draws of N examples with replacement, each example's 2 S decisions kept together; seeded): it holds the
+    2 S models fixed (they are shared by all the examples), so it is conditional on them. ``per_pair`` (S, N):
+    each held-out pair's accuracy on each example (the mean of its two decisions), from which
+    ``pooled_attack_accuracy`` also resamples the pairs."""
     u, r = np.asarray(unlearned, dtype=np.float64), np.asarray(retrained, dtype=np.float64)
     if u.shape != r.shape or u.ndim != 2 or u.shape[0] < 3:
         raise ValueError(f"U-LiRA needs (S, N) statistics with S >= 3 shadow pairs of equal shape, got {u.shape}, {r.shape}")
@@ -167,11 +169,11 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
             llr = _log_normal(target, mu_u, np.full_like(mu_u, var_u)) - _log_normal(target, mu_r, np.full_like(mu_r, var_r))
             said = np.where(llr > 0, 1.0, np.where(llr < 0, 0.0, 0.5))
             correct.append(said if is_unlearned else 1.0 - said)
-    acc = np.stack(correct)  # (2 S, N)
+    acc = np.stack(correct)  # (2 S, N): pair s's two decisions in rows 2 s, 2 s + 1
     per_example = acc.mean(0)
     out: dict[str, Any] = {"accuracy": 100.0 * float(acc.mean()), "shadow_pairs": int(s_count),
                            "examples": int(u.shape[1]), "decisions": int(acc.size),
-                           "per_example": [float(a) for a in per_example]}
+                           "per_pair": acc.reshape(s_count, 2, -1).mean(1).tolist()}
     if resamples > 0:
         rng = np.random.default_rng(seed)
         draws = rng.integers(0, len(per_example), size=(int(resamples), len(per_example)))
@@ -183,35 +185,65 @@ def ulira_attack_accuracy(unlearned: np.ndarray, retrained: np.ndarray, *, min_v
 
 def pooled_attack_accuracy(games: Sequence[Mapping[str, Any]], *, resamples: int = 1000,
                            seed: int = 0) -> dict[str, Any]:
-    """One U-LiRA game's result over several forget sets, each played on its own (``ulira_attack_accuracy``, with
-    the same number of shadow pairs): the accuracy over all their decisions, = sum_k N_k acc_k / sum_k N_k, and a
-    95 % interval by a bootstrap stratified by set (each draw takes N_k examples with replacement from set k, each
-    example's 2 S decisions kept together; seeded): the sets are fixed by the design, their examples are the
-    independent units. ``per_set``: each game's own accuracy and interval."""
+    """One U-LiRA row over several forget sets, each set's game played on its own (``ulira_attack_accuracy``, the
+    same S shadow pairs): the accuracy over all their decisions, sum_k N_k acc_k / sum_k N_k, and two 95 % intervals
+    (``resamples`` seeded draws each):
+
+    ``ci95``: pairs and examples resampled together: each draw takes S pair indices with replacement, the same for
+      every set (pair s holds the original trained with seed s in every set's game: the originals, and so the removals
+      started from them, are shared across sets), and N_k examples with replacement from set k; the draw's accuracy
+      is the mean over those pairs and examples. It counts the models' variation as well as the examples', and is
+      conservative: resampling both ways of a crossed array counts their interaction twice (McCullagh, "Resampling
+      and exchangeable arrays", Bernoulli 2000).
+    ``ci95_examples``: the examples alone (stratified by set), the models held fixed: each set's own ``ci95`` where
+      there is one set.
+
+    Both are conditional on the k sets drawn (k is too few to resample them): ``per_set`` gives each set's accuracy
+    and its own interval, their spread the reader's view of how sets differ."""
     if not games:
         raise ValueError("pooling needs at least one game")
     pairs = {int(g["shadow_pairs"]) for g in games}
     if len(pairs) != 1:
         raise ValueError(f"the games were played with different numbers of shadow pairs: {sorted(pairs)}")
-    missing = [i for i, g in enumerate(games) if "per_example" not in g]
+    missing = [i for i, g in enumerate(games) if "per_pair" not in g]
     if missing:
-        raise ValueError(f"games {missing} hold no per-example accuracies (written before they were recorded)")
-    sets = [np.asarray(g["per_example"], dtype=np.float64) for g in games]
-    allx = np.concatenate(sets)
-    out: dict[str, Any] = {"accuracy": 100.0 * float(allx.mean()), "shadow_pairs": pairs.pop(),
-                           "examples": int(allx.size), "decisions": int(sum(int(g["decisions"]) for g in games)),
+        raise ValueError(f"games {missing} hold no per-pair accuracies (written before they were recorded)")
+    mats = [np.asarray(g["per_pair"], dtype=np.float64) for g in games]  # (S, N_k) each
+    s_count = pairs.pop()
+    if any(m.ndim != 2 or m.shape[0] != s_count for m in mats):
+        raise ValueError(f"per_pair must be (S, N) with S = {s_count} shadow pairs: {[m.shape for m in mats]}")
+    examples = int(sum(m.shape[1] for m in mats))
+    out: dict[str, Any] = {"accuracy": 100.0 * float(sum(m.mean(0).sum() for m in mats) / examples),
+                           "shadow_pairs": s_count, "examples": examples,
+                           "decisions": int(sum(int(g["decisions"]) for g in games)),
                            "per_set": [{"accuracy": float(g["accuracy"]), "ci95": g.get("ci95"),
                                         "examples": int(g["examples"])} for g in games]}
     if resamples > 0:
-        rng = np.random.default_rng(seed)
-        total = np.zeros(int(resamples))
-        for x in sets:
-            total += x[rng.integers(0, len(x), size=(int(resamples), len(x)))].sum(1)
-        means = 100.0 * total / allx.size
-        out["ci95"] = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
-        out["interval"] = (f"bootstrap over the {allx.size} forget examples of {len(sets)} sets, stratified by set "
-                           f"({int(resamples)} resamples)")
+        r = int(resamples)
+        rng = np.random.default_rng(seed)  # the examples alone: per set, the draws ulira_attack_accuracy makes
+        total = np.zeros(r)
+        for m in mats:
+            total += m.mean(0)[rng.integers(0, m.shape[1], size=(r, m.shape[1]))].sum(1)
+        out["ci95_examples"] = _percentiles(100.0 * total / examples)
+        rng = np.random.default_rng(seed + 1)
+        chosen = rng.integers(0, s_count, size=(r, s_count))  # pairs: one draw for all sets
+        total = np.zeros(r)
+        for m in mats:
+            over_pairs = m[chosen].mean(1)  # (r, N_k)
+            picks = rng.integers(0, m.shape[1], size=(r, m.shape[1]))
+            total += np.take_along_axis(over_pairs, picks, axis=1).sum(1)
+        out["ci95"] = _percentiles(100.0 * total / examples)
+        if len(games) > 1:  # each set's own interval of the same kind
+            for entry, game in zip(out["per_set"], games):
+                entry["ci95_pairs_and_examples"] = pooled_attack_accuracy([game], resamples=r, seed=seed)["ci95"]
+        out["interval"] = (f"ci95: bootstrap over the {s_count} shadow pairs and the {examples} forget examples of "
+                           f"{len(mats)} set(s) together; ci95_examples: over the examples alone, stratified by set, "
+                           f"the models held fixed ({r} resamples each; both conditional on the sets drawn)")
     return out
+
+
+def _percentiles(means: np.ndarray) -> list[float]:
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
 def forget_statistics(model: nn.Module, task: Task, forget: SampleSet, batch_size: int = 256,
