@@ -94,6 +94,8 @@ README_COMPANIONS: dict[tuple[str, str], tuple[str, ...]] = {
 # suffix-retrain's runs on the identities cells, SalUn beside it in the same run (the table keeps the cell files' own
 # SalUn rows, the same figures where both ran the same sets): the last companion of each cell
 SUFFIX_RETRAIN_FILE = "deep_identities_partial_{}_suffix_retrain.json"
+# U-LiRA played on the three reported sets of a cell and pooled (--ulira-sets 3), at the table's settings
+ULIRA_POOLED_FILE = "deep_identities_partial_{}_grid-ulira-pooled-{}.json"
 SUFFIX_RETRAIN_CELLS = ("identity", "random_1pct", "random_10pct", "subject")
 for _sc in SUFFIX_RETRAIN_CELLS:
     _cell = (f"deep_identities_partial_{_sc}.json", _sc)
@@ -131,10 +133,11 @@ for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a compa
 # file's own (checked: the same sets and reference rows)
 README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
-        "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",),
+        "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",
+        ULIRA_POOLED_FILE.format("identity", "identity")),
     ("deep_identities_partial_random_1pct.json", "random_1pct"): (
         "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",
-        SUFFIX_RETRAIN_FILE.format("random_1pct")),
+        SUFFIX_RETRAIN_FILE.format("random_1pct"), ULIRA_POOLED_FILE.format("random_1pct", "random-1pct")),
 }
 # games of README_ULIRA_AGAIN that were not played again but first, for the rows their file adds to the cell
 ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct")})
