@@ -53,8 +53,8 @@ Metrics: UA, RA (on a seeded subsample of D_r, the same for every row of a forge
   own); U-LiRA (pipeline.evaluate.lira: ``shadows`` pairs of models trained on D / retrained on D_r with seeds
   0..S-1, each row's removal applied to every original) on the first forget set of the ``ULIRA`` cells, with a 95 %
   bootstrap interval over its examples (``--ulira-sets k``: on each of the first k sets, pooled per row, the
-  interval over all their examples, stratified by set); a cell is marked "cannot discriminate" where the original row's mean Avg. Gap is within
-  max(1.0, 2 x retrain-reseed's) of Retrain.
+  interval over the shadow pairs and all their examples together); a cell is marked "cannot discriminate" where
+  the original row's mean Avg. Gap is within max(1.0, 2 x retrain-reseed's) of Retrain.
 Cost as the user pays it: Retrain seconds measured in the same run; per row, cold seconds = the method's
   preparation (measured once for the original and these settings) + the request (``request_seconds``: the whole
   ``pipeline.removal.remove`` call, the kept state's check and the new weights' checks included); per request over
@@ -1672,7 +1672,7 @@ def render_ulira_pooled(cell: dict[str, Any] | None) -> list[str]:
 
     out = ["", f"U-LiRA pooled over forget sets {', '.join(str(k) for k in cell['forget_sets'])} ({cell['shadows']} "
            f"shadow pairs each; {cell.get('note', '')}). The pooled interval resamples the shadow pairs and the "
-           "examples together (conservative); the second, the examples alone with the models held fixed; per set, the "
+           "examples together (conservative for these sets); the second, the examples alone with the models held fixed; per set, the "
            "game's own interval over its examples:", "",
            "| row | pooled [95 %, pairs and examples] | [95 %, examples] | per set [95 %, examples] |",
            "|---|---|---|---|"]
@@ -1790,8 +1790,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Retrain seeds per tuning set the tie rule's phi gap is measured against")
     parser.add_argument("--shadows", type=int, default=None, help="U-LiRA shadow pairs (0: no U-LiRA)")
     parser.add_argument("--ulira-sets", type=at_least_one, default=None, help="reported sets (the first k) each "
-                        "U-LiRA cell plays its game on; more than one: the games pooled, their interval over all "
-                        "their examples")
+                        "U-LiRA cell plays its game on; more than one: the games pooled, their interval over the "
+                        "shadow pairs and all their examples together")
     parser.add_argument("--campaign", type=int, default=None, help="requests of each row's campaign")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a shared machine)")
     parser.add_argument("--tuning-grid", type=Path, default=None, help="a tuning grid file in place of "
@@ -1821,6 +1821,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sets = args.sets if args.sets is not None else PROFILES[profile][args.dataset]["sets"]
+    if args.ulira_sets is not None and args.ulira_sets > sets:
+        parser.error(f"--ulira-sets {args.ulira_sets} is more than the reported sets per scenario (--sets: {sets})")
     overrides = {k: getattr(args, k) for k in OVERRIDABLE if getattr(args, k) is not None}
     scenarios = tuple(args.scenarios.split(",")) if args.scenarios else None
     stem = f"deep_{args.dataset}" + ("" if profile == "full" else f"_{profile}")

@@ -707,6 +707,9 @@ def test_ulira_played_on_several_sets_is_pooled_per_row() -> None:
     from bench import deep_forgetting
     from bench.deep_forgetting import render_markdown, ulira_of_cell
 
+    with pytest.raises(SystemExit) as exit_info:  # the command line refuses before any work, naming the flag
+        deep_forgetting.main(["--dataset", "identities", "--smoke", "--ulira-sets", "2"])
+    assert exit_info.value.code == 2
     with pytest.raises(ValueError, match="ulira_sets"):
         deep_forgetting.run("identities", profile="smoke", scenarios=("random_1pct",), methods=["finetune"],
                             overrides={"sets": 1, "ulira_sets": 2})
