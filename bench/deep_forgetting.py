@@ -102,6 +102,7 @@ from torch import nn  # noqa: E402
 
 from bench.common import cpu_model, loadavg  # noqa: E402
 from pipeline.errors import RemovalNotServed  # noqa: E402
+from pipeline.evaluate.lira import ATTACKABLE as ULIRA_ATTACKABLE  # noqa: E402 - a U-LiRA cell is read from it
 from pipeline.jsonio import jsonable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +197,6 @@ RESEED = 1                  # retrain-reseed's seed (= U-LiRA's retrained shadow
 FAR = 0.01                  # verification: false accept rate of the operating threshold
 SUBJECT = (5, 20)           # samples of one subject
 CLASS_MAX_SHARE = 0.2       # a forgettable class holds at most this share of D
-ULIRA_ATTACKABLE = 60.0     # the original row must score at least this for a cell's U-LiRA to be read
 AVG_GAP_TIE = 1.0           # tuning: settings within this of the least mean Avg. Gap (the smallest gap any floor
                             # reads: max(1.0, 2 x retrain-reseed)) are told apart by their phi gap (choose_setting)
 COLUMNS: tuple[str, ...] = ("UA", "RA", "TA", "MIA", "AvgGap", "KL_forget", "KL_test", "ULiRA", "cold_x",
@@ -1043,11 +1043,10 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
     leave-one-pair-out attack with its 95 % interval (pipeline.evaluate.lira). Each row's ``reads``: how far
     its phi, and phi's two parts (the label's logit, the others' logsumexp), sit from the retrained models'
     (pipeline.evaluate.lira.statistic_shift): what the attack tells them apart by."""
-    from pipeline.evaluate.lira import logit_parts, statistic_shift, ulira_game
+    from pipeline.evaluate.lira import phi_parts, play_ulira
 
     def parts(model: nn.Module) -> dict[str, np.ndarray]:
-        split = logit_parts(ctx.logits(model, ev.forget), ev.forget.columns["y"])
-        return {"phi": split["label"] - split["others"], **split}
+        return phi_parts(ctx.logits(model, ev.forget), ev.forget.columns["y"])
 
     retrained = [parts(retrained0)]
     for s in range(1, shadows):
@@ -1071,20 +1070,9 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
                 break
             phis.append(parts(res["model"]))
         stats[row] = phis
-    game = ulira_game([p["phi"] for p in retrained],
-                      {row: v if isinstance(v, dict) else [p["phi"] for p in v] for row, v in stats.items()})
-    for row, v in stats.items():
-        if not isinstance(v, dict):
-            game[row]["reads"] = {part: statistic_shift(np.stack([p[part] for p in v]),
-                                                        np.stack([p[part] for p in retrained]))
-                                  for part in ("phi", "label", "others")}
-    original = game["original"]["accuracy"]
-    return {"shadows": shadows, "forget_set": fs.index, "rows": game,
-            "attackable": bool(original >= ULIRA_ATTACKABLE),
-            "note": (f"the original row scores {original:.1f} (>= {ULIRA_ATTACKABLE:g}): the cell can be read"
-                     if original >= ULIRA_ATTACKABLE else
-                     f"the original row scores {original:.1f} (< {ULIRA_ATTACKABLE:g}): the attack cannot tell doing "
-                     "nothing from Retrain here; no U-LiRA floor is read in this cell")}
+    cell = play_ulira(retrained, stats)
+    return {"shadows": shadows, "forget_set": fs.index, "rows": cell["rows"], "attackable": cell["attackable"],
+            "note": cell["note"]}
 
 
 def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -267,3 +267,40 @@ def ulira_game(retrained: Sequence[np.ndarray], rows: Mapping[str, Any], *, resa
             continue
         out[name] = ulira_attack_accuracy(np.stack(phis), r, resamples=resamples, seed=seed)
     return out
+
+
+ATTACKABLE = 60.0  # the untouched original must score at least this for a U-LiRA reading of its removals to count
+
+
+def phi_parts(logits: Tensor, y: Tensor) -> dict[str, np.ndarray]:
+    """phi on each forget example and its two parts (``logit_parts``): {"phi", "label", "others"}."""
+    split = logit_parts(logits, y)
+    return {"phi": split["label"] - split["others"], **split}
+
+
+def play_ulira(retrained: Sequence[Mapping[str, np.ndarray]], rows: Mapping[str, Any], *, resamples: int = 1000,
+               seed: int = 0) -> dict[str, Any]:
+    """One U-LiRA cell: the game of every row (``ulira_game``) and what it reads by (``statistic_shift`` of phi
+    and of its two parts), and whether the cell can be read at all.
+
+    ``retrained``: per shadow pair s, ``phi_parts`` of the model retrained on D_r with seed s; ``rows``: per row,
+    the ``phi_parts`` of its S unlearned shadows (pair s: the original trained on D with seed s, then unlearned;
+    the untouched originals for the row named "original", which must be present) or a dict saying why the row has
+    no game. ``attackable``: the original scores at least ``ATTACKABLE``; below it the attack cannot tell doing
+    nothing from Retrain, and every row reads near 50 whatever it did."""
+    if "original" not in rows or isinstance(rows["original"], dict):
+        raise ValueError("a U-LiRA cell needs the untouched originals' row, 'original'")
+    game = ulira_game([p["phi"] for p in retrained],
+                      {name: v if isinstance(v, dict) else [p["phi"] for p in v] for name, v in rows.items()},
+                      resamples=resamples, seed=seed)
+    for name, v in rows.items():
+        if not isinstance(v, dict):
+            game[name]["reads"] = {part: statistic_shift(np.stack([p[part] for p in v]),
+                                                         np.stack([p[part] for p in retrained]))
+                                   for part in ("phi", "label", "others")}
+    original = float(game["original"]["accuracy"])
+    readable = original >= ATTACKABLE
+    return {"shadows": len(retrained), "rows": game, "attackable": bool(readable),
+            "note": (f"the original row scores {original:.1f} (>= {ATTACKABLE:g}): the cell can be read" if readable
+                     else f"the original row scores {original:.1f} (< {ATTACKABLE:g}): the attack cannot tell doing "
+                          "nothing from Retrain here; no U-LiRA floor is read in this cell")}

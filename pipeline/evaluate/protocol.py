@@ -9,7 +9,8 @@ explicit ids) it runs
 and reports for each: UA, RA, TA, MIA-efficacy, Avg. Gap to Retrain, wall time, KL to
 Retrain's outputs on D_f, distance to Retrain's weights (absolute and relative to the
 original's), the residual gradient norm on D_r, optionally a LiRA per-example attack with a
-handful of shadow models, mAP / rank-1 for models with a retrieval ``features(x)`` method, and
+handful of shadow models, optionally the U-LiRA distinguishing game (``ulira_shadows`` pairs of an
+original trained on D and a Retrain on D_r, each method removing D_f from every original), mAP / rank-1 for models with a retrieval ``features(x)`` method, and
 optionally a removal curve over sequential removals. See ``EvalConfig`` for every field.
 Bad input raises ``EvaluationError`` (a ``ValueError``) naming the field.
 """
@@ -37,7 +38,7 @@ from pipeline.evaluate.curves import removal_curve
 from pipeline.evaluate.divergence import KL_BY_KIND
 from pipeline.evaluate.forget_sets import build_forget_set
 from pipeline.evaluate.lira import lira_scores, shadow_statistics
-from pipeline.evaluate.predict import features_of, output_kind, retrieval_method
+from pipeline.evaluate.predict import features_of, logits_of, output_kind, retrieval_method
 from pipeline.evaluate.retrieval import query_gallery_split, retrieval_metrics
 from pipeline.evaluate.scorecard import EvalSets, avg_gap, format_table, predict_sets, score, split_for_scenario
 from pipeline.evaluate.weights import relative_distance, residual_gradient_norm, trainable_state, weight_distance
@@ -93,6 +94,11 @@ class EvalConfig(BaseModel):
     mia_feature: str = "confidence"
     residual_gradient: bool = True
     lira_shadows: int = Field(0, ge=0)
+    ulira_shadows: int = Field(
+        0, ge=0, description="U-LiRA (Hayes et al. 2024): this many shadow pairs, pair s an original trained on D "
+                             "and a Retrain on D_r, both with the recipe's seed + s (pair 0: the model itself and "
+                             "its Retrain); every method and fine-tune remove D_f from each original; 0 = off, "
+                             "else at least 3")
     retrieval: bool | None = None
     curve: CurveSpec | None = None
     seed: int = 0
@@ -121,9 +127,14 @@ class EvalConfig(BaseModel):
         return out
 
     @model_validator(mode="after")
-    def _lira_even(self) -> "EvalConfig":
+    def _shadows_and_baselines(self) -> "EvalConfig":
         if self.lira_shadows and self.lira_shadows % 2:
             raise ValueError("lira_shadows must be even (each forget sample is 'in' for half of the shadows)")
+        if self.ulira_shadows in (1, 2):
+            raise ValueError("ulira_shadows must be 0 or at least 3 (the attack fits its Gaussians on the other pairs "
+                             "than the one it holds out, and needs two of them for a spread)")
+        if self.ulira_shadows and "retrain" not in self.baselines:
+            raise ValueError("ulira_shadows needs baselines to include 'retrain' (the game's other side)")
         if "retrain" not in self.baselines and (self.methods or "finetune" in self.baselines):
             raise ValueError("baselines must include 'retrain': every comparison is against Retrain")
         return self
@@ -170,6 +181,9 @@ class Evaluation:
         self.sets: EvalSets = split_for_scenario(self.train, self.test, self.sample_ids,
                                                  spec.classes if spec.scenario == "class" else None)
         self.kind = output_kind(self.task)
+        if config.ulira_shadows and "mixed_linear" in self.card.training.extra:
+            raise EvaluationError("ulira_shadows: a Mixed-Linear model's shadow originals would need their core and "
+                                  "user weights trained per seed, which this protocol does not do; set it to 0")
         self.models: dict[str, nn.Module] = {"original": self.model}
         self.rows: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
@@ -298,6 +312,88 @@ class Evaluation:
                 row["LiRA_mean_llr"] = result["mean_llr"]
         return {"shadows": n, "seconds": time.perf_counter() - started}
 
+    def ulira(self) -> dict[str, Any] | None:
+        """The U-LiRA distinguishing game (``pipeline.evaluate.lira.play_ulira``) over ``ulira_shadows`` pairs:
+        pair s is the recipe run with seed s0 + s on D (an original, written as a model directory with its
+        recorded run: ``original_at_seed``) and on D_r (a Retrain); pair 0 is the model itself and its Retrain. Each
+        method removes D_f from every original through ``pipeline.removal.remove`` (with the method's seed + s),
+        fine-tune tunes each; a method that refuses or fails on a pair has no game, and says which pair. Pairs are
+        played one at a time: only phi on D_f is kept from each."""
+        n = self.config.ulira_shadows
+        if not n:
+            return None
+        from pipeline.evaluate.baselines import original_at_seed
+        from pipeline.evaluate.lira import phi_parts, play_ulira
+        from pipeline.progress import bar
+
+        cfg, s0 = self.config, recipe_of(self.card).seed
+        y = self.sets.forget.columns["y"]
+
+        def parts(model: nn.Module) -> dict[str, np.ndarray]:
+            return phi_parts(logits_of(model, self.task, self.sets.forget, cfg.batch_size), y)
+
+        names = [name for name in self.config.methods if name not in BASELINE_NAMES]
+        if "finetune" in cfg.baselines:
+            names.append("finetune")
+        rows: dict[str, Any] = {"original": [parts(self.model)]}
+        for name in names:
+            if name in self.models:
+                rows[name] = [parts(self.models[name])]
+            else:  # refused or failed on the model itself: no game
+                why = self.needs_retrain.get(name)
+                rows[name] = ({"needs_retrain": why["reason"], "shadow": 0} if why else
+                              {"error": self.errors.get(name, "not run"), "shadow": 0})
+        first_seed = (cfg.retrain_seeds or [s0])[0]
+        retrained = [parts(self.models["retrain"]) if first_seed == s0 else
+                     parts(retrain(self.card, self.sets.retain, self.sample_ids, cache_dir=cfg.cache_dir, seed=s0).model)]
+        started, trained = time.perf_counter(), {"seconds": 0.0, "cached": 0}
+        with tempfile.TemporaryDirectory(prefix="unlearn-ulira-") as scratch, \
+                bar(n - 1, "U-LiRA shadow pairs", unit="pair") as pairs:
+            for s in range(1, n):
+                directory, seconds, cached = original_at_seed(self.card, self.train, s0 + s, Path(scratch) / f"original{s}",
+                                                              cache_dir=cfg.cache_dir)
+                trained["seconds"] += seconds
+                trained["cached"] += int(cached)
+                model, task, card = load_model_dir(directory)
+                model.eval()
+                rows["original"].append(parts(model))
+                for name in names:
+                    if isinstance(rows[name], dict):
+                        continue
+                    phi, why = self._shadow_removal(name, s, directory, model, task, card, parts)
+                    if why is not None:
+                        rows[name] = why
+                    else:
+                        rows[name].append(phi)
+                run = retrain(self.card, self.sets.retain, self.sample_ids, cache_dir=cfg.cache_dir, seed=s0 + s)
+                retrained.append(parts(run.model))
+                pairs.update(1)
+        cell = play_ulira(retrained, rows, seed=cfg.seed)
+        return {**cell, "seeds": [s0 + s for s in range(n)],
+                "originals_trained": {"seconds": trained["seconds"], "cached": trained["cached"]},
+                "seconds": time.perf_counter() - started}
+
+    def _shadow_removal(self, name: str, s: int, directory: Path, model: nn.Module, task: Any, card: ModelCard,
+                        parts: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, Any] | None]:
+        """(phi's parts under one row's removal from shadow original ``s``, None), or (None, why the row has no
+        game: a refusal or, with ``continue_on_error``, an error, naming the pair)."""
+        cfg = self.config
+        if name == "finetune":
+            run = finetune(card, model, task, self.sets.retain, self.sample_ids, settings=cfg.finetune,
+                           cache_dir=cfg.cache_dir)
+            return parts(run.model), None
+        try:
+            removal = remove(directory, self.sample_ids, method=name, settings=cfg.methods[name], seed=cfg.seed + s,
+                             batch_size=cfg.batch_size, memory_budget=memory.current_budget(),
+                             stage_hook=StageProgress(f"U-LiRA {name} {s}"))
+        except RemovalNotServed as refused:
+            return None, {"needs_retrain": refused.reason, "shadow": s}
+        except Exception as err:
+            if not cfg.continue_on_error:
+                raise
+            return None, {"error": f"{type(err).__name__}: {err}", "shadow": s}
+        return parts(_with_state(model, removal.new_state)), None
+
     def curve(self) -> dict[str, Any] | None:
         spec = self.config.curve
         if spec is None:
@@ -333,6 +429,8 @@ def protocol_steps(config: EvalConfig) -> list[str]:
     names.append("compare")
     if config.lira_shadows:
         names.append("lira")
+    if config.ulira_shadows:
+        names.append("ulira")
     if config.curve is not None:
         names.append("curve")
     return names
@@ -364,6 +462,10 @@ def _evaluate(config: EvalConfig, budget: memory.MemoryBudget) -> dict[str, Any]
         if config.lira_shadows:
             with steps.step(f"LiRA ({config.lira_shadows} shadows)"):
                 lira = ev.lira()
+        ulira = None
+        if config.ulira_shadows:
+            with steps.step(f"U-LiRA ({config.ulira_shadows} shadow pairs)"):
+                ulira = ev.ulira()
         if config.curve is not None:
             with steps.step(f"removal curve ({config.curve.method})"):
                 curve = ev.curve()
@@ -372,7 +474,7 @@ def _evaluate(config: EvalConfig, budget: memory.MemoryBudget) -> dict[str, Any]
         "n": len(ev.train), "scenario": config.forget.model_dump(exclude_none=True),
         "sample_ids": ev.sample_ids, "m": len(ev.sample_ids), "rows": ev.rows, "method_records": records,
         "method_errors": ev.errors, "needs_retrain": ev.needs_retrain,
-        "lira": lira, "curve": curve, "table": format_table({k: v for k, v in ev.rows.items()}),
+        "lira": lira, "ulira": ulira, "curve": curve, "table": format_table({k: v for k, v in ev.rows.items()}),
         "config": config.model_dump(mode="json"), "wall_seconds": time.perf_counter() - started,
     }
     if config.plots:

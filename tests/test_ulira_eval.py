@@ -1,0 +1,154 @@
+"""`unlearn eval --ulira-shadows S`: the U-LiRA distinguishing game (Hayes et al. 2024) as a user runs it.
+
+Pair s is the card's recipe run with seed s0 + s on D (an original, written as a model directory with its recorded
+run) and on D_r (a Retrain); pair 0 is the model itself and its Retrain. Every method removes D_f from every original
+through ``pipeline.removal.remove``.
+
+  (a) oracle: suffix-retrain over the whole network is Retrain to the bit (tests/test_suffix_retrain.py), so on every
+      pair its phi is the Retrain's: each held-out decision is a tie and the attack reads 50 exactly, with no shift.
+      A pairing off by one seed, or every shadow removed at the model's own seed, breaks the ties;
+  (b) oracle: the untouched originals' row equals the game played on models trained here independently
+      (``pipeline.recipe.train`` at each seed on D and on D_r), decision for decision, and scores near 100 on a
+      forgotten class (the game has power: a reversed sign would read near 0);
+  (c) the shadow originals are model directories with their recorded run and their seed on the card, cached: a
+      second evaluation trains none and reads the same;
+  (d) a method that fails on the model itself has no game and says on which pair; the command line prints the
+      game and refuses fewer than 3 pairs, a game without Retrain and a Mixed-Linear model, naming the field,
+      before any work and without writing its output.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.evaluate.lira import logit_confidence, ulira_attack_accuracy
+from pipeline.evaluate.predict import logits_of
+from pipeline.evaluate.protocol import EvalConfig, EvaluationError, evaluate
+from pipeline.models.card import load_model_dir, read_card, write_model_dir
+from pipeline.recipe import recipe_of, train
+from pipeline.removal import training_set
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPE = {"optimizer": "sgd", "epochs": 3, "lr": 0.05, "batch_size": 64, "momentum": 0.9, "weight_decay": 5e-4,
+          "seed": 3}
+CNN = {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8}
+CLASS = 3
+PAIRS = 4
+
+
+@pytest.fixture(scope="module")
+def cnn_dir(tmp_path_factory):
+    from tests import kit
+
+    return kit.trained_model_dir(tmp_path_factory.mktemp("cnn"), "cnn", CNN, data_options={"flatten": False},
+                                 recipe=RECIPE)
+
+
+def _config(model_dir, tmp_path, **extra) -> EvalConfig:
+    return EvalConfig.model_validate({
+        "model_dir": str(model_dir), "forget": {"scenario": "class", "classes": [CLASS]},
+        "methods": {"suffix-retrain": {"scope_cost_share": 1.0}, "trajectory-refit": {}},
+        "finetune": {"epochs": 1}, "residual_gradient": False, "ulira_shadows": PAIRS,
+        "cache_dir": str(tmp_path / "cache"), **extra})
+
+
+@pytest.fixture(scope="module")
+def played(cnn_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ulira")
+    first = evaluate(_config(cnn_dir, tmp, out=str(tmp / "eval.json")))
+    again = evaluate(_config(cnn_dir, tmp))
+    return first, again, tmp
+
+
+def test_an_exact_retrain_reads_fifty_on_every_pair(played):
+    game = played[0]["ulira"]
+    row = game["rows"]["suffix-retrain"]
+    assert row["accuracy"] == 50.0 and row["ci95"] == [50.0, 50.0]
+    assert np.all(np.asarray(row["per_pair"]) == 0.5)
+    assert row["reads"]["phi"]["shift"] == 0.0 and row["reads"]["phi"]["shift_spread"] == 0.0
+    assert game["shadows"] == PAIRS and game["seeds"] == [RECIPE["seed"] + s for s in range(PAIRS)]
+
+
+def test_the_originals_row_is_the_game_on_models_trained_independently(played, cnn_dir):
+    game = played[0]["ulira"]
+    card = read_card(cnn_dir)
+    data = training_set(card)
+    forget = data.take(torch.nonzero(data.columns["y"] == CLASS).squeeze(1))
+    retain = data.take(torch.nonzero(data.columns["y"] != CLASS).squeeze(1))
+    recipe = recipe_of(card)
+
+    def phi(on, seed):
+        model = train(card.preset, card.options, on, recipe.model_copy(update={"seed": seed})).model
+        return logit_confidence(logits_of(model, model_task, forget, 256), forget.columns["y"])
+
+    _, model_task, _ = load_model_dir(cnn_dir)
+    seeds = [recipe.seed + s for s in range(PAIRS)]
+    reference = ulira_attack_accuracy(np.stack([phi(data, s) for s in seeds]), np.stack([phi(retain, s) for s in seeds]))
+    row = game["rows"]["original"]
+    assert row["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-9)
+    assert np.allclose(row["per_pair"], reference["per_pair"])
+    assert row["accuracy"] >= 95 and game["attackable"]  # a class the originals know, Retrains never saw
+    for name in ("trajectory-refit", "finetune"):  # methods that move play a game of the same shape
+        other = game["rows"][name]
+        assert 0 <= other["accuracy"] <= 100 and np.asarray(other["per_pair"]).shape == (PAIRS, len(forget))
+        assert other["decisions"] == 2 * PAIRS * len(forget)
+
+
+def test_shadow_originals_are_model_directories_cached_with_their_run(played):
+    first, again, tmp = played
+    directories = sorted((tmp / "cache").glob("original-*"))
+    assert len(directories) == PAIRS - 1
+    assert sorted(read_card(d).training.seed for d in directories) == [RECIPE["seed"] + s for s in range(1, PAIRS)]
+    assert all((d / "trajectory.safetensors").exists() for d in directories)
+    assert first["ulira"]["originals_trained"]["cached"] == 0 and again["ulira"]["originals_trained"]["cached"] == PAIRS - 1
+    for name, row in first["ulira"]["rows"].items():
+        assert again["ulira"]["rows"][name]["accuracy"] == row["accuracy"]
+    saved = json.loads((tmp / "eval.json").read_text())
+    assert saved["ulira"]["rows"]["suffix-retrain"]["accuracy"] == 50.0
+
+
+def test_a_method_that_fails_on_the_model_itself_has_no_game(cnn_dir, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(cnn_dir, bare)
+    (bare / "trajectory.safetensors").unlink()  # trajectory-refit reads the recorded run: an error without it
+    result = evaluate(_config(bare, tmp_path, ulira_shadows=3, methods={"trajectory-refit": {}},
+                              continue_on_error=True))
+    row = result["ulira"]["rows"]["trajectory-refit"]
+    assert "accuracy" not in row and row["shadow"] == 0 and "trajectory" in row["error"]
+    assert "trajectory-refit" in result["method_errors"]
+    assert result["ulira"]["rows"]["finetune"]["shadow_pairs"] == 3
+
+
+def test_the_command_line_prints_the_game_and_refuses_bad_input(cnn_dir, tmp_path):
+    from jobs.evaluate import command
+
+    runner = CliRunner()
+    base = [str(cnn_dir), "--scenario", "class", "--classes", str(CLASS), "--cache-dir", str(tmp_path / "cache")]
+    out = tmp_path / "eval.json"
+    ok = runner.invoke(command, base + ["--method", "finetune", "--ulira-shadows", "3", "--out", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert "U-LiRA, 3 shadow pairs" in ok.output and "original: " in ok.output and "finetune: " in ok.output
+    out.unlink()
+    for extra, field in ((["--ulira-shadows", "2"], "ulira_shadows"), (["--ulira-shadows", "-1"], "ulira_shadows")):
+        bad = runner.invoke(command, base + extra + ["--out", str(out)])
+        assert bad.exit_code != 0 and field in bad.output and not out.exists()
+    with pytest.raises(ValueError, match="ulira_shadows"):
+        EvalConfig.model_validate({"model_dir": str(cnn_dir), "methods": {}, "baselines": [], "ulira_shadows": 3})
+
+
+def test_a_mixed_linear_model_is_refused_naming_the_field(cnn_dir, tmp_path):
+    from pipeline.checkpoint import read_state_dict
+
+    card = read_card(cnn_dir)
+    marked = card.model_copy(update={"training": card.training.model_copy(
+        update={"extra": {**card.training.extra, "mixed_linear": {"core": {}}}})})
+    write_model_dir(tmp_path / "mixed", read_state_dict(cnn_dir / "model.safetensors"), marked)
+    with pytest.raises(EvaluationError, match="ulira_shadows"):
+        evaluate(_config(tmp_path / "mixed", tmp_path, out=str(tmp_path / "never.json")))
+    assert not (tmp_path / "never.json").exists()
