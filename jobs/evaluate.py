@@ -37,7 +37,8 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @user_errors
 def command(model_dir: Path | None, config_path: Path | None, scenario: str | None, fraction: float | None,
             count: int | None, classes: str | None, ids: str | None, methods: tuple[str, ...],
-            lira_shadows: int | None, ulira_shadows: int | None, seed: int | None, out: Path | None, plots: Path | None, cache_dir: Path | None) -> None:
+            lira_shadows: int | None, ulira_shadows: int | None, seed: int | None, out: Path | None,
+            plots: Path | None, cache_dir: Path | None) -> None:
     """Evaluate removal methods on MODEL_DIR against Retrain and fine-tune (UA/RA/TA/MIA/Avg. Gap)."""
     raw: dict[str, Any] = load_yaml(config_path, "evaluation config") if config_path else {}
     if model_dir is not None:

@@ -12,9 +12,10 @@ through ``pipeline.removal.remove``.
       forgotten class (the game has power: a reversed sign would read near 0);
   (c) the shadow originals are model directories with their recorded run and their seed on the card, cached: a
       second evaluation trains none and reads the same;
-  (d) a method that fails on the model itself has no game and says on which pair; the command line prints the
-      game and refuses fewer than 3 pairs, a game without Retrain and a Mixed-Linear model, naming the field,
-      before any work and without writing its output.
+  (d) a method that fails on the model itself has no game and says on which pair; pair 0's Retrain is at the
+      recipe's seed whatever seed the Retrain row has; the command line prints the game and refuses fewer than 3
+      pairs and a game without Retrain; a model the game cannot pair (Mixed-Linear, a later version, another
+      precision) is refused naming the field, before any work and without writing its output.
 """
 from __future__ import annotations
 
@@ -117,12 +118,14 @@ def test_a_method_that_fails_on_the_model_itself_has_no_game(cnn_dir, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(cnn_dir, bare)
     (bare / "trajectory.safetensors").unlink()  # trajectory-refit reads the recorded run: an error without it
-    result = evaluate(_config(bare, tmp_path, ulira_shadows=3, methods={"trajectory-refit": {}},
-                              continue_on_error=True))
+    other_seed = RECIPE["seed"] + 5  # the Retrain row at another seed: pair 0's Retrain is still at the recipe's
+    result = evaluate(_config(bare, tmp_path, ulira_shadows=3, continue_on_error=True, retrain_seeds=[other_seed],
+                              methods={"trajectory-refit": {}, "suffix-retrain": {"scope_cost_share": 1.0}}))
     row = result["ulira"]["rows"]["trajectory-refit"]
     assert "accuracy" not in row and row["shadow"] == 0 and "trajectory" in row["error"]
     assert "trajectory-refit" in result["method_errors"]
     assert result["ulira"]["rows"]["finetune"]["shadow_pairs"] == 3
+    assert result["ulira"]["rows"]["suffix-retrain"]["accuracy"] == 50.0
 
 
 def test_the_command_line_prints_the_game_and_refuses_bad_input(cnn_dir, tmp_path):
@@ -137,18 +140,29 @@ def test_the_command_line_prints_the_game_and_refuses_bad_input(cnn_dir, tmp_pat
     out.unlink()
     for extra, field in ((["--ulira-shadows", "2"], "ulira_shadows"), (["--ulira-shadows", "-1"], "ulira_shadows")):
         bad = runner.invoke(command, base + extra + ["--out", str(out)])
-        assert bad.exit_code != 0 and field in bad.output and not out.exists()
+        assert bad.exit_code == 1 and field in bad.output and not out.exists()
     with pytest.raises(ValueError, match="ulira_shadows"):
         EvalConfig.model_validate({"model_dir": str(cnn_dir), "methods": {}, "baselines": [], "ulira_shadows": 3})
 
 
-def test_a_mixed_linear_model_is_refused_naming_the_field(cnn_dir, tmp_path):
+@pytest.mark.parametrize("patch, said", [
+    ({"extra": {"mixed_linear": {"core": {}}}}, "Mixed-Linear"),
+    ({"removed_ids": 2}, "not a trained original"),  # the first two of D
+    ({"extra": {"dtype": "float64"}}, "float64"),
+])
+def test_a_model_the_game_cannot_pair_is_refused_before_any_work(cnn_dir, tmp_path, patch, said):
+    """A Mixed-Linear model, a later version (pair 0 would be a removal, the other originals trained) and a model
+    whose Retrain would be trained in another precision: refused naming the field, nothing computed or written."""
     from pipeline.checkpoint import read_state_dict
 
     card = read_card(cnn_dir)
-    marked = card.model_copy(update={"training": card.training.model_copy(
-        update={"extra": {**card.training.extra, "mixed_linear": {"core": {}}}})})
-    write_model_dir(tmp_path / "mixed", read_state_dict(cnn_dir / "model.safetensors"), marked)
-    with pytest.raises(EvaluationError, match="ulira_shadows"):
-        evaluate(_config(tmp_path / "mixed", tmp_path, out=str(tmp_path / "never.json")))
-    assert not (tmp_path / "never.json").exists()
+    if "removed_ids" in patch:
+        patch = {"removed_ids": training_set(card).sample_ids[: patch["removed_ids"]].tolist(),
+                 "n": card.training.n - patch["removed_ids"]}
+    training = card.training.model_copy(update={**{k: v for k, v in patch.items() if k != "extra"},
+                                                "extra": {**card.training.extra, **patch.get("extra", {})}})
+    write_model_dir(tmp_path / "model", read_state_dict(cnn_dir / "model.safetensors"),
+                    card.model_copy(update={"training": training}))
+    with pytest.raises(EvaluationError, match=f"ulira_shadows: .*{said}"):
+        evaluate(_config(tmp_path / "model", tmp_path, out=str(tmp_path / "never.json")))
+    assert not (tmp_path / "never.json").exists() and not (tmp_path / "cache").exists()

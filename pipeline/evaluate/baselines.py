@@ -6,9 +6,6 @@
   Fine-tune  ("FT", Warnecke et al. 2023; Jia et al. 2023): continue training the original
              weights on D_r for a few epochs of SGD (catastrophic forgetting of D_f); cheap,
              no guarantee.
-and, for the U-LiRA game, the other side of a shadow pair:
-  Original at another seed  the model's own recipe run on D from its start with another seed,
-             written as a model directory with its recorded run, as ``unlearn train`` writes it.
 
 Cache: one model directory per (kind, key) under ``cache_dir``, key = sha256 of the canonical
 JSON of {model card, sorted forget ids, recipe, baseline settings}; a hit skips training. The
@@ -140,45 +137,6 @@ def finetune(card: ModelCard, model: nn.Module, task: Task, retain: SampleSet, f
                              {"recipe": ft_recipe.model_dump(), "final_objective": report.final_objective})
     _store(directory, "finetune", key, tuned, new_card, seconds)
     return Baseline("finetune", tuned, task, new_card, seconds, False, directory)
-
-
-def card_at_seed(card: ModelCard, seed: int) -> ModelCard:
-    """``card`` as if its recipe had run with ``seed`` (init, shuffling and dropout): the card of a shadow original.
-    The reference to a recorded run is dropped (a shadow keeps its own run beside it), and so are the fit's and
-    the metrics' records, which were the original's."""
-    recipe = recipe_of(card).model_copy(update={"seed": int(seed)})
-    extra = {k: v for k, v in without_trajectory_reference(card).training.extra.items() if k not in ("fit", "metrics")}
-    extra.update({"recipe": recipe.model_dump(mode="json"), "seeds": {"init": int(seed), "shuffle": int(seed),
-                                                                      "dropout": int(seed)}})
-    return card.model_copy(update={"training": card.training.model_copy(update={"seed": int(seed), "extra": extra})})
-
-
-def original_at_seed(card: ModelCard, data: SampleSet, seed: int, directory: str | Path, *,
-                     cache_dir: str | Path | None = None) -> tuple[Path, float, bool]:
-    """The card's recipe run on ``data`` (the model's training set D) from its start with ``seed``: a U-LiRA shadow
-    pair's original. Written as a model directory (weights, ``card_at_seed``'s card and, for an SGD recipe, the
-    recorded run beside them, as ``unlearn train`` writes them), so that a method removes from it as from the model
-    itself. Under ``cache_dir`` (kind "original", keyed by the card and the seed) where given, a hit skips training;
-    else in ``directory``. Returns (the directory, the training's seconds, whether it was cached)."""
-    import torch
-
-    from pipeline.recipe import train
-    from pipeline.trajectory import TRAJECTORY_FILE, save_trajectory
-
-    shadow = card_at_seed(card, seed)
-    key = cache_key(card, [], "original", {"seed": int(seed)})
-    target = Path(cache_dir) / f"original-{key[:20]}" if cache_dir is not None else Path(directory)
-    if (target / RECORD_FILE).exists():
-        return target, float(json.loads((target / RECORD_FILE).read_text())["seconds"]), True
-    result = train(card.preset, card.options, data, recipe_of(shadow), init_of(shadow),
-                   dtype=getattr(torch, str(card.training.extra.get("dtype", "float32"))))
-    target.mkdir(parents=True, exist_ok=True)
-    if result.trajectory is not None:
-        save_trajectory(target / TRAJECTORY_FILE, result.trajectory)
-    write_model_dir(target, {k: v.detach().cpu() for k, v in result.model.state_dict().items()}, shadow)
-    atomic_write_bytes(target / RECORD_FILE, json.dumps({"kind": "original", "key": key,
-                                                         "seconds": result.seconds}).encode())
-    return target, result.seconds, False
 
 
 BASELINES: dict[str, Callable[..., Baseline]] = {"retrain": retrain, "finetune": finetune}

@@ -9,8 +9,9 @@ explicit ids) it runs
 and reports for each: UA, RA, TA, MIA-efficacy, Avg. Gap to Retrain, wall time, KL to
 Retrain's outputs on D_f, distance to Retrain's weights (absolute and relative to the
 original's), the residual gradient norm on D_r, optionally a LiRA per-example attack with a
-handful of shadow models, optionally the U-LiRA distinguishing game (``ulira_shadows`` pairs of an
-original trained on D and a Retrain on D_r, each method removing D_f from every original), mAP / rank-1 for models with a retrieval ``features(x)`` method, and
+handful of shadow models, optionally the U-LiRA distinguishing game (``ulira_shadows`` pairs of
+an original trained on D and a Retrain on D_r, each method removing D_f from every original),
+mAP / rank-1 for models with a retrieval ``features(x)`` method, and
 optionally a removal curve over sequential removals. See ``EvalConfig`` for every field.
 Bad input raises ``EvaluationError`` (a ``ValueError``) naming the field.
 """
@@ -40,6 +41,7 @@ from pipeline.evaluate.forget_sets import build_forget_set
 from pipeline.evaluate.lira import lira_scores, shadow_statistics
 from pipeline.evaluate.predict import features_of, logits_of, output_kind, retrieval_method
 from pipeline.evaluate.retrieval import query_gallery_split, retrieval_metrics
+from pipeline.evaluate.shadows import original_at_seed
 from pipeline.evaluate.scorecard import EvalSets, avg_gap, format_table, predict_sets, score, split_for_scenario
 from pipeline.evaluate.weights import relative_distance, residual_gradient_norm, trainable_state, weight_distance
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
@@ -181,9 +183,8 @@ class Evaluation:
         self.sets: EvalSets = split_for_scenario(self.train, self.test, self.sample_ids,
                                                  spec.classes if spec.scenario == "class" else None)
         self.kind = output_kind(self.task)
-        if config.ulira_shadows and "mixed_linear" in self.card.training.extra:
-            raise EvaluationError("ulira_shadows: a Mixed-Linear model's shadow originals would need their core and "
-                                  "user weights trained per seed, which this protocol does not do; set it to 0")
+        if config.ulira_shadows:
+            self._check_ulira()
         self.models: dict[str, nn.Module] = {"original": self.model}
         self.rows: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
@@ -191,6 +192,23 @@ class Evaluation:
         self._w0_path: Path | None = None
         self.forget_logits: dict[str, torch.Tensor] = {}
         self.steps: Steps | None = None  # the progress bar over the protocol's steps (evaluate)
+
+    def _check_ulira(self) -> None:
+        """The U-LiRA game's preconditions, before any work: pair 0 must be drawn as the others are."""
+        extra = self.card.training.extra
+        why = None
+        if "mixed_linear" in extra:
+            why = ("a Mixed-Linear model's shadow originals would need their core and user weights trained per seed, "
+                   "which this protocol does not do")
+        elif self.card.training.removed_ids or "baseline" in extra:
+            why = ("the model is not a trained original (its card records removed samples): pair 0 would be a "
+                   "removal while the other originals are trained; evaluate the original it came from")
+        elif str(extra.get("dtype", "float32")) != "float32":
+            why = f"the model is in {extra['dtype']} and the Retrain baseline trains in float32; the pairs would differ"
+        elif self.kind != "single":
+            why = "the attack's statistic, the logit of p_y, needs one label per example; this model is multi-label"
+        if why is not None:
+            raise EvaluationError(f"ulira_shadows: {why}; set it to 0")
 
     def step(self, name: str):
         """One step of the protocol on the progress bar (a no-op context without one)."""
@@ -322,7 +340,6 @@ class Evaluation:
         n = self.config.ulira_shadows
         if not n:
             return None
-        from pipeline.evaluate.baselines import original_at_seed
         from pipeline.evaluate.lira import phi_parts, play_ulira
         from pipeline.progress import bar
 
@@ -378,11 +395,11 @@ class Evaluation:
         """(phi's parts under one row's removal from shadow original ``s``, None), or (None, why the row has no
         game: a refusal or, with ``continue_on_error``, an error, naming the pair)."""
         cfg = self.config
-        if name == "finetune":
-            run = finetune(card, model, task, self.sets.retain, self.sample_ids, settings=cfg.finetune,
-                           cache_dir=cfg.cache_dir)
-            return parts(run.model), None
         try:
+            if name == "finetune":
+                run = finetune(card, model, task, self.sets.retain, self.sample_ids, settings=cfg.finetune,
+                               cache_dir=cfg.cache_dir)
+                return parts(run.model), None
             removal = remove(directory, self.sample_ids, method=name, settings=cfg.methods[name], seed=cfg.seed + s,
                              batch_size=cfg.batch_size, memory_budget=memory.current_budget(),
                              stage_hook=StageProgress(f"U-LiRA {name} {s}"))
