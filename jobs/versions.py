@@ -1,4 +1,5 @@
-"""`unlearn versions`: import, list, show, verify, roll back and prune model versions."""
+"""`unlearn versions`: import, list, show, verify, roll back and prune model versions, and drop old versions'
+copies of the recorded training run."""
 from __future__ import annotations
 
 import json
@@ -162,13 +163,40 @@ def prune(store: str, model: str, before: int, reason: str, yes: bool, include_d
         click.echo(f"'{model}': pruned {done or 'nothing'}; their manifests and tombstones are kept")
     holding = [v for v in vs.holding_run(model) if not (v < before and not yes)]
     if holding:
-        current = vs.current(model)
-        why = ("v0, the imported model, is CURRENT" if current == 0 else
-               f"v{current} is CURRENT (published before versions referred to the run)")
+        said = []
+        if 0 in holding:
+            said.append("v0, the imported model, is CURRENT: it goes once a later version is current and a prune runs "
+                        "past it" if vs.current(model) == 0 else "v0 is the original: a prune --before past it deletes it")
+        later = [v for v in holding if v > 0]
+        if later:
+            said.append(f"`unlearn versions drop-run-copies` deletes the copies of {later} (published before versions "
+                        "referred to v0's run) and keeps the versions")
         click.echo(f"note: versions {holding} hold a copy of the recorded training run, whose last checkpoint is the "
-                   "original's weights; " + (f"{why}: it goes once a later version is current and a prune runs past it"
-                                             if current in holding else "a prune --before past them deletes it"),
-                   err=True)
+                   "original's weights; " + "; ".join(said), err=True)
+
+
+@command.command("drop-run-copies")
+@store_option
+@model_option
+@click.option("--reason", required=True, help="Why (recorded with each version).")
+@click.option("--yes", is_flag=True, help="Delete: without it, only the versions that would lose their copy are printed.")
+@user_errors
+def drop_run_copies(store: str, model: str, reason: str, yes: bool) -> None:
+    """Delete the copy of the recorded training run (its last checkpoint is the original's weights) that versions
+    after v0 hold, where they were published before versions referred to v0's run instead. Each keeps its manifest,
+    weights and card, and gains a record (sealed with the store key where the store has one) of the file deleted and
+    where the same run is still kept (v0), so it still verifies and loads, its receipts verify, and its removals read
+    the run from v0. A version that fails verification stops it before anything is deleted."""
+    vs = _store(store)
+    vs.require_model(model)
+    if not yes:
+        targets, damaged = vs.run_copies_plan(model)
+        click.echo(f"would drop the run copies of {targets or 'no version'} of '{model}'; pass --yes to delete"
+                   + (f"; {sorted(damaged)} fail verification and would stop it" if damaged else ""))
+        return
+    with vs.lock(model):
+        done = vs.drop_run_copies(model, reason)
+    click.echo(f"'{model}': dropped the run copies of {done or 'no version'}; each keeps a record of the file deleted")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ if TYPE_CHECKING:
     from pipeline.models.card import ModelCard
     from pipeline.recipe import Recipe
 
-__all__ = ["TRAJECTORY_FILE", "TRAJECTORY_REFERENCE", "Trajectory", "TrajectoryRecorder", "TrajectoryReferenceError",
+__all__ = ["TRAJECTORY_FILE", "TRAJECTORY_MOVED", "TRAJECTORY_REFERENCE", "Trajectory", "TrajectoryRecorder", "TrajectoryReferenceError",
            "checkpoint_epochs", "checkpoint_every", "locate_trajectory", "read_trajectory", "recorded_trajectory",
            "refer_to_trajectory", "save_trajectory", "stretch_rates", "without_trajectory_reference"]
 
 TRAJECTORY_FILE = "trajectory.safetensors"
+TRAJECTORY_MOVED = "trajectory.moved.json"  # a directory whose copy of the run was deleted: where the same run is
 TRAJECTORY_REFERENCE = "trajectory"   # the card's training.extra key a later version refers to it by
 
 
@@ -168,7 +169,8 @@ def recorded_trajectory(model_dir: str | Path, card: "ModelCard") -> Path | None
 def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | None, str | None]:
     """Where a model directory's recorded trajectory is: its own ``trajectory.safetensors`` (the directory
     ``unlearn train`` wrote, or a store's version 0), else the file its card refers to (``training.extra.trajectory``:
-    a path relative to the directory and its sha256, checked). None where it has neither, where the file referred to
+    a path relative to the directory and its sha256, checked), else the file a ``TRAJECTORY_MOVED`` record beside it
+    refers to in the same way (a store's version whose own copy was deleted). None where it has none, where the file referred to
     is gone (e.g. the original pruned on purpose), or where it changed (its sha256 differs: warned, never read).
     Without it trajectory-refit refuses, the recorded-run variants of lfoci-newton take U's gradient at the trained
     weights instead, and the emptied-class replay (lfoci-newton's default, trajectory-refit's) is skipped; each
@@ -178,6 +180,11 @@ def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | 
     if own.exists():
         return own, None
     ref = _reference_of(card)
+    moved = Path(model_dir) / TRAJECTORY_MOVED
+    if ref is None and moved.is_file():  # its own copy deleted (a store's version published with one): the record
+        ref = moved_reference(moved)      # says where the same run is kept, if anywhere
+        if ref is None:
+            return None, "this version's copy of the recorded training run was deleted and no other copy was kept"
     if ref is None:
         return None, None
     path = (Path(model_dir) / ref["path"]).resolve()
@@ -189,6 +196,22 @@ def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | 
         warnings.warn(why, stacklevel=2)
         return None, why
     return path, None
+
+
+def moved_reference(path: str | Path) -> dict[str, str] | None:
+    """The reference ({path, sha256}, the path relative to the directory) a ``TRAJECTORY_MOVED`` record gives to the
+    kept copy of a deleted run, or None where no copy was kept. The file read through it is checked by its sha256,
+    so a record can only point at the run that was deleted."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise TrajectoryReferenceError(f"{path} is unreadable ({err})") from None
+    ref = record.get("reference") if isinstance(record, dict) else None
+    if ref is None:
+        return None
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(ref.get("sha256"), str):
+        raise TrajectoryReferenceError(f"{path}: reference must be {{path, sha256}}, got {ref!r}")
+    return ref
 
 
 def without_trajectory_reference(card: "ModelCard") -> "ModelCard":

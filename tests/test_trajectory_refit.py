@@ -1409,6 +1409,116 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
     assert load_trained(tmp_path / "v4").trajectory is not None
 
 
+def test_old_versions_copies_of_the_run_are_dropped_and_the_versions_still_serve(trained_model_dir, tmp_path):
+    """A store whose later versions were published holding a copy of the recorded run (before versions referred to
+    version 0's): `unlearn versions drop-run-copies` deletes each copy after a sealed record of it, and the versions
+    still verify and load as published, their removals read version 0's run (the copy's own sha256); a record for another version, a forged hash, an unsealed record and a copy left after an interrupted drop
+    are caught; a prune past version 0 leaves the dropped versions without the run, saying so."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    import jobs.versions
+    from pipeline.checkpoint import atomic_write_bytes, sha256_of
+    from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, load_model_dir
+    from pipeline.removal import load_trained, remove
+    from pipeline.store.versions import TamperedVersionError, VersionStore, VersionStoreError
+    from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_MOVED
+
+    model_dir = trained_model_dir("cnn", {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8},
+                                  data_options={"flatten": False}, recipe={**RECIPE, "epochs": 2, "seed": 0})
+    recorded = (model_dir / TRAJECTORY_FILE).read_bytes()
+    key = b"s" * 32
+    vs = VersionStore(tmp_path / "store", create=True, hmac_key=key)
+    with vs.lock("m", create=True):
+        vs.import_model_dir("m", model_dir)
+    ids = load_trained(model_dir).train.sample_ids
+
+    def publish_as_before(parent: int, sample_ids: list[int]) -> int:
+        """What publish wrote before versions referred to version 0's run: a copy of it in the new version."""
+        run = remove(vs.version_dir("m", parent), sample_ids, method="finetune")
+        version = max(vs.versions("m")) + 1
+        parent_sha = sha256_of(vs.version_dir("m", parent) / "manifest.json")
+
+        def write(staging):
+            from pipeline.models.card import write_model_dir
+            from pipeline.trajectory import without_trajectory_reference
+
+            write_model_dir(staging, run.new_state, without_trajectory_reference(run.card))
+            atomic_write_bytes(staging / TRAJECTORY_FILE, recorded)
+
+        vs._stage("m", write, {"kind": "removal", "parent": parent, "parent_manifest_sha256": parent_sha,
+                               "batch": {"key": f"b{version}", "content_sha256": "h"}}, version)
+        vs.set_current("m", version, expected=parent)
+        return version
+
+    with vs.lock("m"):
+        assert publish_as_before(0, ids[:3].tolist()) == 1 and publish_as_before(1, ids[3:5].tolist()) == 2
+    assert vs.holding_run("m") == [0, 1, 2]
+    runner = CliRunner(env={"UNLEARN_STORE_HMAC_KEY": key.decode()})
+    said = runner.invoke(jobs.versions.command, ["prune", "--store", str(vs.root), "--model", "m", "--before", "0",
+                                                 "--reason", "r"])
+    assert said.exit_code == 0 and "drop-run-copies` deletes the copies of [1, 2]" in said.output
+    said = runner.invoke(jobs.versions.command, ["drop-run-copies", "--store", str(vs.root), "--model", "m",
+                                                 "--reason", "copies of the original"])
+    assert said.exit_code == 0 and "would drop the run copies of [1, 2]" in said.output  # a dry run: nothing gone
+    assert vs.holding_run("m") == [0, 1, 2]
+    keyless = VersionStore(vs.root, hmac_key=None)
+    with keyless.lock("m"), pytest.raises(VersionStoreError, match="sealed but no store key"):
+        keyless.drop_run_copies("m", "copies")
+    before = {v: vs.version_dir("m", v) for v in (1, 2)}
+    weights = {v: (before[v] / WEIGHTS_FILE).read_bytes() for v in (1, 2)}
+    damaged = tmp_path / "damaged"  # a version that fails verification stops it before anything is deleted
+    shutil.copytree(vs.root, damaged)
+    card = damaged / "m" / "versions" / "000001" / CARD_FILE
+    card.write_text(card.read_text() + " ")
+    copy = VersionStore(damaged, hmac_key=key)
+    with copy.lock("m"), pytest.raises(VersionStoreError, match=r"versions \[1\] .* fail verification"):
+        copy.drop_run_copies("m", "copies")
+    assert (damaged / "m" / "versions" / "000002" / TRAJECTORY_FILE).exists()
+    said = runner.invoke(jobs.versions.command, ["drop-run-copies", "--store", str(vs.root), "--model", "m",
+                                                 "--reason", "copies of the original", "--yes"])
+    assert said.exit_code == 0 and "dropped the run copies of [1, 2]" in said.output, said.output
+    assert vs.holding_run("m") == [0]
+    for v in (1, 2):
+        info = vs.verify("m", v)  # still verifies and loads: its weights and card as published
+        assert not (info.path / TRAJECTORY_FILE).exists() and (info.path / WEIGHTS_FILE).read_bytes() == weights[v]
+        record = json.loads((info.path / TRAJECTORY_MOVED).read_text())
+        assert record["reference"]["path"] == "../000000/" + TRAJECTORY_FILE and "hmac" in record
+        assert record["sha256"] == info.manifest["files"][TRAJECTORY_FILE] == sha256_of(model_dir / TRAJECTORY_FILE)
+        assert load_model_dir(info.path)[0] is not None
+        kept = load_trained(info.path)
+        assert kept.trajectory is not None and kept.trajectory_missing is None
+    again = remove(vs.version_dir("m", 2), ids[6:8].tolist(), method="trajectory-refit")  # reads v0's run
+    assert again.record["method"] == "trajectory-refit"
+    with vs.lock("m"):
+        assert vs.drop_run_copies("m", "again") == []  # nothing left to do
+    moved = vs.version_dir("m", 2) / TRAJECTORY_MOVED
+    text = moved.read_text()
+    for forged, match in ((text.replace('"version": 2', '"version": 1'), "names another"),
+                          (text.replace('"sha256": "', '"sha256": "0'), "never had"),
+                          (text.replace('"reason": "copies of the original"', '"reason": "other"'), "seal")):
+        moved.write_text(forged)
+        with pytest.raises(TamperedVersionError, match=match):
+            vs.verify("m", 2)
+    moved.write_text(text)
+    (vs.version_dir("m", 2) / TRAJECTORY_FILE).write_bytes(recorded)  # as if killed before the copy went
+    with pytest.raises(VersionStoreError, match="interrupted"):
+        vs.verify("m", 2)
+    with vs.lock("m"):
+        assert vs.drop_run_copies("m", "finish") == [2]
+    assert vs.verify("m", 2) is not None and json.loads(moved.read_text())["reason"] == "copies of the original"
+    with vs.lock("m"):
+        assert vs.prune("m", 1, "retention") == [0]  # the original and its run deleted
+    gone = load_trained(vs.version_dir("m", 1))
+    assert gone.trajectory is None and "is gone" in gone.trajectory_missing
+    with vs.lock("m"):
+        assert vs.prune("m", 2, "retention") == [1]  # a dropped version prunes as any other
+    assert sorted(p.name for p in vs.version_dir("m", 1).iterdir()) == ["PRUNED", "manifest.json"]
+    assert "deleted_unlisted" not in json.loads((vs.version_dir("m", 1) / "PRUNED").read_text())
+
+
 def test_a_campaign_carries_the_guard_s_probe_from_batch_to_batch(trained_model_dir, tmp_path):
     """Through `unlearn campaign`'s machine (version store, ledger, each version reloaded from its files): the
     published version's weights are those the accepted removal's last probe pass read, so the next batch reads the

@@ -26,6 +26,11 @@ weights, card and recorded training run, which hold the samples later versions r
 original). Each keeps its manifest (hashes, parent, batch, method, privacy: no weights) and gains a sealed
 ``PRUNED`` tombstone written before any file goes, so the chain and every receipt still verify, an interrupted
 prune is finished by running it again, and a pruned version can be neither loaded nor rolled back to.
+
+Versions published before removals referred to version 0's recorded training run hold a copy of it (its last
+checkpoint is the original's weights). ``drop_run_copies`` deletes those copies from every later version, each after a
+sealed ``trajectory.moved.json`` record that names the file, its hash and where the same run is still kept (version
+0's copy, where it holds the same file), so the version still verifies and loads, and its removals read the run there.
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ from pipeline.checkpoint import atomic_write_bytes, sha256_of
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, read_card, write_model_dir
 from pipeline.store.crashpoint import crash_point
 from pipeline.trajectory import (
-    TRAJECTORY_FILE, TRAJECTORY_REFERENCE, recorded_trajectory, refer_to_trajectory, without_trajectory_reference,
+    TRAJECTORY_FILE, TRAJECTORY_MOVED, TRAJECTORY_REFERENCE, recorded_trajectory, refer_to_trajectory,
+    without_trajectory_reference,
 )
 
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -253,6 +259,9 @@ class VersionStore:
         if info.pruned:
             self._check_tombstone(info, present)
             files, present = {}, present - {PRUNED_FILE}  # a pruned version is its manifest: the chain is still checked
+        elif TRAJECTORY_MOVED in present:  # its copy of the recorded run deleted on purpose: the record checked
+            self._check_run_moved(info, present)
+            files, present = {k: v for k, v in files.items() if k != TRAJECTORY_FILE}, present - {TRAJECTORY_MOVED}
         unexpected = sorted(present - set(files) - {MANIFEST_FILE})
         missing = sorted(set(files) - present)
         if unexpected or missing:
@@ -308,6 +317,84 @@ class VersionStore:
         if left:
             raise VersionStoreError(f"{where}: pruning was interrupted ({left} still there); run `unlearn versions "
                                     "prune` again to finish it")
+
+    def _check_run_moved(self, info: VersionInfo, present: set[str]) -> None:
+        """A version whose copy of the recorded run was deleted (``drop_run_copies``): the record sealed, naming it
+        and the file its manifest hashed; the file gone (else the drop was interrupted: running it again finishes)."""
+        where = f"version {info.version} of '{info.model}'"
+        try:
+            record = json.loads((info.path / TRAJECTORY_MOVED).read_text())
+        except (OSError, ValueError) as err:
+            raise TamperedVersionError(f"{where}: {TRAJECTORY_MOVED} is unreadable ({err})") from None
+        if not isinstance(record, dict) or record.get("kind") != "run_dropped":
+            raise TamperedVersionError(f"{where}: {TRAJECTORY_MOVED} is not a record of a dropped run (kind "
+                                       "'run_dropped')")
+        if record.get("model") != info.model or record.get("version") != info.version:
+            raise TamperedVersionError(f"{where}: the dropped run's record names another model or version")
+        if record.get("sha256") != (info.manifest.get("files") or {}).get(TRAJECTORY_FILE):
+            raise TamperedVersionError(f"{where}: the dropped run's record names a file its manifest never had")
+        self._check_seal(record, f"{where}: the dropped run's record")
+        if TRAJECTORY_FILE in present:
+            raise VersionStoreError(f"{where}: dropping its copy of the recorded run was interrupted; run `unlearn "
+                                    "versions drop-run-copies` again to finish it")
+
+    def run_copies_plan(self, model: str) -> tuple[list[int], dict[int, str]]:
+        """(the versions after version 0 that still hold a copy of the recorded run, or whose drop was interrupted;
+        those of them that fail verification, with the error). Refuses a store whose manifests are sealed when no
+        key is loaded (a record written then could never be verified)."""
+        versions = [v for v in self.versions(model) if v > 0 and not (self.version_dir(model, v) / PRUNED_FILE).is_file()
+                    and (self.version_dir(model, v) / TRAJECTORY_FILE).is_file()]
+        if self.hmac_key is None and any(SEAL_FIELD in self.manifest(model, v) for v in versions):
+            raise VersionStoreError(f"the manifests of '{model}' are sealed but no store key is loaded: a record "
+                                    f"written now could never be verified; set {HMAC_KEY_ENV} (or {HMAC_KEY_FILE_ENV}) "
+                                    "and run it again; nothing was deleted")
+        damaged: dict[int, str] = {}
+        for version in versions:
+            if (self.version_dir(model, version) / TRAJECTORY_MOVED).is_file():
+                continue  # interrupted: finished by the drop (its record is checked there)
+            try:
+                self.verify(model, version)
+            except TamperedVersionError as err:
+                damaged[version] = str(err)
+        return versions, damaged
+
+    def drop_run_copies(self, model: str, reason: str) -> list[int]:
+        """Delete the copy of the recorded training run that versions after version 0 hold (published before
+        removals referred to version 0's instead; its last checkpoint is the original's weights). For each, a sealed
+        ``TRAJECTORY_MOVED`` record first: the file, its sha256 from the manifest, the reason and, where version 0
+        holds the same file, a reference to it (``pipeline.trajectory.locate_trajectory`` reads it there), else
+        none (the version's removals then go without the run, and their records say so). Every version is verified
+        first; a damaged one stops it before anything is deleted. Returns the versions done by this call."""
+        self._require_lock(model)
+        if not reason or not reason.strip():
+            raise VersionStoreError("dropping the run copies needs a reason (recorded with each version)")
+        targets, damaged = self.run_copies_plan(model)
+        if damaged:
+            raise VersionStoreError(f"versions {sorted(damaged)} of '{model}' fail verification "
+                                    f"({next(iter(damaged.values()))}); nothing was deleted. Restore their files or "
+                                    "roll back, then run it again")
+        zero = self.version_dir(model, 0)
+        kept = ((self.manifest(model, 0).get("files") or {}).get(TRAJECTORY_FILE)
+                if 0 in self.versions(model) and not (zero / PRUNED_FILE).is_file()
+                and (zero / TRAJECTORY_FILE).is_file() else None)
+        done: list[int] = []
+        for version in targets:
+            folder = self.version_dir(model, version)
+            if (folder / TRAJECTORY_MOVED).is_file():  # interrupted: its record checked, then finished
+                self._check_run_moved(self.info(model, version), {MANIFEST_FILE})
+            else:
+                digest = self.manifest(model, version)["files"][TRAJECTORY_FILE]
+                reference = ({"path": os.path.relpath(zero / TRAJECTORY_FILE, folder), "sha256": digest}
+                             if kept == digest else None)
+                record = self._sealed({"kind": "run_dropped", "model": model, "version": version, "dropped_at": _now(),
+                                       "reason": reason, "file": TRAJECTORY_FILE, "sha256": digest,
+                                       "reference": reference})
+                atomic_write_bytes(folder / TRAJECTORY_MOVED, _json_bytes(record))
+            crash_point("drop_run_record")
+            (folder / TRAJECTORY_FILE).unlink()
+            _fsync_dir(folder)
+            done.append(version)
+        return done
 
     def open_verified(self, model: str, version: int | None = None) -> VersionInfo:
         """The version (default: current) after verifying it; refuses a tampered or pruned one."""
@@ -595,7 +682,7 @@ class VersionStore:
                 self._check_tombstone(self.info(model, version), {MANIFEST_FILE, PRUNED_FILE})
             else:
                 listed = set(self.manifest(model, version).get("files") or {})
-                names = sorted(p.name for p in leftovers)
+                names = sorted(p.name for p in leftovers if p.name != TRAJECTORY_MOVED)  # a dropped run's record goes
                 unlisted = [n for n in names if n not in listed]  # a damaged version's extra files go too
                 tomb = self._sealed({"kind": "pruned", "model": model, "version": version, "pruned_at": _now(),
                                      "reason": reason, "deleted": [n for n in names if n in listed],
