@@ -104,7 +104,9 @@ def verify(store: str, model: str, version: int | None) -> None:
     bad = [(v, e) for v, e in results if e]
     for v, e in results:
         state = "ok (pruned: its manifest only)" if e is None and vs.info(model, v).pruned else "ok"
-        bad_as = "PRUNE INTERRUPTED: " if e is not None and "pruning was interrupted" in e else "TAMPERED: "
+        bad_as = ("PRUNE INTERRUPTED: " if e is not None and "pruning was interrupted" in e else
+                  "DROP INTERRUPTED: " if e is not None and "was interrupted; run `unlearn versions drop-run" in e
+                  else "TAMPERED: ")
         click.echo(f"v{v}: {state if e is None else bad_as + e}")
     if bad:
         raise click.ClickException(f"{len(bad)} version(s) of '{model}' failed verification")
@@ -190,9 +192,14 @@ def drop_run_copies(store: str, model: str, reason: str, yes: bool) -> None:
     vs = _store(store)
     vs.require_model(model)
     if not yes:
+        from pipeline.trajectory import TRAJECTORY_FILE
+
         targets, damaged = vs.run_copies_plan(model)
+        kept = vs.kept_run(model) if targets else None
+        alone = [v for v in targets if vs.manifest(model, v)["files"].get(TRAJECTORY_FILE) != kept]
         click.echo(f"would drop the run copies of {targets or 'no version'} of '{model}'; pass --yes to delete"
-                   + (f"; {sorted(damaged)} fail verification and would stop it" if damaged else ""))
+                   + (f"; {sorted(damaged)} fail verification and would stop it" if damaged else "")
+                   + (f"; v0 keeps no copy of the run {alone} hold: their removals would go without it" if alone else ""))
         return
     with vs.lock(model):
         done = vs.drop_run_copies(model, reason)

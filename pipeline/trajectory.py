@@ -200,8 +200,9 @@ def locate_trajectory(model_dir: str | Path, card: "ModelCard") -> tuple[Path | 
 
 def moved_reference(path: str | Path) -> dict[str, str] | None:
     """The reference ({path, sha256}, the path relative to the directory) a ``TRAJECTORY_MOVED`` record gives to the
-    kept copy of a deleted run, or None where no copy was kept. The file read through it is checked by its sha256,
-    so a record can only point at the run that was deleted."""
+    kept copy of a deleted run, or None where no copy was kept. The file read through it is checked against the
+    sha256 the reference records; a store checks, when it verifies the version, that the reference is its version 0's
+    copy and that sha256 the one its manifest hashed for the deleted file."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -234,6 +235,9 @@ def refer_to_trajectory(card: "ModelCard", source_dir: str | Path, target_dir: s
         where, digest = own.resolve(), sha256_of(own)
     else:
         ref = _reference_of(read_card(source_dir))
+        moved = Path(source_dir) / TRAJECTORY_MOVED
+        if ref is None and moved.is_file():  # its own copy dropped: the record says where the run is kept
+            ref = moved_reference(moved)
         if ref is None:
             return without_trajectory_reference(card)
         where, digest = (Path(source_dir) / ref["path"]).resolve(), ref["sha256"]

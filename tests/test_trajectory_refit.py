@@ -1412,8 +1412,11 @@ def test_new_versions_refer_to_the_trajectory_and_hold_no_copy(trained_model_dir
 def test_old_versions_copies_of_the_run_are_dropped_and_the_versions_still_serve(trained_model_dir, tmp_path):
     """A store whose later versions were published holding a copy of the recorded run (before versions referred to
     version 0's): `unlearn versions drop-run-copies` deletes each copy after a sealed record of it, and the versions
-    still verify and load as published, their removals read version 0's run (the copy's own sha256); a record for another version, a forged hash, an unsealed record and a copy left after an interrupted drop
-    are caught; a prune past version 0 leaves the dropped versions without the run, saying so."""
+    still verify and load as published, their removals read version 0's run, and the next version published refers
+    to it; a record for another version, a forged hash or reference, an unsealed change and a copy left after an
+    interrupted drop are caught; a damaged version, or version 0's copy damaged, stops it before anything is deleted;
+    with version 0 pruned the dry run says the copies are the run's last; a prune past version 0 leaves the dropped
+    versions without the run, saying so."""
     import json
     import shutil
 
@@ -1421,7 +1424,7 @@ def test_old_versions_copies_of_the_run_are_dropped_and_the_versions_still_serve
 
     import jobs.versions
     from pipeline.checkpoint import atomic_write_bytes, sha256_of
-    from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, load_model_dir
+    from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, load_model_dir, read_card
     from pipeline.removal import load_trained, remove
     from pipeline.store.versions import TamperedVersionError, VersionStore, VersionStoreError
     from pipeline.trajectory import TRAJECTORY_FILE, TRAJECTORY_MOVED
@@ -1477,6 +1480,20 @@ def test_old_versions_copies_of_the_run_are_dropped_and_the_versions_still_serve
     with copy.lock("m"), pytest.raises(VersionStoreError, match=r"versions \[1\] .* fail verification"):
         copy.drop_run_copies("m", "copies")
     assert (damaged / "m" / "versions" / "000002" / TRAJECTORY_FILE).exists()
+    shutil.copytree(vs.root, tmp_path / "zero-damaged")  # version 0's own copy damaged: no copy dropped for it
+    zero_copy = VersionStore(tmp_path / "zero-damaged", hmac_key=key)
+    run_zero = zero_copy.version_dir("m", 0) / TRAJECTORY_FILE
+    run_zero.write_bytes(recorded[:-1] + b"x")
+    with zero_copy.lock("m"), pytest.raises(TamperedVersionError, match="version 0 of 'm': its copy"):
+        zero_copy.drop_run_copies("m", "copies")
+    assert (zero_copy.version_dir("m", 1) / TRAJECTORY_FILE).exists()
+    shutil.copytree(vs.root, tmp_path / "no-zero")  # version 0 pruned: the copies are the run's last
+    no_zero = VersionStore(tmp_path / "no-zero", hmac_key=key)
+    with no_zero.lock("m"):
+        no_zero.prune("m", 1, "retention")
+    said = runner.invoke(jobs.versions.command, ["drop-run-copies", "--store", str(no_zero.root), "--model", "m",
+                                                 "--reason", "r"])
+    assert said.exit_code == 0 and "v0 keeps no copy of the run [1, 2]" in said.output, said.output
     said = runner.invoke(jobs.versions.command, ["drop-run-copies", "--store", str(vs.root), "--model", "m",
                                                  "--reason", "copies of the original", "--yes"])
     assert said.exit_code == 0 and "dropped the run copies of [1, 2]" in said.output, said.output
@@ -1492,14 +1509,20 @@ def test_old_versions_copies_of_the_run_are_dropped_and_the_versions_still_serve
         assert kept.trajectory is not None and kept.trajectory_missing is None
     again = remove(vs.version_dir("m", 2), ids[6:8].tolist(), method="trajectory-refit")  # reads v0's run
     assert again.record["method"] == "trajectory-refit"
+    with vs.lock("m"):  # the next version published on a dropped one refers to version 0's run
+        vs.publish("m", again.new_state, again.card, parent=2, manifest={"batch": {"key": "b3", "content_sha256": "h"}})
+    assert read_card(vs.version_dir("m", 3)).training.extra["trajectory"]["path"] == "../000000/" + TRAJECTORY_FILE
+    assert load_trained(vs.version_dir("m", 3)).trajectory is not None
+    assert not list(vs.version_dir("m", 2).glob(".*"))  # no temporary file left in a version's folder
     with vs.lock("m"):
         assert vs.drop_run_copies("m", "again") == []  # nothing left to do
     moved = vs.version_dir("m", 2) / TRAJECTORY_MOVED
     text = moved.read_text()
-    for forged, match in ((text.replace('"version": 2', '"version": 1'), "names another"),
-                          (text.replace('"sha256": "', '"sha256": "0'), "never had"),
-                          (text.replace('"reason": "copies of the original"', '"reason": "other"'), "seal")):
-        moved.write_text(forged)
+    record = json.loads(text)
+    for change, match in (({"version": 1}, "names another"), ({"sha256": "0" * 64}, "never had"),
+                          ({"reference": {**record["reference"], "path": "/tmp/" + TRAJECTORY_FILE}},
+                           "refers to another file"), ({"reason": "other"}, "seal")):
+        moved.write_text(json.dumps({**record, **change}))
         with pytest.raises(TamperedVersionError, match=match):
             vs.verify("m", 2)
     moved.write_text(text)

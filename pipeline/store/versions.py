@@ -329,14 +329,37 @@ class VersionStore:
         if not isinstance(record, dict) or record.get("kind") != "run_dropped":
             raise TamperedVersionError(f"{where}: {TRAJECTORY_MOVED} is not a record of a dropped run (kind "
                                        "'run_dropped')")
-        if record.get("model") != info.model or record.get("version") != info.version:
-            raise TamperedVersionError(f"{where}: the dropped run's record names another model or version")
-        if record.get("sha256") != (info.manifest.get("files") or {}).get(TRAJECTORY_FILE):
+        if record.get("model") != info.model or record.get("version") != info.version or info.version == 0:
+            raise TamperedVersionError(f"{where}: the dropped run's record names another model or version (version 0 "
+                                       "keeps its run: it is never dropped there)")
+        digest = (info.manifest.get("files") or {}).get(TRAJECTORY_FILE)
+        if not isinstance(digest, str) or record.get("sha256") != digest:
             raise TamperedVersionError(f"{where}: the dropped run's record names a file its manifest never had")
+        if record.get("reference") not in (None, self._run_reference(info.model, info.version, digest)):
+            raise TamperedVersionError(f"{where}: the dropped run's record refers to another file than version 0's "
+                                       "copy of the same run")
         self._check_seal(record, f"{where}: the dropped run's record")
         if TRAJECTORY_FILE in present:
             raise VersionStoreError(f"{where}: dropping its copy of the recorded run was interrupted; run `unlearn "
                                     "versions drop-run-copies` again to finish it")
+
+    def _run_reference(self, model: str, version: int, digest: str) -> dict[str, str]:
+        """The reference a dropped copy's record gives: version 0's run, relative to ``version``'s folder."""
+        return {"path": os.path.relpath(self.version_dir(model, 0) / TRAJECTORY_FILE, self.version_dir(model, version)),
+                "sha256": digest}
+
+    def kept_run(self, model: str) -> str | None:
+        """The sha256 of version 0's copy of the recorded run where it holds one (not pruned), checked against its
+        manifest (a mismatch raises: no copy is dropped in favour of a damaged one); None where it holds none."""
+        zero = self.version_dir(model, 0)
+        if 0 not in self.versions(model) or (zero / PRUNED_FILE).is_file() or not (zero / TRAJECTORY_FILE).is_file():
+            return None
+        listed = (self.manifest(model, 0).get("files") or {}).get(TRAJECTORY_FILE)
+        if listed is None or sha256_of(zero / TRAJECTORY_FILE) != listed:
+            raise TamperedVersionError(f"version 0 of '{model}': its copy of the recorded run is not the one its "
+                                       "manifest hashed; restore it before dropping the other copies (nothing was "
+                                       "deleted)")
+        return listed
 
     def run_copies_plan(self, model: str) -> tuple[list[int], dict[int, str]]:
         """(the versions after version 0 that still hold a copy of the recorded run, or whose drop was interrupted;
@@ -373,10 +396,7 @@ class VersionStore:
             raise VersionStoreError(f"versions {sorted(damaged)} of '{model}' fail verification "
                                     f"({next(iter(damaged.values()))}); nothing was deleted. Restore their files or "
                                     "roll back, then run it again")
-        zero = self.version_dir(model, 0)
-        kept = ((self.manifest(model, 0).get("files") or {}).get(TRAJECTORY_FILE)
-                if 0 in self.versions(model) and not (zero / PRUNED_FILE).is_file()
-                and (zero / TRAJECTORY_FILE).is_file() else None)
+        kept = self.kept_run(model) if targets else None
         done: list[int] = []
         for version in targets:
             folder = self.version_dir(model, version)
@@ -384,17 +404,26 @@ class VersionStore:
                 self._check_run_moved(self.info(model, version), {MANIFEST_FILE})
             else:
                 digest = self.manifest(model, version)["files"][TRAJECTORY_FILE]
-                reference = ({"path": os.path.relpath(zero / TRAJECTORY_FILE, folder), "sha256": digest}
-                             if kept == digest else None)
+                reference = self._run_reference(model, version, digest) if kept == digest else None
                 record = self._sealed({"kind": "run_dropped", "model": model, "version": version, "dropped_at": _now(),
                                        "reason": reason, "file": TRAJECTORY_FILE, "sha256": digest,
                                        "reference": reference})
-                atomic_write_bytes(folder / TRAJECTORY_MOVED, _json_bytes(record))
+                self._place(model, folder, TRAJECTORY_MOVED, _json_bytes(record))
             crash_point("drop_run_record")
             (folder / TRAJECTORY_FILE).unlink()
             _fsync_dir(folder)
             done.append(version)
         return done
+
+    def _place(self, model: str, folder: Path, name: str, data: bytes) -> None:
+        """Write ``folder/name`` by a complete file in the model's ``.staging`` renamed into place: a writer killed
+        half-way leaves its temporary file where the next lock clears it, never in a version's folder."""
+        staging = self._require_lock(model) / ".staging"
+        staging.mkdir(exist_ok=True)
+        tmp = staging / f"{uuid.uuid4().hex}.{name}"
+        atomic_write_bytes(tmp, data)
+        os.replace(tmp, folder / name)
+        _fsync_dir(folder)
 
     def open_verified(self, model: str, version: int | None = None) -> VersionInfo:
         """The version (default: current) after verifying it; refuses a tampered or pruned one."""
@@ -688,7 +717,7 @@ class VersionStore:
                                      "reason": reason, "deleted": [n for n in names if n in listed],
                                      **({"deleted_unlisted": unlisted} if unlisted else {}),
                                      **({"verify_error": damaged[version]} if version in damaged else {})})
-                atomic_write_bytes(folder / PRUNED_FILE, _json_bytes(tomb))
+                self._place(model, folder, PRUNED_FILE, _json_bytes(tomb))
             crash_point("prune_tombstone")
             for path in leftovers:
                 if path.is_dir() and not path.is_symlink():
