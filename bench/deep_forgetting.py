@@ -102,7 +102,6 @@ from torch import nn  # noqa: E402
 
 from bench.common import cpu_model, loadavg  # noqa: E402
 from pipeline.errors import RemovalNotServed  # noqa: E402
-from pipeline.evaluate.lira import ATTACKABLE as ULIRA_ATTACKABLE  # noqa: E402 - a U-LiRA cell is read from it
 from pipeline.jsonio import jsonable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1077,36 +1076,15 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
 
 def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A cell's U-LiRA: its one set's game as it is, or the games of several sets pooled per row
-    (pipeline.evaluate.lira.pooled_attack_accuracy); a row with no game on some set (refused or failed on a shadow
-    request, or not served on the set itself) is not pooled and says on which. The pooled cell is read only where
-    the original row scores at least ``ULIRA_ATTACKABLE`` on every set: on a set where the attack cannot tell
-    doing nothing from Retrain every row reads near 50, whatever it did, and would pull the pool towards 50."""
-    from pipeline.evaluate.lira import pooled_attack_accuracy
+    (pipeline.evaluate.lira.pool_ulira: a row with no game on some set is not pooled and says on which; the pool is
+    read only where the original row scores at least ``pipeline.evaluate.lira.ATTACKABLE`` on every set)."""
+    from pipeline.evaluate.lira import pool_ulira
 
     if len(games) <= 1:
         return games[0] if games else None
-    names: list[str] = []
-    for g in games:
-        names += [name for name in g["rows"] if name not in names]
-    rows: dict[str, Any] = {}
-    for name in names:
-        played = [g["rows"].get(name) for g in games]
-        unplayed = next(((g["forget_set"], r) for g, r in zip(games, played)
-                         if not isinstance(r, dict) or "accuracy" not in r), None)
-        if unplayed is not None:
-            rows[name] = {"not_pooled": f"no game on forget set {unplayed[0]}",
-                          **(unplayed[1] if isinstance(unplayed[1], dict) else {})}
-            continue
-        rows[name] = pooled_attack_accuracy(played)
-    originals = [float(g["rows"]["original"]["accuracy"]) for g in games]
-    weak = [g["forget_set"] for g, a in zip(games, originals) if a < ULIRA_ATTACKABLE]
-    shown = ", ".join(f"{a:.1f}" for a in originals)
+    pooled = pool_ulira(games, [g["forget_set"] for g in games])
     return {"shadows": games[0]["shadows"], "forget_set": games[0]["forget_set"],
-            "forget_sets": [g["forget_set"] for g in games], "rows": rows, "attackable": not weak,
-            "note": (f"the original row scores {shown} on its sets (each >= {ULIRA_ATTACKABLE:g}): the cell can be read"
-                     if not weak else
-                     f"the original row scores {shown} on its sets, under {ULIRA_ATTACKABLE:g} on set(s) "
-                     f"{', '.join(str(k) for k in weak)}: no U-LiRA floor is read on the pool")}
+            "forget_sets": [g["forget_set"] for g in games], **pooled}
 
 
 def campaign(ctx: Context, scenario: str, sets: list[ForgetSet]) -> dict[str, Any]:

@@ -517,7 +517,7 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
     """One line per table cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
     file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it
     (``link``: the path from the page to the repository's root, "" from README.md)."""
-    from bench.deep_forgetting import ULIRA_ATTACKABLE
+    from pipeline.evaluate.lira import ATTACKABLE as ULIRA_ATTACKABLE
 
     lines = []
     for name, d, sc in cells:

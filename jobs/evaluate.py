@@ -30,6 +30,9 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @click.option("--ulira-shadows", type=int, default=None,
               help="U-LiRA distinguishing game with this many shadow pairs (an original on D and a Retrain on D_r "
                    "per seed; at least 3, 16 for a reading; 0 = off)")
+@click.option("--pool-ulira", "pool", multiple=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="pool the U-LiRA games of earlier results (JSON written by --out, each on its own forget set of one "
+                   "model) per row instead of evaluating (repeat it for each file; --out writes the pooled game)")
 @click.option("--seed", type=int, default=None)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON result file")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), default=None, help="folder for PNG plots")
@@ -37,9 +40,11 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @user_errors
 def command(model_dir: Path | None, config_path: Path | None, scenario: str | None, fraction: float | None,
             count: int | None, classes: str | None, ids: str | None, methods: tuple[str, ...],
-            lira_shadows: int | None, ulira_shadows: int | None, seed: int | None, out: Path | None,
-            plots: Path | None, cache_dir: Path | None) -> None:
+            lira_shadows: int | None, ulira_shadows: int | None, pool: tuple[Path, ...], seed: int | None,
+            out: Path | None, plots: Path | None, cache_dir: Path | None) -> None:
     """Evaluate removal methods on MODEL_DIR against Retrain and fine-tune (UA/RA/TA/MIA/Avg. Gap)."""
+    if pool:
+        return pool_results(pool, out)
     raw: dict[str, Any] = load_yaml(config_path, "evaluation config") if config_path else {}
     if model_dir is not None:
         raw["model_dir"] = str(model_dir)
@@ -71,6 +76,27 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
         click.echo(f"wrote {config.out}")
 
 
+def pool_results(files: tuple[Path, ...], out: Path | None) -> None:
+    """``--pool-ulira``: the games of earlier results pooled per row, printed and written to ``out``."""
+    import json
+
+    from pipeline.evaluate.protocol import EvaluationError, pool_ulira_results
+    from pipeline.jsonio import write_json
+
+    results = []
+    for path in files:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            raise EvaluationError(f"--pool-ulira {path}: not a readable JSON result ({err})") from None
+    pooled = pool_ulira_results(results, [str(p) for p in files])
+    for line in ulira_lines(pooled):
+        click.echo(line)
+    if out is not None:
+        write_json(out, pooled)
+        click.echo(f"wrote {out}")
+
+
 def ulira_lines(cell: dict[str, Any] | None) -> list[str]:
     """The U-LiRA game's result, a line per row: the attack's accuracy and its 95 % interval, or why not played."""
     if not cell:
@@ -79,8 +105,10 @@ def ulira_lines(cell: dict[str, Any] | None) -> list[str]:
     for name, row in cell["rows"].items():
         if "accuracy" in row:
             low, high = row.get("ci95") or (float("nan"), float("nan"))
-            lines.append(f"  {name}: {row['accuracy']:.1f} [{low:.1f}, {high:.1f}]")
+            lines.append(f"  {name}: {row['accuracy']:.1f} [{low:.1f}, {high:.1f}]"
+                         + (f" over {row['examples']} examples of {len(row['per_set'])} sets" if "per_set" in row else ""))
         else:
             why = row.get("needs_retrain") or row.get("error")
-            lines.append(f"  {name}: no game (shadow pair {row.get('shadow')}: {why})")
+            where = row.get("not_pooled") or f"shadow pair {row.get('shadow')}"
+            lines.append(f"  {name}: no game ({where}" + (f": {why})" if why else ")"))
     return lines

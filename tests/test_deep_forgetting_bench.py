@@ -738,7 +738,7 @@ def test_ulira_played_on_several_sets_is_pooled_per_row() -> None:
     assert "shadow pairs on the first 2 sets (pooled)" in table
     assert "U-LiRA pooled over forget sets 0, 1" in table
     assert "U-LiRA reads on forget set 0" in table and "U-LiRA reads on forget set 1" in table
-    # read only where the original scores at least ULIRA_ATTACKABLE on every set, not on the pool alone
+    # read only where the original scores at least pipeline.evaluate.lira.ATTACKABLE on every set, not on the pool alone
     strong = json.loads(json.dumps(games))
     for g, acc in zip(strong, (100.0, 55.0)):
         g["rows"]["original"]["accuracy"] = acc

@@ -90,7 +90,8 @@ def test_the_originals_row_is_the_game_on_models_trained_independently(played, c
 
     _, model_task, _ = load_model_dir(cnn_dir)
     seeds = [recipe.seed + s for s in range(PAIRS)]
-    reference = ulira_attack_accuracy(np.stack([phi(data, s) for s in seeds]), np.stack([phi(retain, s) for s in seeds]))
+    reference = ulira_attack_accuracy(np.stack([phi(data, s) for s in seeds]),
+                                      np.stack([phi(retain, s) for s in seeds]))
     row = game["rows"]["original"]
     assert row["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-9)
     assert np.allclose(row["per_pair"], reference["per_pair"])
@@ -166,3 +167,45 @@ def test_a_model_the_game_cannot_pair_is_refused_before_any_work(cnn_dir, tmp_pa
     with pytest.raises(EvaluationError, match=f"ulira_shadows: .*{said}"):
         evaluate(_config(tmp_path / "model", tmp_path, out=str(tmp_path / "never.json")))
     assert not (tmp_path / "never.json").exists() and not (tmp_path / "cache").exists()
+
+
+def test_games_on_several_forget_sets_are_pooled_per_row(cnn_dir, tmp_path):
+    """`unlearn eval --pool-ulira A --pool-ulira B`: the games of two forget sets of one model (the same shadow
+    originals, cached) pooled per row: the exact Retrain still reads 50, the originals' row is the weighted mean of
+    its two games (``pooled_attack_accuracy``); a row one game lacks is not pooled and says which; results of another
+    model or without a game are refused naming the file."""
+    from jobs.evaluate import command
+    from pipeline.evaluate.lira import pooled_attack_accuracy
+
+    files = []
+    for label in (CLASS, 5):
+        methods = {"suffix-retrain": {"scope_cost_share": 1.0}} if label == CLASS else {}
+        files.append(tmp_path / f"class{label}.json")
+        evaluate(_config(cnn_dir, tmp_path, ulira_shadows=3, methods=methods, forget={"scenario": "class",
+                                                                                      "classes": [label]},
+                         out=str(files[-1])))
+    runner = CliRunner()
+    out = tmp_path / "pooled.json"
+    said = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(files[1]), "--out", str(out)])
+    assert said.exit_code == 0, said.output
+    pooled = json.loads(out.read_text())
+    games = [json.loads(f.read_text())["ulira"] for f in files]
+    original = pooled["rows"]["original"]
+    reference = pooled_attack_accuracy([g["rows"]["original"] for g in games])
+    assert original["accuracy"] == pytest.approx(reference["accuracy"]) and original["ci95"] == reference["ci95"]
+    n = [g["rows"]["original"]["examples"] for g in games]
+    assert original["examples"] == sum(n) and original["accuracy"] == pytest.approx(
+        sum(k * g["rows"]["original"]["accuracy"] for k, g in zip(n, games)) / sum(n))
+    assert pooled["attackable"] and pooled["rows"]["finetune"]["shadow_pairs"] == 3
+    assert pooled["rows"]["suffix-retrain"]["not_pooled"] == f"no game on result {files[1]}"
+    assert "original: " in said.output and f"over {sum(n)} examples of 2 sets" in said.output
+    assert "suffix-retrain: no game (no game on result" in said.output
+    other = json.loads(files[1].read_text())
+    other["model_dir"] = "elsewhere"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(tmp_path / "other.json")])
+    assert bad.exit_code == 1 and "other.json: model_dir" in bad.output
+    other = {**json.loads(files[1].read_text()), "ulira": None}
+    (tmp_path / "none.json").write_text(json.dumps(other))
+    bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(tmp_path / "none.json")])
+    assert bad.exit_code == 1 and "none.json: holds no U-LiRA game" in bad.output

@@ -304,3 +304,34 @@ def play_ulira(retrained: Sequence[Mapping[str, np.ndarray]], rows: Mapping[str,
             "note": (f"the original row scores {original:.1f} (>= {ATTACKABLE:g}): the cell can be read" if readable
                      else f"the original row scores {original:.1f} (< {ATTACKABLE:g}): the attack cannot tell doing "
                           "nothing from Retrain here; no U-LiRA floor is read in this cell")}
+
+
+def pool_ulira(cells: Sequence[Mapping[str, Any]], labels: Sequence[Any], what: str = "forget set") -> dict[str, Any]:
+    """Several U-LiRA cells of one model (``play_ulira``'s, each on its own forget set, the same shadow pairs) pooled
+    per row (``pooled_attack_accuracy``). A row with no game on some cell (refused or failed on a pair, or absent) is
+    not pooled and says on which (``labels``: how each cell is named, ``what`` the kind of name). The pool is read
+    (``attackable``) only where the original scores at least ``ATTACKABLE`` on every cell: on a cell where the attack
+    cannot tell doing nothing from Retrain every row reads near 50, whatever it did, and would pull the pool to 50."""
+    if len(cells) != len(labels) or not cells:
+        raise ValueError("pooling needs at least one cell, and one label per cell")
+    names: list[str] = []
+    for cell in cells:
+        names += [name for name in cell["rows"] if name not in names]
+    rows: dict[str, Any] = {}
+    for name in names:
+        played = [cell["rows"].get(name) for cell in cells]
+        unplayed = next(((label, r) for label, r in zip(labels, played)
+                         if not isinstance(r, dict) or "accuracy" not in r), None)
+        if unplayed is not None:
+            rows[name] = {"not_pooled": f"no game on {what} {unplayed[0]}",
+                          **(unplayed[1] if isinstance(unplayed[1], dict) else {})}
+            continue
+        rows[name] = pooled_attack_accuracy(played)
+    originals = [float(cell["rows"]["original"]["accuracy"]) for cell in cells]
+    weak = [label for label, a in zip(labels, originals) if a < ATTACKABLE]
+    shown = ", ".join(f"{a:.1f}" for a in originals)
+    return {"rows": rows, "attackable": not weak,
+            "note": (f"the original row scores {shown} on its sets (each >= {ATTACKABLE:g}): the cell can be read"
+                     if not weak else
+                     f"the original row scores {shown} on its sets, under {ATTACKABLE:g} on set(s) "
+                     f"{', '.join(str(k) for k in weak)}: no U-LiRA floor is read on the pool")}

@@ -435,6 +435,31 @@ class Evaluation:
         return curve.as_dict()
 
 
+def pool_ulira_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The U-LiRA games of several ``evaluate`` results (each ``ulira_shadows`` on its own forget set of one model)
+    pooled per row (``pipeline.evaluate.lira.pool_ulira``). They must share the model directory and the shadow pairs'
+    seeds (so that pair s holds the same original in every game); ``names`` name them in errors and in the rows
+    that are not pooled."""
+    from pipeline.evaluate.lira import pool_ulira
+
+    if len(results) < 2:
+        raise EvaluationError("pooling U-LiRA games needs at least two results")
+    for name, result in zip(names, results):
+        if not isinstance(result, dict) or not isinstance(result.get("ulira"), dict):
+            raise EvaluationError(f"{name}: holds no U-LiRA game (an `unlearn eval` result with ulira_shadows)")
+    first = results[0]
+    for name, result in zip(names[1:], results[1:]):
+        for key, value, where in (("model_dir", result.get("model_dir"), first.get("model_dir")),
+                                  ("ulira.seeds", result["ulira"].get("seeds"), first["ulira"].get("seeds"))):
+            if value != where:
+                raise EvaluationError(f"{name}: {key} is {value!r}, not {where!r} as in {names[0]}: the games must be "
+                                      "played on one model with the same shadow pairs")
+    pooled = pool_ulira([r["ulira"] for r in results], names, what="result")
+    return {"model_dir": first.get("model_dir"), "shadows": first["ulira"]["shadows"],
+            "seeds": first["ulira"].get("seeds"), "pooled": list(names),
+            "forget_sets": [r.get("scenario") for r in results], "examples": [r.get("m") for r in results], **pooled}
+
+
 def protocol_steps(config: EvalConfig) -> list[str]:
     """The steps ``evaluate`` runs, in order (its progress bar counts them)."""
     names = ["load", "original"]
