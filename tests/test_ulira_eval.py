@@ -173,7 +173,7 @@ def test_games_on_several_forget_sets_are_pooled_per_row(cnn_dir, tmp_path):
     """`unlearn eval --pool-ulira A --pool-ulira B`: the games of two forget sets of one model (the same shadow
     originals, cached) pooled per row: the exact Retrain still reads 50, the originals' row is the weighted mean of
     its two games (``pooled_attack_accuracy``); a row one game lacks is not pooled and says which; results of another
-    model or without a game are refused naming the file."""
+    model, without a game, or of the same forget set twice are refused naming the file."""
     from jobs.evaluate import command
     from pipeline.evaluate.lira import pooled_attack_accuracy
 
@@ -205,6 +205,8 @@ def test_games_on_several_forget_sets_are_pooled_per_row(cnn_dir, tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(tmp_path / "other.json")])
     assert bad.exit_code == 1 and "other.json: model_dir" in bad.output
+    bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(files[0])])
+    assert bad.exit_code == 1 and "the same forget set as" in bad.output
     other = {**json.loads(files[1].read_text()), "ulira": None}
     (tmp_path / "none.json").write_text(json.dumps(other))
     bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(tmp_path / "none.json")])

@@ -454,6 +454,12 @@ def pool_ulira_results(results: list[dict[str, Any]], names: list[str]) -> dict[
             if value != where:
                 raise EvaluationError(f"{name}: {key} is {value!r}, not {where!r} as in {names[0]}: the games must be "
                                       "played on one model with the same shadow pairs")
+    seen: dict[tuple[int, ...], str] = {}
+    for name, result in zip(names, results):
+        ids = tuple(sorted(int(i) for i in result.get("sample_ids") or []))
+        if ids in seen:
+            raise EvaluationError(f"{name}: the same forget set as {seen[ids]}; pool each forget set once")
+        seen[ids] = name
     pooled = pool_ulira([r["ulira"] for r in results], names, what="result")
     return {"model_dir": first.get("model_dir"), "shadows": first["ulira"]["shadows"],
             "seeds": first["ulira"].get("seeds"), "pooled": list(names),
