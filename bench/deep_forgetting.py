@@ -1069,9 +1069,7 @@ def ulira_cell(ctx: Context, fs: ForgetSet, ev: SetEval, shadows: int, retrained
                 break
             phis.append(parts(res["model"]))
         stats[row] = phis
-    cell = play_ulira(retrained, stats)
-    return {"shadows": shadows, "forget_set": fs.index, "rows": cell["rows"], "attackable": cell["attackable"],
-            "note": cell["note"]}
+    return {**play_ulira(retrained, stats), "forget_set": fs.index}
 
 
 def ulira_of_cell(games: list[dict[str, Any]]) -> dict[str, Any] | None:

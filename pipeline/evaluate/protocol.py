@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch import nn
 from pipeline import memory
 from pipeline.jsonio import write_json
 from pipeline.trajectory import refer_to_trajectory
-from pipeline.methods.base import MethodRef, MethodSettings
+from pipeline.methods.base import MethodRef, MethodSettings, TrainedModel
 from pipeline.data import SampleSet, load_source
 from pipeline.evaluate.baselines import Baseline, FineTuneSettings, finetune, init_of, recipe_of, retrain
 from pipeline.evaluate.curves import removal_curve
@@ -48,7 +49,7 @@ from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
 from pipeline.progress import StageProgress, Steps
 from pipeline.recipe import fit, initial_model
 from pipeline.errors import RemovalNotServed
-from pipeline.removal import remove, training_set
+from pipeline.removal import load_trained, remove, training_set
 
 # Method names that mean the baselines (never run twice if a method registry also has them).
 BASELINE_NAMES: frozenset[str] = frozenset({"retrain", "finetune", "fine-tune"})
@@ -371,13 +372,12 @@ class Evaluation:
                                                               cache_dir=cfg.cache_dir)
                 trained["seconds"] += seconds
                 trained["cached"] += int(cached)
-                model, task, card = load_model_dir(directory)
-                model.eval()
-                rows["original"].append(parts(model))
+                shadow = load_trained(directory, batch_size=cfg.batch_size)  # once per pair: every row removes from it
+                rows["original"].append(parts(shadow.model))
                 for name in names:
                     if isinstance(rows[name], dict):
                         continue
-                    phi, why = self._shadow_removal(name, s, directory, model, task, card, parts)
+                    phi, why = self._shadow_removal(name, s, shadow, parts)
                     if why is not None:
                         rows[name] = why
                     else:
@@ -390,17 +390,19 @@ class Evaluation:
                 "originals_trained": {"seconds": trained["seconds"], "cached": trained["cached"]},
                 "seconds": time.perf_counter() - started}
 
-    def _shadow_removal(self, name: str, s: int, directory: Path, model: nn.Module, task: Any, card: ModelCard,
+    def _shadow_removal(self, name: str, s: int, shadow: TrainedModel,
                         parts: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, Any] | None]:
         """(phi's parts under one row's removal from shadow original ``s``, None), or (None, why the row has no
-        game: a refusal or, with ``continue_on_error``, an error, naming the pair)."""
+        game: a refusal or, with ``continue_on_error``, an error, naming the pair). ``shadow`` is left as it was
+        (the removal runs on a copy of its model: ``remove`` changes a loaded model in place)."""
         cfg = self.config
         try:
             if name == "finetune":
-                run = finetune(card, model, task, self.sets.retain, self.sample_ids, settings=cfg.finetune,
-                               cache_dir=cfg.cache_dir)
+                run = finetune(shadow.card, shadow.model, shadow.task, self.sets.retain, self.sample_ids,
+                               settings=cfg.finetune, cache_dir=cfg.cache_dir)
                 return parts(run.model), None
-            removal = remove(directory, self.sample_ids, method=name, settings=cfg.methods[name], seed=cfg.seed + s,
+            work = dataclasses.replace(shadow, model=copy.deepcopy(shadow.model))
+            removal = remove(work, self.sample_ids, method=name, settings=cfg.methods[name], seed=cfg.seed + s,
                              batch_size=cfg.batch_size, memory_budget=memory.current_budget(),
                              stage_hook=StageProgress(f"U-LiRA {name} {s}"))
         except RemovalNotServed as refused:
@@ -409,7 +411,7 @@ class Evaluation:
             if not cfg.continue_on_error:
                 raise
             return None, {"error": f"{type(err).__name__}: {err}", "shadow": s}
-        return parts(_with_state(model, removal.new_state)), None
+        return parts(_with_state(shadow.model, removal.new_state)), None
 
     def curve(self) -> dict[str, Any] | None:
         spec = self.config.curve

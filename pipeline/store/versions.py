@@ -295,18 +295,26 @@ class VersionStore:
                 out.append((v, str(err)))
         return out
 
+    @staticmethod
+    def _read_record(info: VersionInfo, name: str, kind: str, label: str, described: str) -> dict[str, Any]:
+        """A record the store writes beside a version's files (``name``: a pruning tombstone, a dropped run's record):
+        readable JSON of ``kind``, naming this model and version (its seal and the rest checked by the caller)."""
+        where = f"version {info.version} of '{info.model}'"
+        try:
+            record = json.loads((info.path / name).read_text())
+        except (OSError, ValueError) as err:
+            raise TamperedVersionError(f"{where}: {label} is unreadable ({err})") from None
+        if not isinstance(record, dict) or record.get("kind") != kind:
+            raise TamperedVersionError(f"{where}: {name} is not {described} (kind '{kind}')")
+        if record.get("model") != info.model or record.get("version") != info.version:
+            raise TamperedVersionError(f"{where}: {label} names another model or version")
+        return record
+
     def _check_tombstone(self, info: VersionInfo, present: set[str]) -> None:
         """A pruned version: its tombstone sealed and naming it; nothing of its files left (else the prune was
         interrupted, and running it again finishes it)."""
         where = f"version {info.version} of '{info.model}'"
-        try:
-            tomb = json.loads((info.path / PRUNED_FILE).read_text())
-        except (OSError, ValueError) as err:
-            raise TamperedVersionError(f"{where}: the pruning tombstone is unreadable ({err})") from None
-        if not isinstance(tomb, dict) or tomb.get("kind") != "pruned":
-            raise TamperedVersionError(f"{where}: {PRUNED_FILE} is not a pruning tombstone (kind 'pruned')")
-        if tomb.get("model") != info.model or tomb.get("version") != info.version:
-            raise TamperedVersionError(f"{where}: the pruning tombstone names another model or version")
+        tomb = self._read_record(info, PRUNED_FILE, "pruned", "the pruning tombstone", "a pruning tombstone")
         if not set(tomb.get("deleted") or []) <= set(info.manifest.get("files") or {}):
             raise TamperedVersionError(f"{where}: the pruning tombstone lists files its manifest never had")
         self._check_seal(tomb, f"{where}: the pruning tombstone")
@@ -322,14 +330,9 @@ class VersionStore:
         """A version whose copy of the recorded run was deleted (``drop_run_copies``): the record sealed, naming it
         and the file its manifest hashed; the file gone (else the drop was interrupted: running it again finishes)."""
         where = f"version {info.version} of '{info.model}'"
-        try:
-            record = json.loads((info.path / TRAJECTORY_MOVED).read_text())
-        except (OSError, ValueError) as err:
-            raise TamperedVersionError(f"{where}: {TRAJECTORY_MOVED} is unreadable ({err})") from None
-        if not isinstance(record, dict) or record.get("kind") != "run_dropped":
-            raise TamperedVersionError(f"{where}: {TRAJECTORY_MOVED} is not a record of a dropped run (kind "
-                                       "'run_dropped')")
-        if record.get("model") != info.model or record.get("version") != info.version or info.version == 0:
+        record = self._read_record(info, TRAJECTORY_MOVED, "run_dropped", "the dropped run's record",
+                                   "a record of a dropped run")
+        if info.version == 0:
             raise TamperedVersionError(f"{where}: the dropped run's record names another model or version (version 0 "
                                        "keeps its run: it is never dropped there)")
         digest = (info.manifest.get("files") or {}).get(TRAJECTORY_FILE)
