@@ -109,29 +109,40 @@ def cache_key(name: str, options: dict[str, Any], split: str, sample_ids: Tensor
 def cached_features(name: str, data: SampleSet, options: dict[str, Any], cache_dir: str | Path, split: str,
                     keep: tuple[str, ...] = ("y",)) -> CachedFeatures:
     """phi(data) through extractor ``name`` (computed once, then read from ``cache_dir``)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from pipeline.checkpoint import atomic_write_bytes
+    from pipeline.cache_entry import exclusive, lock_of
+    from pipeline.checkpoint import atomic_write_bytes, save_safetensors
 
     if name not in EXTRACTORS:
         raise ValueError(f"feature extractor '{name}' is unknown; choose one of {sorted(EXTRACTORS)}")
     key = cache_key(name, options, split, data.sample_ids)
     path = Path(cache_dir) / f"{name}-{split}-{key[:20]}.safetensors"
     columns = {k: data.columns[k] for k in keep}
-    if path.exists():
-        stored = load_file(str(path))
-        if torch.equal(stored["sample_ids"], data.sample_ids):
-            meta = json.loads(path.with_suffix(".json").read_text()) if path.with_suffix(".json").exists() else {}
-            return CachedFeatures(SampleSet({"x": stored["x"], **columns}, data.sample_ids), path, True, 0.0,
-                                  float(meta.get("seconds", 0.0)))
-    started = time.perf_counter()
-    x = EXTRACTORS[name](data, options).float().contiguous()
-    seconds = time.perf_counter() - started
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"x": x, "sample_ids": data.sample_ids.contiguous()}, str(tmp))
-    tmp.replace(path)
-    atomic_write_bytes(path.with_suffix(".json"), json.dumps({"extractor": name, "options": options, "split": split,
-                                                              "n": len(data), "dim": int(x.shape[1]),
-                                                              "seconds": seconds}).encode())
+    meta_path = path.with_suffix(".json")
+
+    def stored() -> CachedFeatures | None:   # complete once its record (the .json, written last) is there
+        if not meta_path.exists():
+            return None
+        kept = load_file(str(path))
+        if not torch.equal(kept["sample_ids"], data.sample_ids):
+            return None
+        return CachedFeatures(SampleSet({"x": kept["x"], **columns}, data.sample_ids), path, True, 0.0,
+                              float(json.loads(meta_path.read_text()).get("seconds", 0.0)))
+
+    hit = stored()
+    if hit is not None:
+        return hit
+    with exclusive(lock_of(path)):   # computed once across processes sharing cache_dir
+        hit = stored()
+        if hit is not None:
+            return hit
+        started = time.perf_counter()
+        x = EXTRACTORS[name](data, options).float().contiguous()
+        seconds = time.perf_counter() - started
+        meta_path.unlink(missing_ok=True)
+        save_safetensors({"x": x, "sample_ids": data.sample_ids.contiguous()}, path)
+        atomic_write_bytes(meta_path, json.dumps({"extractor": name, "options": options, "split": split,
+                                                  "n": len(data), "dim": int(x.shape[1]),
+                                                  "seconds": seconds}).encode())
     return CachedFeatures(SampleSet({"x": x, **columns}, data.sample_ids), path, False, seconds, seconds)

@@ -9,7 +9,9 @@
 
 Cache: one model directory per (kind, key) under ``cache_dir``, key = sha256 of the canonical
 JSON of {model card, sorted forget ids, recipe, baseline settings}; a hit skips training. The
-cached card records n = |D_r| and the removed ids, like a removal would.
+cached card records n = |D_r| and the removed ids, like a removal would. Each entry is built once
+across processes sharing ``cache_dir`` (``pipeline.cache_entry.building``): one trains, the others
+wait and read it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from pipeline.cache_entry import building
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.data.sampleset import SampleSet
 from pipeline.models.card import ModelCard, load_model_dir, write_model_dir
@@ -81,12 +84,27 @@ def _cached(kind: str, key: str, cache_dir: str | Path | None) -> tuple[Path | N
     return directory, None
 
 
-def _store(directory: Path | None, kind: str, key: str, model: nn.Module, card: ModelCard, seconds: float) -> None:
-    if directory is None:
-        return
+def _store(directory: Path, kind: str, key: str, model: nn.Module, card: ModelCard, seconds: float) -> None:
     card = without_trajectory_reference(card)  # the recorded run it may refer to is not this model's
     write_model_dir(directory, {k: v.detach().cpu() for k, v in model.state_dict().items()}, card)
     atomic_write_bytes(directory / RECORD_FILE, json.dumps({"kind": kind, "key": key, "seconds": seconds}).encode())
+
+
+def _built_once(kind: str, key: str, cache_dir: str | Path | None, make: Callable[[], Baseline]) -> Baseline:
+    """The cached baseline (kind, key), else ``make()``'s, stored under ``cache_dir`` where given. Where another
+    process shares ``cache_dir``, one makes it and the others wait for it and read it."""
+    directory, hit = _cached(kind, key, cache_dir)
+    if hit is not None:
+        return hit
+    if directory is None:
+        return make()
+    with building(directory, RECORD_FILE) as staging:
+        if staging is None:
+            return _cached(kind, key, cache_dir)[1]
+        made = make()
+        _store(staging, kind, key, made.model, made.card, made.seconds)
+    made.directory = directory
+    return made
 
 
 def retrain(card: ModelCard, retain: SampleSet, forget_ids: list[int], *,
@@ -97,18 +115,18 @@ def retrain(card: ModelCard, retain: SampleSet, forget_ids: list[int], *,
         recipe = recipe.model_copy(update={"seed": int(seed)})
     settings = {"seed": recipe.seed}
     key = cache_key(card, forget_ids, "retrain", settings)
-    directory, hit = _cached("retrain", key, cache_dir)
-    if hit is not None:
-        return hit
-    started = time.perf_counter()
-    model, task, _ = initial_model(card.preset, card.options, seed=recipe.seed, init=init_of(card))
-    report = fit(model, task, retain, recipe)
-    model.eval()
-    seconds = time.perf_counter() - started
-    new_card = baseline_card(card, forget_ids, "retrain", seconds,
-                             {"final_objective": report.final_objective, "gradient_norm": report.gradient_norm})
-    _store(directory, "retrain", key, model, new_card, seconds)
-    return Baseline("retrain", model, task, new_card, seconds, False, directory)
+
+    def train() -> Baseline:
+        started = time.perf_counter()
+        model, task, _ = initial_model(card.preset, card.options, seed=recipe.seed, init=init_of(card))
+        report = fit(model, task, retain, recipe)
+        model.eval()
+        seconds = time.perf_counter() - started
+        new_card = baseline_card(card, forget_ids, "retrain", seconds,
+                                 {"final_objective": report.final_objective, "gradient_norm": report.gradient_norm})
+        return Baseline("retrain", model, task, new_card, seconds, False, None)
+
+    return _built_once("retrain", key, cache_dir, train)
 
 
 def finetune(card: ModelCard, model: nn.Module, task: Task, retain: SampleSet, forget_ids: list[int], *,
@@ -119,24 +137,24 @@ def finetune(card: ModelCard, model: nn.Module, task: Task, retain: SampleSet, f
     settings = settings or FineTuneSettings()
     recipe = recipe_of(card)
     key = cache_key(card, forget_ids, "finetune", settings.model_dump())
-    directory, hit = _cached("finetune", key, cache_dir)
-    if hit is not None:
-        return hit
     ft_recipe = Recipe(
         optimizer="sgd", epochs=settings.epochs,
         lr=settings.lr or (recipe.lr if recipe.optimizer == "sgd" and recipe.lr > 0 else 0.01),
         batch_size=settings.batch_size or (recipe.batch_size if recipe.batch_size > 0 else 128),
         weight_decay=recipe.weight_decay, momentum=settings.momentum, seed=recipe.seed,
     )
-    started = time.perf_counter()
-    tuned = copy.deepcopy(model)
-    report = fit(tuned, task, retain, ft_recipe)
-    tuned.eval()
-    seconds = time.perf_counter() - started
-    new_card = baseline_card(card, forget_ids, "finetune", seconds,
-                             {"recipe": ft_recipe.model_dump(), "final_objective": report.final_objective})
-    _store(directory, "finetune", key, tuned, new_card, seconds)
-    return Baseline("finetune", tuned, task, new_card, seconds, False, directory)
+
+    def tune() -> Baseline:
+        started = time.perf_counter()
+        tuned = copy.deepcopy(model)
+        report = fit(tuned, task, retain, ft_recipe)
+        tuned.eval()
+        seconds = time.perf_counter() - started
+        new_card = baseline_card(card, forget_ids, "finetune", seconds,
+                                 {"recipe": ft_recipe.model_dump(), "final_objective": report.final_objective})
+        return Baseline("finetune", tuned, task, new_card, seconds, False, None)
+
+    return _built_once("finetune", key, cache_dir, tune)
 
 
 BASELINES: dict[str, Callable[..., Baseline]] = {"retrain": retrain, "finetune": finetune}

@@ -5,7 +5,8 @@ itself. The pair's other side is the Retrain baseline at the same seed (``pipeli
 
 Cache: under ``cache_dir`` (kind "original"), keyed like the baselines by the model's card and the seed; the
 shadow's card names that key (``shadow_of``) and records its own fit, so what is cached from a shadow (its
-fine-tune) is keyed by the shadow it came from.
+fine-tune) is keyed by the shadow it came from. Built once across processes sharing ``cache_dir``
+(``pipeline.cache_entry.building``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.cache_entry import building
 from pipeline.checkpoint import atomic_write_bytes
 from pipeline.data.sampleset import SampleSet
 from pipeline.evaluate.baselines import RECORD_FILE, cache_key
@@ -40,18 +42,24 @@ def original_at_seed(card: ModelCard, data: SampleSet, seed: int, directory: str
     the training's seconds, whether it was cached)."""
     key = cache_key(card, [], "original", {"seed": int(seed)})
     target = Path(cache_dir) / f"original-{key[:20]}" if cache_dir is not None else Path(directory)
-    if (target / RECORD_FILE).exists():
+
+    def cached() -> tuple[Path, float, bool]:
         return target, float(json.loads((target / RECORD_FILE).read_text())["seconds"]), True
-    shadow = card_at_seed(card, seed)
-    result = train(card.preset, card.options, data, recipe_of(shadow), init_of(shadow),
-                   dtype=getattr(torch, str(card.training.extra.get("dtype", "float32"))))
-    fit = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
-           "steps": result.fit.steps, "train_seconds": round(result.seconds, 3)}
-    shadow.training.extra.update({"fit": fit, "shadow_of": key})
-    target.mkdir(parents=True, exist_ok=True)
-    if result.trajectory is not None:
-        save_trajectory(target / TRAJECTORY_FILE, result.trajectory)
-    write_model_dir(target, {k: v.detach().cpu() for k, v in result.model.state_dict().items()}, shadow)
-    atomic_write_bytes(target / RECORD_FILE, json.dumps({"kind": "original", "key": key,
-                                                         "seconds": result.seconds}).encode())
+
+    if (target / RECORD_FILE).exists():
+        return cached()
+    with building(target, RECORD_FILE) as staging:   # once across processes sharing cache_dir
+        if staging is None:
+            return cached()
+        shadow = card_at_seed(card, seed)
+        result = train(card.preset, card.options, data, recipe_of(shadow), init_of(shadow),
+                       dtype=getattr(torch, str(card.training.extra.get("dtype", "float32"))))
+        fit = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
+               "steps": result.fit.steps, "train_seconds": round(result.seconds, 3)}
+        shadow.training.extra.update({"fit": fit, "shadow_of": key})
+        if result.trajectory is not None:
+            save_trajectory(staging / TRAJECTORY_FILE, result.trajectory)
+        write_model_dir(staging, {k: v.detach().cpu() for k, v in result.model.state_dict().items()}, shadow)
+        atomic_write_bytes(staging / RECORD_FILE, json.dumps({"kind": "original", "key": key,
+                                                              "seconds": result.seconds}).encode())
     return target, result.seconds, False
