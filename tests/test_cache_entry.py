@@ -5,7 +5,10 @@
       in the folder. Without the lock both train (each reports cached = False), so the test fails on that;
   (b) a build that raises leaves neither the entry nor its staging folder, and the lock is free for the next;
   (c) an entry without its record (a build interrupted by code that wrote in place) and a dead build's staging
-      folder are replaced by the next build; a body that forgets the record is refused.
+      folder are replaced by the next build; a body that forgets the record is refused;
+  (d) two processes entering ``building`` at once with a body that takes two seconds: one body runs (certain
+      overlap, unlike (a), whose training may end before the other process asks);
+  (e) the frozen features: a data file without its record, or a record without its data file, is computed again.
 """
 from __future__ import annotations
 
@@ -46,6 +49,40 @@ RACER = textwrap.dedent("""
 """)
 
 
+BUILDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from pipeline.cache_entry import building
+    target, start = Path(sys.argv[1]), float(sys.argv[2])
+    while time.time() < start:
+        time.sleep(0.01)
+    with building(target, "record.json") as staging:
+        if staging is None:
+            print("read")
+        else:
+            with open(target.parent / "builds.log", "a") as log:
+                log.write("built\\n")
+            time.sleep(2.0)
+            (staging / "record.json").write_text("{}")
+            print("built")
+""")
+
+
+def _racers(script: str, *args: str, n: int = 2) -> list[str]:
+    import time
+
+    start = time.time() + 8.0   # every racer past its imports before any enters
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+             for _ in range(n)]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append(out.strip().splitlines()[-1])
+    return outputs
+
+
 @pytest.fixture(scope="module")
 def cnn_dir(tmp_path_factory):
     from tests import kit
@@ -55,18 +92,8 @@ def cnn_dir(tmp_path_factory):
 
 
 def test_two_processes_asking_for_one_retrain_train_it_once(cnn_dir, tmp_path):
-    import time
-
     cache = tmp_path / "cache"
-    start = time.time() + 8.0   # both past their imports before either asks
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(cnn_dir), str(cache), str(start)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=Path(__file__).resolve().parents[1]) for _ in range(2)]
-    outputs = []
-    for racer in racers:
-        out, err = racer.communicate(timeout=300)
-        assert racer.returncode == 0, err[-2000:]
-        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    outputs = [json.loads(line) for line in _racers(RACER, str(cnn_dir), str(cache))]
     assert sorted(o["cached"] for o in outputs) == [False, True], outputs
     assert outputs[0]["directory"] == outputs[1]["directory"]
     entry = Path(outputs[0]["directory"])
@@ -108,3 +135,29 @@ def test_an_interrupted_entry_and_a_dead_build_are_replaced(tmp_path):
         with building(tmp_path / "other", "record.json") as staging:
             (staging / "model.safetensors").write_bytes(b"no record")
     assert not (tmp_path / "other").exists()
+
+
+def test_two_processes_entering_one_build_run_its_body_once(tmp_path):
+    target = tmp_path / "entry"
+    assert sorted(_racers(BUILDER, str(target))) == ["built", "read"]
+    assert (tmp_path / "builds.log").read_text() == "built\n"
+    assert (target / "record.json").exists()
+    assert oct(target.stat().st_mode & 0o777) == oct(0o755)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["builds.log", "entry", lock_of(target).name])
+
+
+def test_features_without_their_record_or_their_data_are_computed_again(tmp_path):
+    from pipeline.data.sampleset import SampleSet
+    from pipeline.features import cached_features
+
+    x = torch.randn(12, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    data = SampleSet({"x": x, "y": torch.arange(12) % 3}, torch.arange(12))
+    first = cached_features("random-conv", data, {"seed": 3}, tmp_path, "train")
+    assert not first.reused
+    first.path.with_suffix(".json").unlink()   # data without its record: a build that was killed
+    again = cached_features("random-conv", data, {"seed": 3}, tmp_path, "train")
+    assert not again.reused and torch.equal(again.data.columns["x"], first.data.columns["x"])
+    first.path.unlink()   # a record without its data
+    third = cached_features("random-conv", data, {"seed": 3}, tmp_path, "train")
+    assert not third.reused and torch.equal(third.data.columns["x"], first.data.columns["x"])
+    assert cached_features("random-conv", data, {"seed": 3}, tmp_path, "train").reused

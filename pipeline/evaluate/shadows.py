@@ -41,7 +41,11 @@ def original_at_seed(card: ModelCard, data: SampleSet, seed: int, directory: str
     dtype, written to ``cache_dir`` (where given; a hit skips training) or ``directory``. Returns (the directory,
     the training's seconds, whether it was cached)."""
     key = cache_key(card, [], "original", {"seed": int(seed)})
-    target = Path(cache_dir) / f"original-{key[:20]}" if cache_dir is not None else Path(directory)
+    if cache_dir is None:
+        target = Path(directory)
+        seconds = _train_into(target, card, data, seed, key)
+        return target, seconds, False
+    target = Path(cache_dir) / f"original-{key[:20]}"
 
     def cached() -> tuple[Path, float, bool]:
         return target, float(json.loads((target / RECORD_FILE).read_text())["seconds"]), True
@@ -51,15 +55,23 @@ def original_at_seed(card: ModelCard, data: SampleSet, seed: int, directory: str
     with building(target, RECORD_FILE) as staging:   # once across processes sharing cache_dir
         if staging is None:
             return cached()
-        shadow = card_at_seed(card, seed)
-        result = train(card.preset, card.options, data, recipe_of(shadow), init_of(shadow),
-                       dtype=getattr(torch, str(card.training.extra.get("dtype", "float32"))))
-        fit = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
-               "steps": result.fit.steps, "train_seconds": round(result.seconds, 3)}
-        shadow.training.extra.update({"fit": fit, "shadow_of": key})
-        if result.trajectory is not None:
-            save_trajectory(staging / TRAJECTORY_FILE, result.trajectory)
-        write_model_dir(staging, {k: v.detach().cpu() for k, v in result.model.state_dict().items()}, shadow)
-        atomic_write_bytes(staging / RECORD_FILE, json.dumps({"kind": "original", "key": key,
-                                                              "seconds": result.seconds}).encode())
-    return target, result.seconds, False
+        seconds = _train_into(staging, card, data, seed, key)
+    return target, seconds, False
+
+
+def _train_into(folder: Path, card: ModelCard, data: SampleSet, seed: int, key: str) -> float:
+    """Train the shadow original at ``seed`` into ``folder`` (its recorded run, the model, the record last);
+    returns the training's seconds."""
+    shadow = card_at_seed(card, seed)
+    result = train(card.preset, card.options, data, recipe_of(shadow), init_of(shadow),
+                   dtype=getattr(torch, str(card.training.extra.get("dtype", "float32"))))
+    fit = {"final_objective": result.fit.final_objective, "gradient_norm": result.fit.gradient_norm,
+           "steps": result.fit.steps, "train_seconds": round(result.seconds, 3)}
+    shadow.training.extra.update({"fit": fit, "shadow_of": key})
+    folder.mkdir(parents=True, exist_ok=True)
+    if result.trajectory is not None:
+        save_trajectory(folder / TRAJECTORY_FILE, result.trajectory)
+    write_model_dir(folder, {k: v.detach().cpu() for k, v in result.model.state_dict().items()}, shadow)
+    atomic_write_bytes(folder / RECORD_FILE, json.dumps({"kind": "original", "key": key,
+                                                         "seconds": result.seconds}).encode())
+    return result.seconds
