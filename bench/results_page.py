@@ -100,6 +100,10 @@ SUFFIX_RETRAIN_CELLS = ("identity", "random_1pct", "random_10pct", "subject")
 for _sc in SUFFIX_RETRAIN_CELLS:
     _cell = (f"deep_identities_partial_{_sc}.json", _sc)
     README_COMPANIONS[_cell] = (*README_COMPANIONS[_cell], SUFFIX_RETRAIN_FILE.format(_sc))
+# and on R8's random 10 % (MiniLM's last layer, the pooler and the head retrained), SalUn beside it
+R8_SUFFIX_RETRAIN_FILE = "deep_r8-minilm_partial_random_10pct_suffix_retrain.json"
+_cell = ("deep_r8-minilm_partial_random_10pct.json", "random_10pct")
+README_COMPANIONS[_cell] = (*README_COMPANIONS[_cell], R8_SUFFIX_RETRAIN_FILE)
 # Rows of a companion that replace the cell file's own (and the table's lead says so): on the identities,
 # trajectory-refit timed again on the first table's processor, the current method (guard and sibling check), at the
 # points configs/tuning/timing/ gives (placed by sweeps on the tuning sets; the cell files hold an older setting, before
@@ -112,7 +116,7 @@ README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     # R8: the rows of ours and SalUn from one pair of runs, each request charged whole
     **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), R8_RUN_ROWS)
        for sc in R8_BRIEF_RUNS}}
-README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows and the identities' suffix-retrain rows are charged each "
+README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows and the suffix-retrain rows are charged each "
                  "request whole: the remove call (its check "
                  "that the kept state holds included) and, in a campaign, the next version's state. The other rows, "
                  "the default's included, were charged the removal's own seconds, which left out those (on the image "
