@@ -100,6 +100,13 @@ SUFFIX_RETRAIN_CELLS = ("identity", "random_1pct", "random_10pct", "subject")
 for _sc in SUFFIX_RETRAIN_CELLS:
     _cell = (f"deep_identities_partial_{_sc}.json", _sc)
     README_COMPANIONS[_cell] = (*README_COMPANIONS[_cell], SUFFIX_RETRAIN_FILE.format(_sc))
+# on the identity, suffix-retrain at the cuts a sweep on the tuning sets placed (configs/tuning/timing/
+# suffix-retrain-identity-cut.yaml: layer4 on, 4 epochs), its game pooled over the three reported sets: before the
+# layer3 run, so that the table shows it
+SUFFIX_CUT_FILE = "deep_identities_partial_identity_grid-suffix-retrain-identity-cut.json"
+_cell = ("deep_identities_partial_identity.json", "identity")
+_at = README_COMPANIONS[_cell].index(SUFFIX_RETRAIN_FILE.format("identity"))
+README_COMPANIONS[_cell] = (*README_COMPANIONS[_cell][:_at], SUFFIX_CUT_FILE, *README_COMPANIONS[_cell][_at:])
 # and on R8's random 10 % (MiniLM's last layer, the pooler and the head retrained), SalUn beside it
 R8_SUFFIX_RETRAIN_FILE = "deep_r8-minilm_partial_random_10pct_suffix_retrain.json"
 _cell = ("deep_r8-minilm_partial_random_10pct.json", "random_10pct")
@@ -138,13 +145,16 @@ for _cell, (_retimed, _) in README_RETIMED.items():  # a retimed file is a compa
 README_ULIRA_AGAIN: dict[tuple[str, str], tuple[str, ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
         "deep_identities_partial_identity_grid-trajectory-refit-and-sampled-identity-quarter_ulira16.json",
-        ULIRA_POOLED_FILE.format("identity", "identity")),
+        ULIRA_POOLED_FILE.format("identity", "identity"), SUFFIX_CUT_FILE),
     ("deep_identities_partial_random_1pct.json", "random_1pct"): (
         "deep_identities_partial_random_1pct_grid-trajectory-refit-and-sampled-quarter-scale-0.3_ulira16.json",
         SUFFIX_RETRAIN_FILE.format("random_1pct"), ULIRA_POOLED_FILE.format("random_1pct", "random-1pct")),
 }
+# what a game of README_ULIRA_AGAIN played at settings the table no longer shows for a row (a later run replaced it)
+ULIRA_EARLIER_SETTINGS = {ULIRA_POOLED_FILE.format("identity", "identity"):
+                          "suffix-retrain there at its earlier cut, layer3 on for 8 epochs"}
 # games of README_ULIRA_AGAIN that were not played again but first, for the rows their file adds to the cell
-ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct")})
+ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct"), SUFFIX_CUT_FILE})
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
 # README_ROWS of them, the other baselines folded into its best-of row
@@ -539,6 +549,8 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             if why is None:
                 how = ("played for the rows that file adds" if other in ULIRA_FIRST_PLAYED
                        else "played again at the table's settings") + _pooled_words(replay)
+                if other in ULIRA_EARLIER_SETTINGS:
+                    how += f" ({ULIRA_EARLIER_SETTINGS[other]})"
                 lines.append(f"- {_cell_title(d, sc)}, {how}, {replay['shadows']} "
                              f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:
