@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from pipeline.checkpoint import fsync_path
 from pipeline.progress import note
 
 STAGING_MARK = ".staging-"
@@ -51,31 +52,26 @@ def lock_of(target: Path) -> Path:
     return target.with_name(f".{target.name}.lock")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _flush_tree(folder: Path) -> None:
     """fsync every file in ``folder`` and the folder itself (so that a record never outlives its data)."""
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            _fsync(path)
-    _fsync(folder)
+            fsync_path(path)
+    fsync_path(folder)
 
 
 @contextmanager
 def building(target: str | Path, record: str) -> Iterator[Path | None]:
-    """Build the cache folder ``target`` once. Under ``target``'s lock: yields None where ``target / record``
-    exists (another process built it meanwhile: read it); else a fresh staging folder beside ``target`` for the body
-    to fill, the record written last. When the body returns, the staging folder is flushed to disk and becomes
+    """Build the cache folder ``target`` once: yields None where ``target / record`` exists (checked again under
+    ``target``'s lock: another process built it meanwhile; read it); else a fresh staging folder beside ``target``
+    for the body to fill, the record written last. When the body returns, the staging folder is flushed to disk and becomes
     ``target`` by one rename; a ``target`` without its record (an interrupted build by code that wrote in place) is
     moved aside first and deleted after. If the body raises, its staging folder is deleted and ``target`` is left as
     it was. Staging folders of dead builds are deleted before a build starts."""
     target = Path(target)
+    if (target / record).exists():   # complete: read without taking the lock
+        yield None
+        return
     with exclusive(lock_of(target)):
         if (target / record).exists():
             yield None
@@ -98,6 +94,6 @@ def building(target: str | Path, record: str) -> Iterator[Path | None]:
             aside = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
             os.rename(target, aside / target.name)
         os.rename(staging, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)

@@ -25,6 +25,15 @@ def sha256_of(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a folder by path (a folder: so that the names renamed or created in it are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write to a temporary name in the same folder, fsync, rename: never a half-written file."""
     path = Path(path)
@@ -40,11 +49,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(path.parent)
 
 
 def save_safetensors(tensors: Mapping[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> str:

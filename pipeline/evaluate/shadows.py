@@ -47,14 +47,9 @@ def original_at_seed(card: ModelCard, data: SampleSet, seed: int, directory: str
         return target, seconds, False
     target = Path(cache_dir) / f"original-{key[:20]}"
 
-    def cached() -> tuple[Path, float, bool]:
-        return target, float(json.loads((target / RECORD_FILE).read_text())["seconds"]), True
-
-    if (target / RECORD_FILE).exists():
-        return cached()
     with building(target, RECORD_FILE) as staging:   # once across processes sharing cache_dir
-        if staging is None:
-            return cached()
+        if staging is None:   # cached
+            return target, float(json.loads((target / RECORD_FILE).read_text())["seconds"]), True
         seconds = _train_into(staging, card, data, seed, key)
     return target, seconds, False
 

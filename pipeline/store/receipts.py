@@ -63,7 +63,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pipeline.checkpoint import sha256_of
+from pipeline.checkpoint import fsync_path, sha256_of
 from pipeline.jsonio import jsonable
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE
 from pipeline.store.ledger import Ledger
@@ -274,11 +274,7 @@ def generate_key_file(out: str | Path) -> Ed25519PrivateKey:
             raise ReceiptError(f"{out} already exists; a receipt key is never overwritten - choose another path") from None
     finally:
         Path(tmp).unlink(missing_ok=True)
-    dir_fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(out.parent)
     return key
 
 

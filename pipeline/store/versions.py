@@ -51,7 +51,7 @@ from typing import Any, Iterator, Mapping
 
 from torch import Tensor
 
-from pipeline.checkpoint import atomic_write_bytes, sha256_of
+from pipeline.checkpoint import atomic_write_bytes, fsync_path, sha256_of
 from pipeline.models.card import CARD_FILE, WEIGHTS_FILE, ModelCard, load_model_dir, read_card, write_model_dir
 from pipeline.store.crashpoint import crash_point
 from pipeline.trajectory import (
@@ -120,14 +120,6 @@ def _now() -> str:
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True).encode()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -414,7 +406,7 @@ class VersionStore:
                 self._place(model, folder, TRAJECTORY_MOVED, _json_bytes(record))
             crash_point("drop_run_record")
             (folder / TRAJECTORY_FILE).unlink()
-            _fsync_dir(folder)
+            fsync_path(folder)
             done.append(version)
         return done
 
@@ -426,7 +418,7 @@ class VersionStore:
         tmp = staging / f"{uuid.uuid4().hex}.{name}"
         atomic_write_bytes(tmp, data)
         os.replace(tmp, folder / name)
-        _fsync_dir(folder)
+        fsync_path(folder)
 
     def open_verified(self, model: str, version: int | None = None) -> VersionInfo:
         """The version (default: current) after verifying it; refuses a tampered or pruned one."""
@@ -564,13 +556,13 @@ class VersionStore:
                               if name != TRAJECTORY_FILE or (staging / name).exists()}}
         manifest = self._sealed(manifest)
         atomic_write_bytes(staging / MANIFEST_FILE, _json_bytes(manifest))
-        _fsync_dir(staging)
+        fsync_path(staging)
         target = self.version_dir(model, version)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():
             raise VersionStoreError(f"version {version} of '{model}' already exists; versions are never overwritten")
         os.rename(staging, target)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
         crash_point("publish_renamed")
         return VersionInfo(model, version, target, manifest)
 
@@ -727,6 +719,6 @@ class VersionStore:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-            _fsync_dir(folder)
+            fsync_path(folder)
             pruned.append(version)
         return pruned
