@@ -66,8 +66,8 @@ def building(target: str | Path, record: str) -> Iterator[Path | None]:
     ``target``'s lock: another process built it meanwhile; read it); else a fresh staging folder beside ``target``
     for the body to fill, the record written last. When the body returns, the staging folder is flushed to disk
     and becomes ``target`` by one rename; a ``target`` without its record (an interrupted build by code that wrote
-    in place) is moved aside first and deleted after. If the body raises, its staging folder is deleted and ``target`` is left as
-    it was. Staging folders of dead builds are deleted before a build starts."""
+    in place) is moved aside first and deleted after. If the body raises, its staging folder is deleted and
+    ``target`` is left as it was. Staging folders of dead builds are deleted before a build starts."""
     target = Path(target)
     if (target / record).exists():   # complete: read without taking the lock
         yield None
