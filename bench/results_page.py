@@ -155,6 +155,16 @@ ULIRA_EARLIER_SETTINGS = {ULIRA_POOLED_FILE.format("identity", "identity"):
                           "suffix-retrain there at its earlier cut, layer3 on for 8 epochs"}
 # games of README_ULIRA_AGAIN that were not played again but first, for the rows their file adds to the cell
 ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct"), SUFFIX_CUT_FILE})
+# U-LiRA games played through `unlearn eval --ulira-shadows` on a cell's reported identities and pooled by `unlearn eval
+# --pool-ulira` (bench/results/eval/): each a line after the cell's other games (checked: its forget sets are the
+# cell's first k reported identities), saying at which settings its rows were played
+README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    ("deep_identities_partial_identity.json", "identity"): (
+        ("eval/reid-identities-ulira32-pooled.json", "suffix-retrain at the earlier cut, layer3 on for 8 epochs: "
+                                                     "configs/evaluate/reid-identities-ulira32.yaml"),
+        ("eval/reid-identities-ulira32-cut-pooled.json", "suffix-retrain at the table's cut, layer4 on for 4 epochs: "
+                                                         "configs/evaluate/reid-identities-ulira32-cut.yaml")),
+}
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
 # README_ROWS of them, the other baselines folded into its best-of row
@@ -525,12 +535,28 @@ def _pooled_words(game: dict[str, Any]) -> str:
             "forget examples; the interval over the shadow pairs and examples together)")
 
 
+def eval_game_sets(d: dict[str, Any], scenario: str, game: Any) -> list[tuple[int, Any]] | None:
+    """(index, identity) of the cell's reported forget sets on which a pooled `unlearn eval` game (``game``: what
+    ``--pool-ulira`` writes) was played, in the cell's order; None where its forget sets are not each one identity of
+    the cell's first k reported ones."""
+    reported = [s.get("label") for s in pick(d, f"declared_sets.{scenario}.reported") or ()]
+    played = [fs.get("classes") if isinstance(fs, dict) else None for fs in (game or {}).get("forget_sets") or ()]
+    if not played or any(not isinstance(c, list) or len(c) != 1 for c in played):
+        return None
+    labels = [c[0] for c in played]
+    if len(set(labels)) != len(labels) or sorted(labels) != sorted(reported[:len(labels)]):
+        return None
+    return sorted((reported.index(label), label) for label in labels)
+
+
 def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                  again: dict[tuple[str, str], tuple[str, ...]] | None = None,
-                 loaded: dict[str, dict[str, Any] | None] | None = None, link: str = "") -> list[str]:
+                 loaded: dict[str, dict[str, Any] | None] | None = None, link: str = "",
+                 by_eval: dict[tuple[str, str], tuple[tuple[str, str], ...]] | None = None) -> list[str]:
     """One line per table cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
     file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it
-    (``link``: the path from the page to the repository's root, "" from README.md)."""
+    (``link``: the path from the page to the repository's root, "" from README.md); then one per pooled `unlearn
+    eval` game ``by_eval`` names for the cell (file, what its rows were), where its identities are the cell's."""
     from pipeline.evaluate.lira import ATTACKABLE as ULIRA_ATTACKABLE
 
     lines = []
@@ -555,6 +581,20 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                              f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
             else:
                 lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
+        for other, what in (by_eval or {}).get((name, sc), ()):
+            game = (loaded or {}).get(other)
+            sets = eval_game_sets(d, sc, game) if isinstance(game, dict) and isinstance(game.get("rows"), dict) else None
+            if sets is None:
+                lines.append(f"- {_cell_title(d, sc)}: the `unlearn eval` game of {other} is left out, "
+                             + ("not played on the cell's reported identities." if isinstance(game, dict)
+                                and isinstance(game.get("rows"), dict) else "no pooled U-LiRA game."))
+                continue
+            read = "read" if game.get("attackable") else "not read"
+            lines.append(f"- {_cell_title(d, sc)}, played through `unlearn eval` on reported sets "
+                         f"{', '.join(str(k) for k, _ in sets)} (identities {', '.join(str(x) for _, x in sets)}), pooled "
+                         f"({game['rows']['original']['examples']} forget examples; the interval over the shadow pairs "
+                         f"and examples together), {game['shadows']} shadow pairs ({read}; {what}) "
+                         f"([{other}]({link}bench/results/{other})): {_ulira_parts(game)}.")
     if lines:
         lines = ["", "U-LiRA on the first reported forget set of a cell, or on several pooled where a line says so "
                      "(the attack's accuracy in %, its 95 % interval; 50: it cannot tell the removal from Retrain):",
@@ -630,10 +670,11 @@ HEADLINE_TITLE = "Headline tables"
 
 
 def _load(results_dir: Path) -> dict[str, dict[str, Any] | None]:
-    """Every file the headline tables read (cells, companions, games played again): name -> JSON, None where
-    unreadable."""
+    """Every file the headline tables read (cells, companions, games played again, pooled `unlearn eval` games):
+    name -> JSON, None where unreadable."""
     loaded: dict[str, dict[str, Any] | None] = {}
-    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values()]
+    companions = [*README_COMPANIONS.values(), *SECOND_MACHINE_COMPANIONS.values(), *README_ULIRA_AGAIN.values(),
+                  *[tuple(f for f, _ in files) for files in README_ULIRA_EVAL.values()]]
     for name in dict.fromkeys([n for n, _ in (*README_CELLS, *SECOND_MACHINE_CELLS, *BRIEF_CELLS, *R8_BRIEF_CELLS)]
                               + [c for cs in companions for c in cs]):
         try:
@@ -650,7 +691,7 @@ def _first_table(loaded: dict[str, dict[str, Any] | None], *, sources: bool) -> 
     return _cells_table(loaded, README_CELLS, README_COMPANIONS, rows, best_of,
                         "Networks trained end to end (every layer the recipe trains saw the data).",
                         retimed=README_RETIMED, retimed_why=README_RETIMED_WHY, ulira_again=README_ULIRA_AGAIN,
-                        sources=sources, charge_note=README_CHARGE)
+                        sources=sources, charge_note=README_CHARGE, ulira_eval=README_ULIRA_EVAL)
 
 
 def readme_table(results_dir: Path = RESULTS_DIR) -> str:
@@ -724,15 +765,17 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                  retimed: dict[tuple[str, str], tuple[str, tuple[str, ...]]] | None = None,
                  retimed_why: str = "",
                  ulira_again: dict[tuple[str, str], tuple[str, ...]] | None = None, sources: bool = True,
-                 charge_note: str = "") -> str:
+                 charge_note: str = "",
+                 ulira_eval: dict[tuple[str, str], tuple[tuple[str, str], ...]] | None = None) -> str:
     """One headline table from the ``loaded`` results (name -> JSON, None where unreadable): the ``rows`` of
     ``cell_files``' cells with their ``companions``' rows merged (checked: the same sets and reference rows), a
     best-of row over ``best_of`` (none where empty), the notes of companions left out and, ``with_ulira``, the
     cells' U-LiRA games. ``retimed``: per cell, a companion and the rows of it that replace the cell file's
     (``retimed_why`` says what they are; the lead names the cells where they did). ``ulira_again``: per cell, files
-    whose U-LiRA games follow the cell's own (``readme_ulira``). ``sources``: the lead names every file behind the
-    table (docs/RESULTS.md's headline tables, its links from docs/); False: none, pointing there (README.md), and
-    ``charge_note`` (what a request was charged, which ``retimed_why`` says where the sources are named)."""
+    whose U-LiRA games follow the cell's own, and ``ulira_eval``'s pooled `unlearn eval` games after them
+    (``readme_ulira``). ``sources``: the lead names every file behind the table (docs/RESULTS.md's headline tables,
+    its links from docs/); False: none, pointing there (README.md), and ``charge_note`` (what a request was charged,
+    which ``retimed_why`` says where the sources are named)."""
     link = "../" if sources else ""
     cells: list[tuple[str, dict[str, Any] | None, str]] = []
     blocks: list[dict[str, Any] | None] = []
@@ -793,7 +836,7 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         lines.append("| best other baseline | " + " | ".join(
             best_of_cell(block["summary"], best_of) if block is not None else "-" for block in blocks) + " |")
     return "\n".join(lines + (["", *notes] if notes else [])
-                     + (readme_ulira(cells, ulira_again, loaded, link) if with_ulira else [])) + "\n"
+                     + (readme_ulira(cells, ulira_again, loaded, link, ulira_eval) if with_ulira else [])) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

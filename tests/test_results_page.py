@@ -144,6 +144,7 @@ def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path,
     from bench.results_page import README_CELLS, README_COMPANIONS
 
     monkeypatch.setattr(results_page, "README_ULIRA_AGAIN", {})  # the games played again: the test below
+    monkeypatch.setattr(results_page, "README_ULIRA_EVAL", {})  # the pooled `unlearn eval` games: the last test
 
     # the committed files (cells and their companions), without their own games
     for name in {n for n, _ in README_CELLS} | {c for cs in README_COMPANIONS.values() for c in cs}:
@@ -285,3 +286,29 @@ def test_the_games_played_again_follow_the_cell_s_own_where_their_sets_agree() -
         assert readme_ulira(cells, {(name, scenario): ("o.json",)}, {"o.json": missing})[-1] == (
             "- Identities, identity: the game of o.json is left out, no U-LiRA game.")
     assert readme_ulira(cells) == readme_ulira(cells, {}, {})  # none named: the cell's own game alone
+
+
+def test_a_pooled_unlearn_eval_game_follows_the_cell_s_only_on_its_reported_identities() -> None:
+    from bench.results_page import readme_ulira
+
+    name, scenario = "deep_identities_partial_identity.json", "identity"
+    d = json.loads((RESULTS / name).read_text())   # its own game first: the line under test is the last
+    labels = [s["label"] for s in d["declared_sets"][scenario]["reported"]]
+    game = {"shadows": 32, "attackable": True,   # what `unlearn eval --pool-ulira` writes, sets in another order
+            "forget_sets": [{"scenario": "class", "classes": [labels[1]], "seed": 0},
+                            {"scenario": "class", "classes": [labels[0]], "seed": 0}],
+            "rows": {"original": {"accuracy": 100.0, "ci95": [100.0, 100.0], "examples": 64},
+                     "suffix-retrain": {"accuracy": 52.25, "ci95": [49.0, 55.5]}}}
+    by_eval = {(name, scenario): (("eval/g.json", "suffix-retrain at its cut"),)}
+    line = readme_ulira([(name, d, scenario)], {}, {"eval/g.json": game}, "../", by_eval)[-1]
+    assert line == (f"- Identities, identity, played through `unlearn eval` on reported sets 0, 1 (identities "
+                    f"{labels[0]}, {labels[1]}), pooled (64 forget examples; the interval over the shadow pairs and "
+                    "examples together), 32 shadow pairs (read; suffix-retrain at its cut) ([eval/g.json]"
+                    "(../bench/results/eval/g.json)): original 100.0 [100.0, 100.0], suffix-retrain 52.2 [49.0, 55.5].")
+    for sets in ([labels[1], labels[2]], [labels[0], labels[0]], [999]):   # not the first k reported identities
+        other = {**game, "forget_sets": [{"scenario": "class", "classes": [c]} for c in sets]}
+        assert readme_ulira([(name, d, scenario)], {}, {"eval/g.json": other}, "", by_eval)[-1] == (
+            "- Identities, identity: the `unlearn eval` game of eval/g.json is left out, not played on the cell's "
+            "reported identities.")
+    assert readme_ulira([(name, d, scenario)], {}, {"eval/g.json": None}, "", by_eval)[-1].endswith(
+        "left out, no pooled U-LiRA game.")
