@@ -583,11 +583,11 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                 lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
         for other, what in (by_eval or {}).get((name, sc), ()):
             game = (loaded or {}).get(other)
-            sets = eval_game_sets(d, sc, game) if isinstance(game, dict) and isinstance(game.get("rows"), dict) else None
+            played = isinstance(game, dict) and isinstance(game.get("rows"), dict)
+            sets = eval_game_sets(d, sc, game) if played else None
             if sets is None:
                 lines.append(f"- {_cell_title(d, sc)}: the `unlearn eval` game of {other} is left out, "
-                             + ("not played on the cell's reported identities." if isinstance(game, dict)
-                                and isinstance(game.get("rows"), dict) else "no pooled U-LiRA game."))
+                             + ("not played on the cell's reported identities." if played else "no pooled U-LiRA game."))
                 continue
             read = "read" if game.get("attackable") else "not read"
             lines.append(f"- {_cell_title(d, sc)}, played through `unlearn eval` on reported sets "

@@ -71,6 +71,7 @@ def show(store: str, model: str, request_id: str, ledger_path: str | None) -> No
 
 def _write_folder(out: Path, files: dict[str, str]) -> None:
     """Write every file into a new folder that appears whole (built beside it, then renamed)."""
+    from pipeline.checkpoint import fsync_path
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise click.ClickException(f"{out} exists and is not an empty folder; name a new folder for the receipts")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,11 +89,7 @@ def _write_folder(out: Path, files: dict[str, str]) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out.parent)
 
 
 @command.command("export")
