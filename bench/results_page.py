@@ -123,12 +123,10 @@ README_RETIMED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     # R8: the rows of ours and SalUn from one pair of runs, each request charged whole
     **{(f"deep_r8-minilm_partial_{sc}.json", sc): (r8_brief_file(sc, R8_FIRST_TABLE), R8_RUN_ROWS)
        for sc in R8_BRIEF_RUNS}}
-README_CHARGE = (f"R8's {', '.join(R8_RUN_ROWS)} rows and the suffix-retrain rows are charged each "
-                 "request whole: the remove call (its check "
-                 "that the kept state holds included) and, in a campaign, the next version's state. The other rows, "
-                 "the default's included, were charged the removal's own seconds, which left out those (on the image "
-                 "cells 0.01-0.06 s, a median 0.1 %-3 % of a request; on R8 about 0.1 s of a cold request and 0.5 s "
-                 "of a later one that keeps state)")
+README_CHARGE = ("Charged each request whole (the remove call, its check that the kept state holds included, and in a "
+                 f"campaign the next version's state): the suffix-retrain rows and R8's {', '.join(R8_RUN_ROWS)} "
+                 "rows; the others the removal's own seconds, which leave out 0.01-0.06 s of a request on the image "
+                 "cells (a median 0.1 %-3 %) and on R8 about 0.1 s of a cold request, 0.5 s of a later one")
 README_RETIMED_WHY = ("on the identities, the current method, its guard's sibling check included, with a quarter-epoch "
                       "refit at the scales its sweeps on the tuning sets placed: 0.03 on the identity, 0.3 on random "
                       "1 %, 0.03 on the subject (five tuning subjects); trajectory-refit-sampled beside it in the same "
@@ -155,9 +153,9 @@ ULIRA_EARLIER_SETTINGS = {ULIRA_POOLED_FILE.format("identity", "identity"):
                           "suffix-retrain there at its earlier cut, layer3 on for 8 epochs"}
 # games of README_ULIRA_AGAIN that were not played again but first, for the rows their file adds to the cell
 ULIRA_FIRST_PLAYED = frozenset({SUFFIX_RETRAIN_FILE.format("random_1pct"), SUFFIX_CUT_FILE})
-# U-LiRA games played through `unlearn eval --ulira-shadows` on a cell's reported identities and pooled by `unlearn eval
+# U-LiRA games played through `unlearn eval --ulira-shadows` on a cell's reported sets and pooled by `unlearn eval
 # --pool-ulira` (bench/results/eval/): each a line after the cell's other games (checked: its forget sets are the
-# cell's first k reported identities), saying at which settings its rows were played
+# cell's first k reported sets, by identity or sample ids), saying at which settings its rows were played
 README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ("deep_identities_partial_identity.json", "identity"): (
         ("eval/reid-identities-ulira32-pooled.json", "suffix-retrain at the earlier cut, layer3 on for 8 epochs: "
@@ -537,68 +535,134 @@ def _pooled_words(game: dict[str, Any]) -> str:
 
 def eval_game_sets(d: dict[str, Any], scenario: str, game: Any) -> list[tuple[int, Any]] | None:
     """(index, identity) of the cell's reported forget sets on which a pooled `unlearn eval` game (``game``: what
-    ``--pool-ulira`` writes) was played, in the cell's order; None where its forget sets are not each one identity of
-    the cell's first k reported ones."""
-    reported = [s.get("label") for s in pick(d, f"declared_sets.{scenario}.reported") or ()]
-    played = [fs.get("classes") if isinstance(fs, dict) else None for fs in (game or {}).get("forget_sets") or ()]
-    if not played or any(not isinstance(c, list) or len(c) != 1 for c in played):
+    ``--pool-ulira`` writes) was played, in the cell's order (identity None for a set given by its sample ids); None
+    where its forget sets are not the cell's first k reported ones, each once (an identity's set named by its label,
+    any other by exactly its sample ids)."""
+    reported = pick(d, f"declared_sets.{scenario}.reported") or ()
+    labels = [s.get("label") if isinstance(s, dict) else None for s in reported]
+    ids = [sorted(s.get("sample_ids") or ()) if isinstance(s, dict) else None for s in reported]
+    found: list[tuple[int, Any]] = []
+    for fs in (game or {}).get("forget_sets") or ():
+        fs = fs if isinstance(fs, dict) else {}
+        classes, sample_ids = fs.get("classes"), fs.get("sample_ids")
+        if isinstance(classes, list) and len(classes) == 1 and classes[0] in labels:
+            found.append((labels.index(classes[0]), classes[0]))
+        elif isinstance(sample_ids, list) and sample_ids and sorted(sample_ids) in ids:
+            found.append((ids.index(sorted(sample_ids)), None))
+        else:
+            return None
+    indices = sorted(k for k, _ in found)
+    if not found or indices != list(range(len(found))):
         return None
-    labels = [c[0] for c in played]
-    if len(set(labels)) != len(labels) or sorted(labels) != sorted(reported[:len(labels)]):
-        return None
-    return sorted((reported.index(label), label) for label in labels)
+    return sorted(found, key=lambda kv: kv[0])
+
+
+def _ulira_cell(game: dict[str, Any], row: str) -> str:
+    """A row's accuracy (95 % interval) in a game, "-" where the game did not play it or could not."""
+    r = game.get("rows", {}).get(row)
+    if not isinstance(r, dict):
+        return "-"
+    if "accuracy" not in r:
+        return f"not played ({', '.join(sorted(k for k in r if k != 'shadow'))} at shadow {r.get('shadow')})"
+    return f"{r['accuracy']:.1f} [{r['ci95'][0]:.1f}, {r['ci95'][1]:.1f}]"
+
+
+def _sets_words(sets: list[int] | None) -> str:
+    """A game's reported sets in a table's words: "set 0", "sets 0, 1, 2 pooled"."""
+    sets = list(sets or [0])
+    return f"set {sets[0]}" if len(sets) == 1 else f"sets {', '.join(str(k) for k in sets)} pooled"
 
 
 def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
                  again: dict[tuple[str, str], tuple[str, ...]] | None = None,
                  loaded: dict[str, dict[str, Any] | None] | None = None, link: str = "",
-                 by_eval: dict[tuple[str, str], tuple[tuple[str, str], ...]] | None = None) -> list[str]:
+                 by_eval: dict[tuple[str, str], tuple[tuple[str, str], ...]] | None = None, *,
+                 as_table: bool = False) -> list[str]:
     """One line per table cell that holds a U-LiRA game: the attack's accuracy (95 % interval) per row; then one per
     file ``again`` names for the cell whose game was played on the same sets (``loaded``: name -> JSON), naming it
     (``link``: the path from the page to the repository's root, "" from README.md); then one per pooled `unlearn
-    eval` game ``by_eval`` names for the cell (file, what its rows were), where its identities are the cell's."""
+    eval` game ``by_eval`` names for the cell (file, what its rows were), where its sets are the cell's.
+    ``as_table``: the same games as one table, a game a row and a method a column (README.md), the games left out
+    as lines under it."""
     from pipeline.evaluate.lira import ATTACKABLE as ULIRA_ATTACKABLE
 
-    lines = []
+    lines: list[str] = []
+    left_out: list[str] = []
+    games: list[tuple[str, str, dict[str, Any]]] = []   # (cell, how it was played, game), for the table
+
+    def add(line: str, cell: str, how: str, game: dict[str, Any]) -> None:
+        lines.append(line)
+        games.append((cell, how, game))
+
     for name, d, sc in cells:
         game = d["scenarios"][sc].get("ulira") if d is not None else None
         if not game:
             continue
+        title = _cell_title(d, sc)
         read = ("read: the original scores at least " if game.get("attackable") else
                 "not read: the original scores under ") + f"{ULIRA_ATTACKABLE:g}"
-        lines.append(f"- {_cell_title(d, sc)}{_pooled_words(game)}, {game['shadows']} shadow pairs ({read}): "
-                     f"{_ulira_parts(game)}.")
+        add(f"- {title}{_pooled_words(game)}, {game['shadows']} shadow pairs ({read}): {_ulira_parts(game)}.",
+            title, f"{_sets_words(game.get('forget_sets'))}, the cell's run", game)
         for other in (again or {}).get((name, sc), ()):
             o = (loaded or {}).get(other)
             replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
             why = _disagreement_or_unreadable(d, o, sc) if replay else "no U-LiRA game"
-            if why is None:
-                how = ("played for the rows that file adds" if other in ULIRA_FIRST_PLAYED
-                       else "played again at the table's settings") + _pooled_words(replay)
-                if other in ULIRA_EARLIER_SETTINGS:
-                    how += f" ({ULIRA_EARLIER_SETTINGS[other]})"
-                lines.append(f"- {_cell_title(d, sc)}, {how}, {replay['shadows']} "
-                             f"shadow pairs ([{other}]({link}bench/results/{other})): {_ulira_parts(replay)}.")
-            else:
-                lines.append(f"- {_cell_title(d, sc)}: the game of {other} is left out, {why}.")
+            if why is not None:
+                left_out.append(f"- {title}: the game of {other} is left out, {why}.")
+                lines.append(left_out[-1])
+                continue
+            first = other in ULIRA_FIRST_PLAYED
+            how = ("played for the rows that file adds" if first
+                   else "played again at the table's settings") + _pooled_words(replay)
+            short = (f"{_sets_words(replay.get('forget_sets'))}, "
+                     + ("first played for the rows its run adds" if first else "again at the table's settings"))
+            if other in ULIRA_EARLIER_SETTINGS:
+                how += f" ({ULIRA_EARLIER_SETTINGS[other]})"
+                short += f" ({ULIRA_EARLIER_SETTINGS[other]})"
+            add(f"- {title}, {how}, {replay['shadows']} shadow pairs ([{other}]({link}bench/results/{other})): "
+                f"{_ulira_parts(replay)}.", title, short, replay)
         for other, what in (by_eval or {}).get((name, sc), ()):
             game = (loaded or {}).get(other)
             played = isinstance(game, dict) and isinstance(game.get("rows"), dict)
             sets = eval_game_sets(d, sc, game) if played else None
             if sets is None:
-                lines.append(f"- {_cell_title(d, sc)}: the `unlearn eval` game of {other} is left out, "
-                             + ("not played on the cell's reported identities." if played else "no pooled U-LiRA game."))
+                left_out.append(f"- {title}: the `unlearn eval` game of {other} is left out, "
+                                + ("not played on the cell's first reported sets." if played
+                                   else "no pooled U-LiRA game."))
+                lines.append(left_out[-1])
                 continue
             read = "read" if game.get("attackable") else "not read"
-            lines.append(f"- {_cell_title(d, sc)}, played through `unlearn eval` on reported sets "
-                         f"{', '.join(str(k) for k, _ in sets)} (identities {', '.join(str(x) for _, x in sets)}), pooled "
-                         f"({game['rows']['original']['examples']} forget examples; the interval over the shadow pairs "
-                         f"and examples together), {game['shadows']} shadow pairs ({read}; {what}) "
-                         f"([{other}]({link}bench/results/{other})): {_ulira_parts(game)}.")
+            named = (f" (identities {', '.join(str(x) for _, x in sets)})" if all(x is not None for _, x in sets)
+                     else "")
+            add(f"- {title}, played through `unlearn eval` on reported sets "
+                f"{', '.join(str(k) for k, _ in sets)}{named}, pooled "
+                f"({game['rows']['original']['examples']} forget examples; the interval over the shadow pairs "
+                f"and examples together), {game['shadows']} shadow pairs ({read}; {what}) "
+                f"([{other}]({link}bench/results/{other})): {_ulira_parts(game)}.",
+                title, f"{_sets_words([k for k, _ in sets])}, `unlearn eval` ({what})", game)
+    if as_table:
+        return _ulira_table(games, ULIRA_ATTACKABLE) + (["", *left_out] if left_out else [])
     if lines:
         lines = ["", "U-LiRA on the first reported forget set of a cell, or on several pooled where a line says so "
                      "(the attack's accuracy in %, its 95 % interval; 50: it cannot tell the removal from Retrain):",
                  ""] + lines
+    return lines
+
+
+def _ulira_table(games: list[tuple[str, str, dict[str, Any]]], attackable: float) -> list[str]:
+    """The U-LiRA games as one table: a game a row (its cell, how and on which reported sets it was played, its
+    shadow pairs, whether it is read), a method of ``HEADLINE_ROWS`` a column where some game played it."""
+    if not games:
+        return []
+    columns = [row for row in HEADLINE_ROWS if any(row in g.get("rows", {}) for _, _, g in games)]
+    lines = ["", "U-LiRA (the attack's accuracy in %, its 95 % interval; 50: it cannot tell the removal from Retrain; a "
+                 f"game is read where the original scores at least {attackable:g}; pooled: the interval over the shadow "
+                 "pairs and the examples together):", "",
+             "| cell | game | shadow pairs | read | " + " | ".join(columns) + " |",
+             "|---|---|---|---|" + "---|" * len(columns)]
+    for cell, how, game in games:
+        lines.append(f"| {cell} | {how} | {game['shadows']} | {'yes' if game.get('attackable') else 'no'} | "
+                     + " | ".join(_ulira_cell(game, row) for row in columns) + " |")
     return lines
 
 
@@ -810,14 +874,12 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
                  + ". Every table of each file (UA, RA, TA, MIA, KL, rank-1 / mAP, seconds), with its command and "
                  "machine, is in the sections below.")
     else:
-        where = ((" Where a later run on the same original and reported forget sets timed a row again or added "
-                  "one, its figures are shown." if merged_in or replaced else "")
+        where = ((" Some rows come from later runs on the same original and forget sets." if merged_in or replaced
+                  else "")
                  + (f" {charge_note}." if charge_note and replaced else "")
-                 + " The files behind every figure, the rows left out here and three more tables (the identities on a "
-                 "second processor, the Fashion-MNIST cells with a brief refit, the R8 cells run again): "
-                 f"[docs/RESULTS.md](docs/RESULTS.md#{slug(HEADLINE_TITLE)}); every column of every file (UA, RA, TA, "
-                 f"MIA, KL, rank-1 / mAP, seconds), with its command and machine, below them (generated by "
-                 f"`{COMMAND}`).")
+                 + f" Sources, the rows left out, three more tables and every metric (UA, RA, TA, MIA, KL, rank-1 / "
+                 f"mAP, seconds) with its command: [docs/RESULTS.md](docs/RESULTS.md#{slug(HEADLINE_TITLE)}) "
+                 f"(`{COMMAND}`).")
     lines = [f"{lead} Avg. Gap to Retrain in "
              f"points (SalUn's; lower is better; mean over {sets} reported forget sets, settings chosen on disjoint "
              "tuning sets) and, in brackets, Retrain's seconds over the removal's: cold (everything the request "
@@ -836,7 +898,8 @@ def _cells_table(loaded: dict[str, dict[str, Any] | None], cell_files: tuple[tup
         lines.append("| best other baseline | " + " | ".join(
             best_of_cell(block["summary"], best_of) if block is not None else "-" for block in blocks) + " |")
     return "\n".join(lines + (["", *notes] if notes else [])
-                     + (readme_ulira(cells, ulira_again, loaded, link, ulira_eval) if with_ulira else [])) + "\n"
+                     + (readme_ulira(cells, ulira_again, loaded, link, ulira_eval, as_table=not sources)
+                        if with_ulira else [])) + "\n"
 
 
 def with_readme_table(text: str, table: str) -> str:

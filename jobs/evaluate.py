@@ -25,6 +25,8 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @click.option("--count", type=int, default=None, help="random scenario: number of samples")
 @click.option("--classes", type=str, default=None, help="class scenario: comma-separated labels, e.g. 3 or 1,4")
 @click.option("--ids", type=str, default=None, help="ids scenario: comma-separated sample ids (forget.sample_ids)")
+@click.option("--ids-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="ids scenario: a file of sample ids, one a line or CSV with sample_id first (forget.ids_file)")
 @click.option("--method", "methods", multiple=True, help="removal method (repeatable); settings via --config")
 @click.option("--lira-shadows", type=int, default=None, help="train this many shadow models for LiRA (even; 0 = off)")
 @click.option("--ulira-shadows", type=int, default=None,
@@ -39,7 +41,7 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @user_errors
 def command(model_dir: Path | None, config_path: Path | None, scenario: str | None, fraction: float | None,
-            count: int | None, classes: str | None, ids: str | None, methods: tuple[str, ...],
+            count: int | None, classes: str | None, ids: str | None, ids_file: Path | None, methods: tuple[str, ...],
             lira_shadows: int | None, ulira_shadows: int | None, pool: tuple[Path, ...], seed: int | None,
             out: Path | None, plots: Path | None, cache_dir: Path | None) -> None:
     """Evaluate removal methods on MODEL_DIR against Retrain and fine-tune (UA/RA/TA/MIA/Avg. Gap)."""
@@ -54,10 +56,18 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
             forget[key] = value
     if classes:
         forget["classes"] = [int(c) for c in classes.split(",")]
+    if ids and ids_file:
+        raise click.UsageError("give --ids or --ids-file, not both")
+    if ids or ids_file:   # the command line's set replaces the config's
+        forget.pop("sample_ids", None)
+        forget.pop("ids_file", None)
     if ids:
         forget["sample_ids"] = [int(i) for i in ids.split(",")]
+    if ids_file:
+        forget["ids_file"] = str(ids_file.resolve())
     if forget:
         raw["forget"] = forget
+    raw = with_ids_file_read(raw, config_path.resolve().parent if config_path else Path.cwd())
     if methods:
         given = raw.get("methods") or {}
         raw["methods"] = {m: given.get(m, {}) for m in methods}
@@ -74,6 +84,28 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
         click.echo(f"{name}: needs retrain (the method refused this removal): {refused['reason']}")
     if config.out:
         click.echo(f"wrote {config.out}")
+
+
+def with_ids_file_read(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """An evaluation config's fields ``raw`` with ``forget.ids_file`` read into ``forget.sample_ids`` (the ids
+    scenario), as `unlearn forget` reads its own: one id a line or CSV with sample_id first, a relative path from
+    ``base`` (the config's folder). Errors name the field; ``raw`` itself is left as it was."""
+    from jobs.forget import ForgetSet
+    from pipeline.config import ConfigError
+
+    forget = raw.get("forget")
+    if not isinstance(forget, dict) or forget.get("ids_file") is None:
+        return raw
+    forget = dict(forget)
+    if forget.get("sample_ids") is not None:
+        raise ConfigError("forget: give forget.sample_ids or forget.ids_file, not both")
+    if forget.setdefault("scenario", "ids") != "ids":
+        raise ConfigError(f"forget.ids_file names the samples of the ids scenario, not of forget.scenario "
+                          f"'{forget['scenario']}': set forget.scenario to ids or drop forget.ids_file")
+    forget["sample_ids"] = ForgetSet(ids_file=Path(forget.pop("ids_file"))).resolve(base)
+    if not forget["sample_ids"]:
+        raise ConfigError(f"forget.ids_file {raw['forget']['ids_file']} holds no sample id")
+    return {**raw, "forget": forget}
 
 
 def pool_results(files: tuple[Path, ...], out: Path | None) -> None:

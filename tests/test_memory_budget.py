@@ -156,8 +156,10 @@ def test_configs_accept_memory_budget_and_examples_still_parse():
     from pipeline.config import CONFIGS_DIR, ConfigError, load_yaml, parse
     from pipeline.evaluate.protocol import EvalConfig
 
+    from jobs.evaluate import with_ids_file_read
+
     for path in sorted((CONFIGS_DIR / "evaluate").glob("*.yaml")):
-        config = parse(EvalConfig, load_yaml(path), str(path))
+        config = parse(EvalConfig, with_ids_file_read(load_yaml(path), path.parent), str(path))
         assert config.memory_budget == "auto"
     raw = load_yaml(CONFIGS_DIR / "evaluate" / "minilm-r8-random.yaml")
     assert parse(EvalConfig, {**raw, "memory_budget": "8GiB"}, "x").memory_budget == "8GiB"

@@ -77,8 +77,11 @@ def test_readme_table_is_the_generated_one() -> None:
     assert readme.count(README_START) == 1 and readme.count(README_END) == 1
     between = readme.split(README_START)[1].split(README_END)[0]
     assert between == "\n" + readme_table(), "README's results table is stale: run python -m bench.results_page"
-    rows = [line for line in between.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    methods = between.split("| method |")[1].split("\n\n")[0]   # the method table, before the U-LiRA games'
+    rows = [line for line in methods.splitlines() if line.startswith("| ")]
     assert 3 <= len(rows) <= 10
+    games = between.split("| cell | game | shadow pairs | read |")[1]   # one table of the games, a game a row
+    assert [line.split(" | ")[0] for line in games.splitlines() if line.startswith("| Identities")]
     assert "[docs/RESULTS.md](docs/RESULTS.md#headline-tables)" in between
     assert "bench/results/deep_fmnist-cnn_partial_class.json" not in between  # the sources are on that page
     assert "The identities benchmark on a second processor" not in between
@@ -163,11 +166,16 @@ def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path,
     table = readme_table(tmp_path)
     header = next(x for x in table.splitlines() if x.startswith("| method |"))
     assert "| deep_r8-minilm_partial_class.json: class (missing) |" in header
-    line = next(x for x in table.splitlines() if x.startswith("- Identities, identity, 16 shadow pairs"))
+    header = next(x for x in table.splitlines() if x.startswith("| cell | game |"))
+    assert header == "| cell | game | shadow pairs | read | original | trajectory-refit | salun |"  # the rows played
+    games = [x for x in table.splitlines() if x.startswith("| Identities")]
+    assert games == ["| Identities, identity | set 0, the cell's run | 16 | yes | 97.2 [94.0, 99.5] | 53.5 [47.2, 60.0] "
+                     "| not played (needs_retrain at shadow 3) |"]   # the other cells hold no game here
+    lines = "\n".join(results_page.headline_tables(tmp_path))   # docs/RESULTS.md: the same game as a line
+    line = next(x for x in lines.splitlines() if x.startswith("- Identities, identity, 16 shadow pairs"))
     assert "16 shadow pairs (read: the original scores at least 60)" in line
     assert "original 97.2 [94.0, 99.5], trajectory-refit 53.5 [47.2, 60.0]" in line
     assert "salun not played (needs_retrain at shadow 3)" in line
-    assert readme_table(tmp_path).count("- Identities") == 1  # the other cells hold no game here
 
 
 def test_companion_rows_join_a_cell_only_on_the_same_sets_and_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,6 +317,48 @@ def test_a_pooled_unlearn_eval_game_follows_the_cell_s_only_on_its_reported_iden
         other = {**game, "forget_sets": [{"scenario": "class", "classes": [c]} for c in sets]}
         assert readme_ulira([(name, d, scenario)], {}, {"eval/g.json": other}, "", by_eval)[-1] == (
             "- Identities, identity: the `unlearn eval` game of eval/g.json is left out, not played on the cell's "
-            "reported identities.")
+            "first reported sets.")
     assert readme_ulira([(name, d, scenario)], {}, {"eval/g.json": None}, "", by_eval)[-1].endswith(
         "left out, no pooled U-LiRA game.")
+
+
+def test_a_pooled_unlearn_eval_game_on_random_sets_is_matched_by_their_sample_ids() -> None:
+    from bench.results_page import eval_game_sets, readme_ulira
+
+    name, scenario = "deep_identities_partial_random_1pct.json", "random_1pct"
+    d = json.loads((RESULTS / name).read_text())
+    reported = [s["sample_ids"] for s in d["declared_sets"][scenario]["reported"]]
+    game = {"shadows": 32, "attackable": True,   # `unlearn eval --ids ...` records each set by its ids, in any order
+            "forget_sets": [{"scenario": "ids", "sample_ids": list(reversed(reported[1])), "seed": 0},
+                            {"scenario": "ids", "sample_ids": reported[0], "seed": 0}],
+            "rows": {"original": {"accuracy": 85.0, "ci95": [82.0, 88.0], "examples": 82},
+                     "suffix-retrain": {"accuracy": 54.5, "ci95": [51.8, 56.9]}}}
+    assert eval_game_sets(d, scenario, game) == [(0, None), (1, None)]
+    by_eval = {(name, scenario): (("eval/r.json", "suffix-retrain at the cell's settings"),)}
+    line = readme_ulira([(name, d, scenario)], {}, {"eval/r.json": game}, "", by_eval)[-1]
+    assert line.startswith("- Identities, random 1 %, played through `unlearn eval` on reported sets 0, 1, pooled "
+                           "(82 forget examples;") and "suffix-retrain 54.5 [51.8, 56.9]" in line
+    for sets in ([reported[0][:-1], reported[1]],          # one sample short of a reported set
+                 [reported[0], reported[0]],                # one set twice
+                 [reported[1], reported[2]]):               # not the first k
+        other = {**game, "forget_sets": [{"scenario": "ids", "sample_ids": ids} for ids in sets]}
+        assert eval_game_sets(d, scenario, other) is None
+    assert eval_game_sets(d, scenario, {**game, "forget_sets": [{"scenario": "random", "fraction": 0.01}]}) is None
+
+
+def test_the_eval_configs_forget_sets_are_the_benchmark_s_reported_ones() -> None:
+    """`unlearn eval`'s games on the random 1 % cell read its sets from configs/evaluate/sets/: each file must hold
+    exactly the cell's reported set of the same index, or the game would not be the cell's (and would be left out)."""
+    from jobs.evaluate import with_ids_file_read
+    from jobs.forget import ForgetSet
+    from pipeline.config import load_yaml
+
+    d = json.loads((RESULTS / "deep_identities_partial_random_1pct.json").read_text())
+    reported = [sorted(s["sample_ids"]) for s in d["declared_sets"]["random_1pct"]["reported"]]
+    sets = ROOT / "configs" / "evaluate" / "sets"
+    files = sorted(sets.glob("identities-random1pct-*.csv"))
+    assert [p.name for p in files] == [f"identities-random1pct-{k}.csv" for k in range(len(reported))]
+    for k, path in enumerate(files):
+        assert sorted(ForgetSet(ids_file=path).resolve(sets)) == reported[k]
+    config = ROOT / "configs" / "evaluate" / "reid-identities-ulira32-random1pct.yaml"
+    assert sorted(with_ids_file_read(load_yaml(config), config.parent)["forget"]["sample_ids"]) == reported[0]

@@ -125,3 +125,46 @@ def test_eval_records_a_refused_removal_as_needs_retrain(model_dir, tmp_path):
     refused = saved["needs_retrain"]["lfoci-newton"]
     assert "cg" in refused["reason"].lower() or "solve" in refused["reason"].lower(), refused
     assert "lfoci-newton: needs retrain" in result.output and saved["method_errors"] == {}
+
+
+def test_eval_reads_the_forget_set_from_an_ids_file_as_forget_does(model_dir, tmp_path):
+    """`forget.ids_file` (relative to the config's folder) and `--ids-file` give the ids scenario the set `--ids`
+    gives; a file and ids together, a file under another scenario, a missing file, a bad line or an empty file are
+    refused naming the field, and nothing is written."""
+    from jobs.evaluate import command as eval_command
+    from pipeline.removal import training_set
+
+    ids = [int(i) for i in training_set(read_card(model_dir)).sample_ids[[3, 17, 40, 41, 99]]]
+    (tmp_path / "sets").mkdir()
+    (tmp_path / "sets" / "f.csv").write_text("sample_id,why\n# a comment\n" + "".join(f"{i},asked\n" for i in ids))
+    spec = {"methods": {"lfoci-newton": {"selection": "all"}}, "baselines": ["retrain"], "residual_gradient": False,
+            "forget": {"scenario": "ids", "ids_file": "sets/f.csv"}}
+    common = [str(model_dir), "--cache-dir", str(tmp_path / "cache")]
+    runs = {"config": ["--config", str(_write(tmp_path / "e.yaml", spec))],
+            "option": ["--config", str(_write(tmp_path / "o.yaml", {**spec, "forget": {"scenario": "ids"}})),
+                       "--ids-file", str(tmp_path / "sets" / "f.csv")],
+            "ids": ["--config", str(tmp_path / "o.yaml"), "--ids", ",".join(map(str, ids))]}
+    records = {}
+    for name, extra in runs.items():
+        result = CliRunner().invoke(eval_command, common + extra + ["--out", str(tmp_path / f"{name}.json")])
+        assert result.exit_code == 0, result.output
+        records[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert records["config"]["sample_ids"] == ids and records["config"]["scenario"]["scenario"] == "ids"
+    for name in ("option", "ids"):
+        assert records[name]["sample_ids"] == ids
+        for metric in ("UA", "RA", "TA", "MIA"):   # the same removal of the same set (its seconds differ)
+            assert records[name]["rows"]["lfoci-newton"][metric] == pytest.approx(
+                records["config"]["rows"]["lfoci-newton"][metric])
+    (tmp_path / "sets" / "bad.csv").write_text(f"{ids[0]}\nseventeen\n")
+    (tmp_path / "sets" / "empty.csv").write_text("sample_id\n")
+    for forget, said in (({"scenario": "ids", "ids_file": "sets/f.csv", "sample_ids": [1]}, "not both"),
+                         ({"scenario": "class", "classes": [3], "ids_file": "sets/f.csv"}, "forget.scenario 'class'"),
+                         ({"scenario": "ids", "ids_file": "sets/none.csv"}, "does not exist"),
+                         ({"scenario": "ids", "ids_file": "sets/bad.csv"}, "line 2: 'seventeen'"),
+                         ({"scenario": "ids", "ids_file": "sets/empty.csv"}, "holds no sample id")):
+        bad = CliRunner().invoke(eval_command, common + ["--config", str(_write(tmp_path / "b.yaml", {**spec, "forget": forget})),
+                                                         "--out", str(tmp_path / "never.json")])
+        assert bad.exit_code == 1 and "forget" in bad.output and said in bad.output, bad.output
+        assert not (tmp_path / "never.json").exists()
+    both = CliRunner().invoke(eval_command, common + runs["option"] + ["--ids", "3", "--out", str(tmp_path / "never.json")])
+    assert both.exit_code == 2 and "--ids or --ids-file" in both.output and not (tmp_path / "never.json").exists()
