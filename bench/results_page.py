@@ -161,7 +161,14 @@ README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("eval/reid-identities-ulira32-pooled.json", "suffix-retrain at the earlier cut, layer3 on for 8 epochs: "
                                                      "configs/evaluate/reid-identities-ulira32.yaml"),
         ("eval/reid-identities-ulira32-cut-pooled.json", "suffix-retrain at the table's cut, layer4 on for 4 epochs: "
-                                                         "configs/evaluate/reid-identities-ulira32-cut.yaml")),
+                                                         "configs/evaluate/reid-identities-ulira32-cut.yaml"),
+        ("eval/reid-identities-ulira32-others-pooled.json", "the table's settings: "
+                                                            "configs/evaluate/reid-identities-ulira32-others.yaml")),
+    ("deep_identities_partial_random_1pct.json", "random_1pct"): (
+        ("eval/reid-identities-ulira32-random1pct-pooled.json",
+         "the table's settings: configs/evaluate/reid-identities-ulira32-random1pct.yaml"),
+        ("eval/reid-identities-ulira32-random1pct-others-pooled.json",
+         "the table's settings: configs/evaluate/reid-identities-ulira32-random1pct-others.yaml")),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
@@ -602,7 +609,7 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
         read = ("read: the original scores at least " if game.get("attackable") else
                 "not read: the original scores under ") + f"{ULIRA_ATTACKABLE:g}"
         add(f"- {title}{_pooled_words(game)}, {game['shadows']} shadow pairs ({read}): {_ulira_parts(game)}.",
-            title, f"{_sets_words(game.get('forget_sets'))}, the cell's run", game)
+            title, f"{_sets_words(game.get('forget_sets'))}, the cell's first run (its rows at that run's settings)", game)
         for other in (again or {}).get((name, sc), ()):
             o = (loaded or {}).get(other)
             replay = o["scenarios"][sc].get("ulira") if _has_summary(o, sc) else None
@@ -615,10 +622,10 @@ def readme_ulira(cells: list[tuple[str, dict[str, Any] | None, str]],
             how = ("played for the rows that file adds" if first
                    else "played again at the table's settings") + _pooled_words(replay)
             short = (f"{_sets_words(replay.get('forget_sets'))}, "
-                     + ("first played for the rows its run adds" if first else "again at the table's settings"))
+                     + ("the run that added its rows" if first else "at the table's settings"))
             if other in ULIRA_EARLIER_SETTINGS:
                 how += f" ({ULIRA_EARLIER_SETTINGS[other]})"
-                short += f" ({ULIRA_EARLIER_SETTINGS[other]})"
+                short += f"; {ULIRA_EARLIER_SETTINGS[other]}"
             add(f"- {title}, {how}, {replay['shadows']} shadow pairs ([{other}]({link}bench/results/{other})): "
                 f"{_ulira_parts(replay)}.", title, short, replay)
         for other, what in (by_eval or {}).get((name, sc), ()):
@@ -656,8 +663,9 @@ def _ulira_table(games: list[tuple[str, str, dict[str, Any]]], attackable: float
         return []
     columns = [row for row in HEADLINE_ROWS if any(row in g.get("rows", {}) for _, _, g in games)]
     lines = ["", "U-LiRA (the attack's accuracy in %, its 95 % interval; 50: it cannot tell the removal from Retrain; a "
-                 f"game is read where the original scores at least {attackable:g}; pooled: the interval over the shadow "
-                 "pairs and the examples together):", "",
+                 f"game is read where the original scores at least {attackable:g}; on one set the interval is over "
+                 "its examples, the models held fixed; pooled over sets, over the shadow pairs and the examples "
+                 "together; a row's settings are the table's unless the game says otherwise):", "",
              "| cell | game | shadow pairs | read | " + " | ".join(columns) + " |",
              "|---|---|---|---|" + "---|" * len(columns)]
     for cell, how, game in games:

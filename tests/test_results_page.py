@@ -169,7 +169,7 @@ def test_readme_table_reads_ulira_games_and_marks_a_missing_file(tmp_path: Path,
     header = next(x for x in table.splitlines() if x.startswith("| cell | game |"))
     assert header == "| cell | game | shadow pairs | read | original | trajectory-refit | salun |"  # the rows played
     games = [x for x in table.splitlines() if x.startswith("| Identities")]
-    assert games == ["| Identities, identity | set 0, the cell's run | 16 | yes | 97.2 [94.0, 99.5] | 53.5 [47.2, 60.0] "
+    assert games == ["| Identities, identity | set 0, the cell's first run (its rows at that run's settings) | 16 | yes | 97.2 [94.0, 99.5] | 53.5 [47.2, 60.0] "
                      "| not played (needs_retrain at shadow 3) |"]   # the other cells hold no game here
     lines = "\n".join(results_page.headline_tables(tmp_path))   # docs/RESULTS.md: the same game as a line
     line = next(x for x in lines.splitlines() if x.startswith("- Identities, identity, 16 shadow pairs"))
