@@ -35,6 +35,9 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @click.option("--pool-ulira", "pool", multiple=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="pool the U-LiRA games of earlier results (JSON written by --out, each on its own forget set of one "
                    "model) per row instead of evaluating (repeat it for each file; --out writes the pooled game)")
+@click.option("--ulira-controls", type=int, default=None,
+              help="U-LiRA: also play the game on this many retained and this many test samples, which the removal "
+                   "was not asked about (0 = off)")
 @click.option("--seed", type=int, default=None)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON result file")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), default=None, help="folder for PNG plots")
@@ -42,7 +45,8 @@ from pipeline.evaluate.protocol import EvalConfig, evaluate
 @user_errors
 def command(model_dir: Path | None, config_path: Path | None, scenario: str | None, fraction: float | None,
             count: int | None, classes: str | None, ids: str | None, ids_file: Path | None, methods: tuple[str, ...],
-            lira_shadows: int | None, ulira_shadows: int | None, pool: tuple[Path, ...], seed: int | None,
+            lira_shadows: int | None, ulira_shadows: int | None, ulira_controls: int | None, pool: tuple[Path, ...],
+            seed: int | None,
             out: Path | None, plots: Path | None, cache_dir: Path | None) -> None:
     """Evaluate removal methods on MODEL_DIR against Retrain and fine-tune (UA/RA/TA/MIA/Avg. Gap)."""
     if pool:
@@ -71,7 +75,8 @@ def command(model_dir: Path | None, config_path: Path | None, scenario: str | No
     if methods:
         given = raw.get("methods") or {}
         raw["methods"] = {m: given.get(m, {}) for m in methods}
-    for key, value in (("lira_shadows", lira_shadows), ("ulira_shadows", ulira_shadows), ("seed", seed), ("out", out),
+    for key, value in (("lira_shadows", lira_shadows), ("ulira_shadows", ulira_shadows),
+                       ("ulira_controls", ulira_controls), ("seed", seed), ("out", out),
                        ("plots", plots), ("cache_dir", cache_dir)):
         if value is not None:
             raw[key] = str(value) if isinstance(value, Path) else value
@@ -143,4 +148,9 @@ def ulira_lines(cell: dict[str, Any] | None) -> list[str]:
             why = row.get("needs_retrain") or row.get("error")
             where = row.get("not_pooled") or f"shadow pair {row.get('shadow')}"
             lines.append(f"  {name}: no game ({where}" + (f": {why})" if why else ")"))
+    for key, control in (cell.get("controls") or {}).items():
+        played = {name: row for name, row in control["rows"].items() if "accuracy" in row}
+        lines.append(f"  control, {len(control['sample_ids'])} {key} samples (not asked about): "
+                     + ", ".join(f"{name} {row['accuracy']:.1f} [{row['ci95'][0]:.1f}, {row['ci95'][1]:.1f}]"
+                                 for name, row in played.items()))
     return lines

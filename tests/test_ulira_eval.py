@@ -12,6 +12,9 @@ through ``pipeline.removal.remove``.
       forgotten class (the game has power: a reversed sign would read near 0);
   (c) the shadow originals are model directories with their recorded run and their seed on the card, cached: a
       second evaluation trains none and reads the same;
+  (e) the controls (``ulira_controls``: members of D_r and test samples the removal was not asked about): the exact
+      Retrain reads 50 there too, the originals' row is the game on the independently trained models read on the
+      recorded control samples, and the same seed draws the same samples;
   (d) a method that fails on the model itself has no game and says on which pair; pair 0's Retrain is at the
       recipe's seed whatever seed the Retrain row has; the command line prints the game and refuses fewer than 3
       pairs and a game without Retrain; a model the game cannot pair (Mixed-Linear, a later version, another
@@ -41,6 +44,7 @@ RECIPE = {"optimizer": "sgd", "epochs": 3, "lr": 0.05, "batch_size": 64, "moment
 CNN = {"channels": [8, 16], "pool": [1, 2], "hidden": [32], "image_size": 8}
 CLASS = 3
 PAIRS = 4
+CONTROLS = 24
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +66,8 @@ def _config(model_dir, tmp_path, **extra) -> EvalConfig:
 @pytest.fixture(scope="module")
 def played(cnn_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ulira")
-    first = evaluate(_config(cnn_dir, tmp, out=str(tmp / "eval.json")))
-    again = evaluate(_config(cnn_dir, tmp))
+    first = evaluate(_config(cnn_dir, tmp, out=str(tmp / "eval.json"), ulira_controls=CONTROLS))
+    again = evaluate(_config(cnn_dir, tmp, ulira_controls=CONTROLS))
     return first, again, tmp
 
 
@@ -135,11 +139,15 @@ def test_the_command_line_prints_the_game_and_refuses_bad_input(cnn_dir, tmp_pat
     runner = CliRunner()
     base = [str(cnn_dir), "--scenario", "class", "--classes", str(CLASS), "--cache-dir", str(tmp_path / "cache")]
     out = tmp_path / "eval.json"
-    ok = runner.invoke(command, base + ["--method", "finetune", "--ulira-shadows", "3", "--out", str(out)])
+    ok = runner.invoke(command, base + ["--method", "finetune", "--ulira-shadows", "3", "--ulira-controls", "8",
+                                        "--out", str(out)])
     assert ok.exit_code == 0, ok.output
     assert "U-LiRA, 3 shadow pairs" in ok.output and "original: " in ok.output and "finetune: " in ok.output
+    assert "control, 8 retained samples (not asked about): original " in ok.output and "control, 8 test samples" in ok.output
     out.unlink()
-    for extra, field in ((["--ulira-shadows", "2"], "ulira_shadows"), (["--ulira-shadows", "-1"], "ulira_shadows")):
+    for extra, field in ((["--ulira-shadows", "2"], "ulira_shadows"), (["--ulira-shadows", "-1"], "ulira_shadows"),
+                         (["--ulira-controls", "8"], "ulira_controls"),
+                         (["--ulira-shadows", "3", "--ulira-controls", "-1"], "ulira_controls")):
         bad = runner.invoke(command, base + extra + ["--out", str(out)])
         assert bad.exit_code == 1 and field in bad.output and not out.exists()
     with pytest.raises(ValueError, match="ulira_shadows"):
@@ -211,3 +219,36 @@ def test_games_on_several_forget_sets_are_pooled_per_row(cnn_dir, tmp_path):
     (tmp_path / "none.json").write_text(json.dumps(other))
     bad = runner.invoke(command, ["--pool-ulira", str(files[0]), "--pool-ulira", str(tmp_path / "none.json")])
     assert bad.exit_code == 1 and "none.json: holds no U-LiRA game" in bad.output
+
+
+def test_the_controls_read_the_same_game_on_samples_the_removal_was_not_asked_about(played, cnn_dir):
+    first, again, _ = played
+    controls = first["ulira"]["controls"]
+    assert sorted(controls) == ["retained", "test"]
+    card = read_card(cnn_dir)
+    data = training_set(card)
+    retain = data.take(torch.nonzero(data.columns["y"] != CLASS).squeeze(1))
+    _, model_task, _ = load_model_dir(cnn_dir)
+    recipe = recipe_of(card)
+    seeds = [recipe.seed + s for s in range(PAIRS)]
+    models = {on: [train(card.preset, card.options, d, recipe.model_copy(update={"seed": s})).model for s in seeds]
+              for on, d in (("D", data), ("D_r", retain))}
+    from pipeline.data import load_source
+
+    test = load_source(card.data.source, card.data.options)["test"]
+    for key, pool in (("retained", retain), ("test", test)):
+        control = controls[key]
+        ids = control["sample_ids"]
+        assert len(ids) == CONTROLS == len(set(ids)) and control == again["ulira"]["controls"][key]  # seeded
+        subset = pool.take(pool.positions_of(ids))
+        assert not np.isin(subset.columns["y"].numpy(), [CLASS]).any()  # the class scenario's kept classes
+
+        def phi(model):
+            return logit_confidence(logits_of(model, model_task, subset, 256), subset.columns["y"])
+
+        reference = ulira_attack_accuracy(np.stack([phi(m) for m in models["D"]]), np.stack([phi(m) for m in models["D_r"]]))
+        assert control["rows"]["original"]["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-9)
+        assert control["rows"]["suffix-retrain"]["accuracy"] == 50.0   # Retrain to the bit: every decision a tie
+        assert control["rows"]["suffix-retrain"]["ci95"] == [50.0, 50.0]
+        assert control["rows"]["original"]["examples"] == CONTROLS
+    assert first["ulira"]["rows"]["original"]["accuracy"] >= 95   # the forget set's game is still the forget set's

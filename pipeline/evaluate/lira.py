@@ -306,6 +306,26 @@ def play_ulira(retrained: Sequence[Mapping[str, np.ndarray]], rows: Mapping[str,
                           "nothing from Retrain here; no U-LiRA floor is read in this cell")}
 
 
+def control_games(retrained: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], *, resamples: int = 1000,
+                  seed: int = 0) -> dict[str, Any]:
+    """The U-LiRA game of every row played again on control sets, samples the removal was not asked about (members
+    of D_r, test samples): ``retrained`` and ``rows`` as for ``play_ulira``, each entry's ``"controls"`` holding phi
+    on each control set by name. A removal that differs from Retrain on every sample reads above 50 there too, so the
+    forget set's reading above its controls' is what the removal left of D_f; an exact Retrain reads 50 on every
+    set. Per set: the attack's accuracy and 95 % interval of each row (``ulira_attack_accuracy``, the per-pair
+    decisions left out), or the row's dict saying why it has no game."""
+    names = sorted(retrained[0].get("controls", {})) if retrained else []
+    out: dict[str, Any] = {}
+    for key in names:
+        game = ulira_game([p["controls"][key] for p in retrained],
+                          {name: v if isinstance(v, dict) else [p["controls"][key] for p in v] for name, v in rows.items()},
+                          resamples=resamples, seed=seed)
+        out[key] = {name: (dict(g) if "accuracy" not in g else
+                           {k: g[k] for k in ("accuracy", "ci95", "examples", "decisions") if k in g})
+                    for name, g in game.items()}
+    return out
+
+
 def pool_ulira(cells: Sequence[Mapping[str, Any]], labels: Sequence[Any], what: str = "forget set") -> dict[str, Any]:
     """Several U-LiRA cells of one model (``play_ulira``'s, each on its own forget set, the same shadow pairs) pooled
     per row (``pooled_attack_accuracy``). A row with no game on some cell (refused or failed on a pair, or absent) is

@@ -102,6 +102,11 @@ class EvalConfig(BaseModel):
                              "and a Retrain on D_r, both with the recipe's seed + s (pair 0: the model itself and "
                              "its Retrain); every method and fine-tune remove D_f from each original; 0 = off, "
                              "else at least 3")
+    ulira_controls: int = Field(
+        0, ge=0, description="U-LiRA: also play the game on this many members of D_r and this many test samples "
+                             "(drawn with the evaluation's seed; 0 = off), samples the removal was not asked about: a "
+                             "removal that differs from Retrain on every sample reads above 50 there too, so the forget "
+                             "set's reading above theirs is what it left of D_f")
     retrieval: bool | None = None
     curve: CurveSpec | None = None
     seed: int = 0
@@ -136,6 +141,8 @@ class EvalConfig(BaseModel):
         if self.ulira_shadows in (1, 2):
             raise ValueError("ulira_shadows must be 0 or at least 3 (the attack fits its Gaussians on the other pairs "
                              "than the one it holds out, and needs two of them for a spread)")
+        if self.ulira_controls and not self.ulira_shadows:
+            raise ValueError("ulira_controls needs ulira_shadows (the controls are played in the U-LiRA game)")
         if self.ulira_shadows and "retrain" not in self.baselines:
             raise ValueError("ulira_shadows needs baselines to include 'retrain' (the game's other side)")
         if "retrain" not in self.baselines and (self.methods or "finetune" in self.baselines):
@@ -341,14 +348,18 @@ class Evaluation:
         n = self.config.ulira_shadows
         if not n:
             return None
-        from pipeline.evaluate.lira import phi_parts, play_ulira
+        from pipeline.evaluate.lira import control_games, phi_parts, play_ulira
         from pipeline.progress import bar
 
         cfg, s0 = self.config, recipe_of(self.card).seed
         y = self.sets.forget.columns["y"]
+        controls = self._ulira_controls()
 
-        def parts(model: nn.Module) -> dict[str, np.ndarray]:
-            return phi_parts(logits_of(model, self.task, self.sets.forget, cfg.batch_size), y)
+        def parts(model: nn.Module) -> dict[str, Any]:
+            out: dict[str, Any] = phi_parts(logits_of(model, self.task, self.sets.forget, cfg.batch_size), y)
+            out["controls"] = {key: phi_parts(logits_of(model, self.task, subset, cfg.batch_size),
+                                              subset.columns["y"])["phi"] for key, subset in controls.items()}
+            return out
 
         names = [name for name in self.config.methods if name not in BASELINE_NAMES]
         if "finetune" in cfg.baselines:
@@ -386,9 +397,24 @@ class Evaluation:
                 retrained.append(parts(run.model))
                 pairs.update(1)
         cell = play_ulira(retrained, rows, seed=cfg.seed)
+        if controls:
+            cell["controls"] = {key: {"sample_ids": controls[key].sample_ids.tolist(), "rows": game}
+                                for key, game in control_games(retrained, rows, seed=cfg.seed).items()}
         return {**cell, "seeds": [s0 + s for s in range(n)],
                 "originals_trained": {"seconds": trained["seconds"], "cached": trained["cached"]},
                 "seconds": time.perf_counter() - started}
+
+    def _ulira_controls(self) -> dict[str, SampleSet]:
+        """The U-LiRA game's control sets (``ulira_controls`` samples each, drawn with the evaluation's seed): members
+        of D_r ("retained") and test samples ("test"; in a class scenario, of the classes kept)."""
+        k = self.config.ulira_controls
+        if not k:
+            return {}
+        generator = torch.Generator().manual_seed(self.config.seed)
+        out = {}
+        for key, subset in (("retained", self.sets.retain), ("test", self.sets.test)):
+            out[key] = subset.take(torch.randperm(len(subset), generator=generator)[:k])
+        return out
 
     def _shadow_removal(self, name: str, s: int, shadow: TrainedModel,
                         parts: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, Any] | None]:
