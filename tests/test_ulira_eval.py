@@ -71,6 +71,31 @@ def played(cnn_dir, tmp_path_factory):
     return first, again, tmp
 
 
+@pytest.fixture(scope="module")
+def independent(cnn_dir):
+    """The game's models trained here independently (``pipeline.recipe.train`` at each pair's seed on D and on D_r),
+    with the data they split and the model's task: the reference both the forget set's and the controls' games are
+    checked against."""
+    card = read_card(cnn_dir)
+    data = training_set(card)
+    retain = data.take(torch.nonzero(data.columns["y"] != CLASS).squeeze(1))
+    recipe = recipe_of(card)
+    seeds = [recipe.seed + s for s in range(PAIRS)]
+    models = {on: [train(card.preset, card.options, d, recipe.model_copy(update={"seed": s})).model for s in seeds]
+              for on, d in (("D", data), ("D_r", retain))}
+    _, task, _ = load_model_dir(cnn_dir)
+    return {"card": card, "data": data, "retain": retain, "models": models, "task": task}
+
+
+def _reference(independent, subset) -> dict:
+    """The U-LiRA game of the independently trained originals against the Retrains, read on ``subset``."""
+    def phi(model):
+        return logit_confidence(logits_of(model, independent["task"], subset, 256), subset.columns["y"])
+
+    return ulira_attack_accuracy(np.stack([phi(m) for m in independent["models"]["D"]]),
+                                 np.stack([phi(m) for m in independent["models"]["D_r"]]))
+
+
 def test_an_exact_retrain_reads_fifty_on_every_pair(played):
     game = played[0]["ulira"]
     row = game["rows"]["suffix-retrain"]
@@ -80,22 +105,11 @@ def test_an_exact_retrain_reads_fifty_on_every_pair(played):
     assert game["shadows"] == PAIRS and game["seeds"] == [RECIPE["seed"] + s for s in range(PAIRS)]
 
 
-def test_the_originals_row_is_the_game_on_models_trained_independently(played, cnn_dir):
+def test_the_originals_row_is_the_game_on_models_trained_independently(played, independent):
     game = played[0]["ulira"]
-    card = read_card(cnn_dir)
-    data = training_set(card)
+    data = independent["data"]
     forget = data.take(torch.nonzero(data.columns["y"] == CLASS).squeeze(1))
-    retain = data.take(torch.nonzero(data.columns["y"] != CLASS).squeeze(1))
-    recipe = recipe_of(card)
-
-    def phi(on, seed):
-        model = train(card.preset, card.options, on, recipe.model_copy(update={"seed": seed})).model
-        return logit_confidence(logits_of(model, model_task, forget, 256), forget.columns["y"])
-
-    _, model_task, _ = load_model_dir(cnn_dir)
-    seeds = [recipe.seed + s for s in range(PAIRS)]
-    reference = ulira_attack_accuracy(np.stack([phi(data, s) for s in seeds]),
-                                      np.stack([phi(retain, s) for s in seeds]))
+    reference = _reference(independent, forget)
     row = game["rows"]["original"]
     assert row["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-9)
     assert np.allclose(row["per_pair"], reference["per_pair"])
@@ -221,32 +235,21 @@ def test_games_on_several_forget_sets_are_pooled_per_row(cnn_dir, tmp_path):
     assert bad.exit_code == 1 and "none.json: holds no U-LiRA game" in bad.output
 
 
-def test_the_controls_read_the_same_game_on_samples_the_removal_was_not_asked_about(played, cnn_dir):
+def test_the_controls_read_the_same_game_on_samples_the_removal_was_not_asked_about(played, independent):
+    from pipeline.data import load_source
+
     first, again, _ = played
     controls = first["ulira"]["controls"]
     assert sorted(controls) == ["retained", "test"]
-    card = read_card(cnn_dir)
-    data = training_set(card)
-    retain = data.take(torch.nonzero(data.columns["y"] != CLASS).squeeze(1))
-    _, model_task, _ = load_model_dir(cnn_dir)
-    recipe = recipe_of(card)
-    seeds = [recipe.seed + s for s in range(PAIRS)]
-    models = {on: [train(card.preset, card.options, d, recipe.model_copy(update={"seed": s})).model for s in seeds]
-              for on, d in (("D", data), ("D_r", retain))}
-    from pipeline.data import load_source
-
+    card = independent["card"]
     test = load_source(card.data.source, card.data.options)["test"]
-    for key, pool in (("retained", retain), ("test", test)):
+    for key, pool in (("retained", independent["retain"]), ("test", test)):
         control = controls[key]
         ids = control["sample_ids"]
         assert len(ids) == CONTROLS == len(set(ids)) and control == again["ulira"]["controls"][key]  # seeded
         subset = pool.take(pool.positions_of(ids))
         assert not np.isin(subset.columns["y"].numpy(), [CLASS]).any()  # the class scenario's kept classes
-
-        def phi(model):
-            return logit_confidence(logits_of(model, model_task, subset, 256), subset.columns["y"])
-
-        reference = ulira_attack_accuracy(np.stack([phi(m) for m in models["D"]]), np.stack([phi(m) for m in models["D_r"]]))
+        reference = _reference(independent, subset)
         assert control["rows"]["original"]["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-9)
         assert control["rows"]["suffix-retrain"]["accuracy"] == 50.0   # Retrain to the bit: every decision a tie
         assert control["rows"]["suffix-retrain"]["ci95"] == [50.0, 50.0]
