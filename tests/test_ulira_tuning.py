@@ -104,15 +104,17 @@ def test_combining_other_grids_or_one_set_twice_exits_1_naming_why(tmp_path, cap
     assert field in capsys.readouterr().err and not out.exists()
 
 
-def test_the_committed_grid_reads_and_a_point_no_removal_can_take_is_named_before_any_runs(tmp_path, capsys):
+def test_the_committed_grids_read_and_a_point_no_removal_can_take_is_named_before_any_runs(tmp_path, capsys):
     from bench.common import ROOT
     from bench.ulira_tuning import grid_configs, read_grid
 
-    path = ROOT / "configs" / "evaluate" / "tuning" / "identities-suffix-ulira.yaml"
-    grid = read_grid(path)
-    configs = grid_configs(grid, {"scenario": "class", "classes": [0]}, str(tmp_path))
-    assert len(configs) == len(grid["grid"]) and all(c.ulira_controls > 0 for c in configs)
-    assert read_grid(path, tuning_set=1)["tuning_set"] == 1
+    paths = sorted((ROOT / "configs" / "evaluate" / "tuning").glob("*.yaml"))
+    assert len(paths) >= 2
+    for path in paths:
+        grid = read_grid(path)
+        configs = grid_configs(grid, {"scenario": "class", "classes": [0]}, str(tmp_path))
+        assert len(configs) == len(grid["grid"]) and all(c.ulira_controls > 0 for c in configs), path
+    assert read_grid(paths[0], tuning_set=1)["tuning_set"] == 1
     bad = tmp_path / "grid.yaml"
     bad.write_text(yaml.safe_dump({**grid, "model_dir": str(tmp_path / "no-model"), "grid": [{"epochs": 0}]}))
     with pytest.raises(ValueError, match=r"grid\[0\].*suffix-retrain"):
