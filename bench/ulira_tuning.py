@@ -56,6 +56,9 @@ def combine(results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
                 raise ValueError(f"{name}: {key} is {result.get(key)!r}, not {first.get(key)!r} as in {names[0]}")
         if [p["settings"] for p in result["points"]] != [p["settings"] for p in first["points"]]:
             raise ValueError(f"{name}: another grid than {names[0]}'s")
+        if result["tuning_set"].get("scenario") != first["tuning_set"].get("scenario"):
+            raise ValueError(f"{name}: scenario {result['tuning_set'].get('scenario')!r}, not "
+                             f"{first['tuning_set'].get('scenario')!r} as in {names[0]}")
     sets = [r["tuning_set"]["index"] for r in results]
     if len(set(sets)) != len(sets):
         raise ValueError(f"the results play tuning sets {sets}: each set once")

@@ -74,7 +74,7 @@ def test_a_grid_missing_a_field_exits_1_naming_it(tmp_path, capsys):
 def _result(index: int, worst: list[float | None], settings: list[dict] | None = None) -> dict:
     settings = settings or [{"epochs": e} for e in (4, 6, 8)][: len(worst)]
     return {"method": "suffix-retrain", "model_dir": "m", "ulira_shadows": 16, "ulira_controls": 96,
-            "tuning_set": {"index": index, "label": 20 + index},
+            "tuning_set": {"index": index, "label": 20 + index, "scenario": "identity"},
             "points": [{"settings": s, "worst": w} for s, w in zip(settings, worst)]}
 
 
@@ -95,6 +95,8 @@ def test_runs_on_several_tuning_sets_choose_by_the_mean_worst_reading(tmp_path):
     (_result(0, [60.0, 62.0, 57.0]), "each set once"),
     (_result(1, [60.0, 62.0, 57.0], [{"epochs": 4}, {"epochs": 6}, {"epochs": 12}]), "another grid"),
     ({**_result(1, [60.0, 62.0, 57.0]), "ulira_shadows": 32}, "ulira_shadows"),
+    ({**_result(1, [60.0, 62.0, 57.0]), "tuning_set": {"index": 1, "label": None, "scenario": "random_1pct"}},
+     "scenario"),
 ])
 def test_combining_other_grids_or_one_set_twice_exits_1_naming_why(tmp_path, capsys, second, field):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "o.json"
