@@ -764,6 +764,13 @@ def strip_logits(rows: dict[str, dict[str, Any]]) -> None:
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------
+def class_count(options: dict[str, Any], *splits: Any) -> int:
+    """The number of classes: one past the largest label of ``splits``, or the model's ``num_classes`` /
+    ``num_labels`` where that is more."""
+    k = max(int(split.columns["y"].max()) + 1 for split in splits)
+    return max(k, int(options.get("num_classes") or options.get("num_labels") or k))
+
+
 def setup(dataset: str, profile_name: str, tuning_path: Path | None = None,
           overrides: dict[str, Any] | None = None) -> Context:
     from pipeline.config import load_config
@@ -791,8 +798,7 @@ def setup(dataset: str, profile_name: str, tuning_path: Path | None = None,
     train = _limit(train, profile.get("train_limit"), 11)
     test = _limit(test, profile.get("test_limit"), 12)
     _, task = build(cfg.model.preset, cfg.model.options)
-    k = int(max(int(train.columns["y"].max()), int(test.columns["y"].max())) + 1)
-    k = max(k, int(cfg.model.options.get("num_classes") or cfg.model.options.get("num_labels") or k))
+    k = class_count(cfg.model.options, train, test)
     memo = PrefixMemo() if spec.prefix_eval else None
     return Context(dataset, spec, profile_name, profile, cfg, train, test, task, k, load_tuning(dataset, tuning_path),
                    memo=memo, batch_size=256 if spec.prefix_eval else 512)

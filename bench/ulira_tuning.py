@@ -30,11 +30,15 @@ from bench.common import ROOT, write_json
 CONTROL_SETS = ("retained", "test")
 
 
+def control_rows(ulira: dict[str, Any], key: str) -> dict[str, Any]:
+    """Every row's game on control set ``key`` ({} where it was not played)."""
+    return ulira.get("controls", {}).get(key, {}).get("rows", {})
+
+
 def worst_reading(ulira: dict[str, Any], row: str) -> float | None:
     """max of ``row``'s game on U and on every control set (None where it has no game on one of them)."""
     readings = [ulira["rows"].get(row, {}).get("accuracy")]
-    readings += [ulira.get("controls", {}).get(key, {}).get("rows", {}).get(row, {}).get("accuracy")
-                 for key in CONTROL_SETS]
+    readings += [control_rows(ulira, key).get(row, {}).get("accuracy") for key in CONTROL_SETS]
     return None if any(r is None for r in readings) else float(max(readings))
 
 
@@ -78,12 +82,11 @@ def combine(results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
 
 def tuning_set(grid: dict[str, Any], card: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The eval ``forget`` section of the declared tuning set, and its description (sample ids, label)."""
-    from bench.deep_forgetting import draw_forget_sets
+    from bench.deep_forgetting import class_count, draw_forget_sets
     from pipeline.removal import training_set
 
     train = training_set(card)
-    options = card.options
-    k = max(int(train.columns["y"].max()) + 1, int(options.get("num_classes") or options.get("num_labels") or 0))
+    k = class_count(card.options, train)
     scenario = str(grid["scenario"])
     reported, tuning = draw_forget_sets(scenario, train, k, int(grid["reported_sets"]), int(grid["tuning_sets"]),
                                         seed=int(grid.get("seed", 0)))
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     started = time.perf_counter()
     points: list[dict[str, Any]] = []
+    originals: dict[str, Any] | None = None  # the untouched originals on the controls: the same at every point
     for i, config in enumerate(configs):
         settings, point = point_settings(grid, i), grid["grid"][i]
         print(f"[{i + 1}/{len(grid['grid'])}] {grid['method']} {settings}", file=sys.stderr, flush=True)
@@ -190,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         ulira, row = result["ulira"], result["rows"].get(grid["method"], {})
         entry = {"point": point, "settings": settings, "worst": worst_reading(ulira, grid["method"]),
                  "on_U": ulira["rows"].get(grid["method"]),
-                 "controls": {key: ulira.get("controls", {}).get(key, {}).get("rows", {}) for key in CONTROL_SETS},
+                 "controls": {key: control_rows(ulira, key) for key in CONTROL_SETS},
                  "metrics": {k: row.get(k) for k in ("AvgGap", "KL_forget_vs_retrain", "TA", "RA", "rank1", "mAP",
                                                      "seconds")},
                  "scope": (result.get("method_records", {}).get(grid["method"]) or {}).get("scope"),
                  "error": result.get("method_errors", {}).get(grid["method"]),
                  "needs_retrain": result.get("needs_retrain", {}).get(grid["method"])}
         points.append(entry)
+        originals = {key: control_rows(ulira, key).get("original") for key in CONTROL_SETS}
         worst = entry["worst"]
         on_u = (entry["on_U"] or {}).get("accuracy")
         print(f"  on U {on_u if on_u is None else round(on_u, 1)}, worst {worst if worst is None else round(worst, 1)}",
@@ -207,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
            "ulira_controls": grid["ulira_controls"],
            "criterion": "least max(U-LiRA on U, on the retained controls, on the test controls); ties: grid order",
            "points": points, "chosen": best, "chosen_settings": None if best is None else points[best]["settings"],
-           "original_on_controls": {key: ulira.get("controls", {}).get(key, {}).get("rows", {}).get("original")
-                                    for key in CONTROL_SETS} if points else None,
+           "original_on_controls": originals,
            "wall_seconds": time.perf_counter() - started}
     path = args.out or ROOT / "bench" / "results" / "eval" / f"{args.grid.stem}.json"
     write_json(path, out)
