@@ -163,12 +163,21 @@ README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("eval/reid-identities-ulira32-cut-pooled.json", "suffix-retrain at the table's cut, layer4 on for 4 epochs: "
                                                          "configs/evaluate/reid-identities-ulira32-cut.yaml"),
         ("eval/reid-identities-ulira32-others-pooled.json", "the table's settings: "
-                                                            "configs/evaluate/reid-identities-ulira32-others.yaml")),
+                                                            "configs/evaluate/reid-identities-ulira32-others.yaml"),
+        ("eval/reid-identities-ulira32-prefix-pushes-pooled.json",
+         "suffix-retrain, layer3 on for 8 epochs, over a prefix from which a tenth of U's recorded pushes was taken "
+         "back: configs/evaluate/reid-identities-ulira32-prefix-pushes.yaml")),
     ("deep_identities_partial_random_1pct.json", "random_1pct"): (
         ("eval/reid-identities-ulira32-random1pct-pooled.json",
          "the table's settings: configs/evaluate/reid-identities-ulira32-random1pct.yaml"),
         ("eval/reid-identities-ulira32-random1pct-others-pooled.json",
-         "the table's settings: configs/evaluate/reid-identities-ulira32-random1pct-others.yaml")),
+         "the table's settings: configs/evaluate/reid-identities-ulira32-random1pct-others.yaml"),
+        ("eval/reid-identities-ulira32-random1pct-tuned-pooled.json",
+         "suffix-retrain, layer3 on for 8 epochs in the recipe's batches of 64, the U-LiRA criterion's choice: "
+         "configs/evaluate/reid-identities-ulira32-random1pct-tuned.yaml"),
+        ("eval/reid-identities-ulira32-random1pct-prefix-pushes-pooled.json",
+         "the same over a prefix from which a tenth of U's recorded pushes was taken back: "
+         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes.yaml")),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows

@@ -93,7 +93,8 @@ def test_file_runs_as_written(name: str, mlp_dir: Path, mixed_linear_dir: Path, 
     from pipeline.removal import remove, training_set
 
     ref = MethodRef.model_validate(name)
-    model_dir = {"mixed-linear": mixed_linear_dir, "trajectory-refit": sgd_dir}.get(ref.method, mlp_dir)
+    reads_recorded_run = ref.method == "trajectory-refit" or bool(getattr(ref.settings, "prefix_pushes_scale", 0))
+    model_dir = mixed_linear_dir if ref.method == "mixed-linear" else sgd_dir if reads_recorded_run else mlp_dir
     ids = training_set(read_card(model_dir)).sample_ids[:6].tolist()
     run = remove(model_dir, ids, method=name, seed=0, batch_size=512)
     assert run.record["method"] == ref.method

@@ -16,7 +16,12 @@ and trained again with the recipe on the retained data, over the frozen prefix's
   (f) bad input: a model without its card, settings out of range, a prefix cache over the memory budget;
   (g) where nothing outside the scope moved from the recipe's start (a text model's frozen lower layers, the cut at
       its first trained layer) the record says the result depends on the retained data alone, and it is Retrain
-      (``pipeline.recipe.train`` on D \\ U) to float rounding; where the prefix was trained, it says which entries.
+      (``pipeline.recipe.train`` on D \\ U) to float rounding; where the prefix was trained, it says which entries;
+  (h) ``prefix_pushes_scale`` s: the prefix moves by exactly s (1 / n) sum_k W_k G_U,P(c_k) (the trapezium over the
+      recorded checkpoints, G_U,P summed by hand with autograd), and the suffix is the recipe's fit over the moved
+      prefix's outputs on D \\ U; the prepared state (no prefix outputs: each removal computes its own) carries and
+      serves the next version as a fresh one does; a model without its recorded run is refused naming the setting,
+      before anything moved.
 """
 from __future__ import annotations
 
@@ -183,7 +188,8 @@ def test_a_model_without_its_card_is_an_error_naming_it(cnn_dir):
 
 
 @pytest.mark.parametrize("field,value", [("epochs", 0), ("batch_size", 0), ("lr_scale", 0.0),
-                                         ("scope_cost_share", 0.0)])
+                                         ("scope_cost_share", 0.0), ("prefix_pushes_scale", 1.5),
+                                         ("prefix_pushes_scale", -0.1), ("prefix_pushes_checkpoints", 1)])
 def test_out_of_range_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         parse_settings("suffix-retrain", {field: value})
@@ -279,3 +285,80 @@ def test_cut_at_a_frozen_encoders_first_trained_layer_is_retrain(text_dir):
     assert _max_difference(run.new_state, {k: original[k] for k in run.new_state}) > 1e-3  # it moved
     trained_names = {n for n, p in load_trained(text_dir).model.named_parameters() if p.requires_grad}
     assert trained_names <= set(run.new_state)  # every trained weight was retrained
+
+
+# -- (h) the forget set's recorded pushes taken back from the prefix -----------------------------------------------
+def _prefix_pushes_by_hand(trained, names: list[str], forget_positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(1 / n) sum_k W_k G_U,P(c_k), W_k = (C_{k-1} + C_k) / 2, over every recorded checkpoint, G_U,P the summed
+    cross-entropy gradient over U of the whole network at c_k with respect to the prefix's parameters P."""
+    from pipeline.trajectory import load_checkpoint
+
+    model, trajectory = trained.model, trained.trajectory
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    forget = trained.train.take(forget_positions)
+    rates = trajectory.rates
+    total = {n: torch.zeros_like(dict(model.named_parameters())[n], dtype=torch.float64) for n in names}
+    for k, checkpoint in enumerate(trajectory.checkpoints):
+        weight = 0.5 * ((rates[k - 1] if k > 0 else 0.0) + (rates[k] if k < len(rates) else 0.0))
+        load_checkpoint(model, checkpoint)
+        model.zero_grad()
+        for batch in forget.batches(len(forget)):
+            logits = trained.task.forward(model, batch)
+            torch.nn.functional.cross_entropy(logits, batch["y"], reduction="sum").backward()
+        for name, p in model.named_parameters():
+            if name in total:
+                total[name] += weight * p.grad.double()
+    model.load_state_dict(kept)
+    return {n: v / trajectory.n for n, v in total.items()}
+
+
+def test_prefix_pushes_taken_back_then_the_suffix_fit_over_the_moved_prefix(cnn_dir):
+    card = read_card(cnn_dir)
+    ids = _forget(cnn_dir)
+    scale = 0.5
+    settings = {"scope_cost_share": 0.3, "epochs": 1, "prefix_pushes_scale": scale}
+    run = remove(cnn_dir, ids, method="suffix-retrain", settings=settings)
+    names = run.record["scope"]["parameters"]
+    trained = load_trained(cnn_dir)
+    assert trained.trajectory is not None
+    original = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    prefix = [n for n, _ in trained.model.named_parameters() if n not in names]
+    assert prefix and run.record["prefix_pushes"]["tensors"] == len(prefix)
+    pushes = _prefix_pushes_by_hand(trained, prefix, trained.train.positions_of(ids))
+    for name in prefix:
+        moved = run.new_state[name].double() - original[name].double()
+        assert float(pushes[name].abs().max()) > 1e-4, name   # something to take back
+        assert torch.allclose(moved, scale * pushes[name], rtol=1e-4, atol=1e-7), name   # + s delta: not -, not 2s
+
+    reference = trained.model   # the moved prefix, the suffix from the recipe's start, fit with the prefix frozen
+    start, _, _ = initial_model(card.preset, card.options, seed=RECIPE["seed"])
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(start.state_dict()[name] if name in names else original[name] + scale * pushes[name].float())
+            p.requires_grad_(name in names)
+    data = training_set(card)
+    fit(reference, trained.task, data.without(data.positions_of(ids)),
+        recipe_of(card).model_copy(update={"epochs": 1}))
+    assert _max_difference({n: run.new_state[n] for n in names}, {n: reference.state_dict()[n] for n in names}) <= 1e-5
+    assert run.record["preparation"]["built_for_this_request"]
+    nxt = run.next_prepared()   # no prefix outputs kept (each removal computes them over its moved prefix)
+    assert nxt is not None and nxt.features is None
+    more = [int(i) for i in run.after.train.sample_ids[:9]]
+    carried = remove(run.after, more, method="suffix-retrain", settings=settings, prepared=nxt)
+    assert not carried.record["preparation"]["built_for_this_request"]
+    first = remove(load_trained(cnn_dir), ids, method="suffix-retrain", settings=settings)
+    fresh = remove(first.after, more, method="suffix-retrain", settings=settings)
+    assert fresh.record["preparation"]["built_for_this_request"]
+    assert _max_difference(carried.new_state, fresh.new_state) == 0.0
+    assert "taken back" in " ".join(run.record["release"]["reasons"])
+    assert set(run.record["timings"]) >= {"prefix_pushes", "prefix_outputs", "retrain"}
+
+
+def test_prefix_pushes_without_the_recorded_run_are_refused_naming_the_setting(cnn_dir):
+    trained = load_trained(cnn_dir)
+    trained.trajectory = None
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    with pytest.raises(ValueError, match="prefix_pushes_scale.*recorded run"):
+        remove(trained, _forget(cnn_dir), method="suffix-retrain",
+               settings={"scope_cost_share": 0.3, "prefix_pushes_scale": 0.1})
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())

@@ -22,8 +22,15 @@ certificate. Either way a request costs the suffix's training, not one step. Par
 (``requires_grad`` False) are not trained by the recipe and are kept as they are. A recipe run to its optimum
 (L-BFGS) is run as it is: the SGD settings below are refused for it.
 
-Prepared once per model version (what does not depend on U): the scope, the prefix's outputs on D, w_init on
-the scope and the prefix's digest. A removal moves only the suffix, so the next version keeps the outputs of
+The prefix's pushes (``prefix_pushes_scale`` s > 0; needs the recipe's recorded run, ``pipeline.trajectory``). Before
+the suffix is retrained, the prefix's trainable weights P move by s delta_P, delta_P = (1 / n) sum_k W_k G_U,P(c_k):
+the forget set's pushes along the recorded run (``pipeline.target.recorded_pushes``, trajectory-refit's) restricted
+to P, so that the prefix the suffix reads holds less of what U taught it; the suffix then trains over the moved
+prefix's outputs on D \\ U (computed by the removal). s filters as trajectory-refit's scale does: U's pushes include
+what the rest of the run undid (the stiff part), which a frozen prefix keeps; no refit of the prefix follows.
+
+Prepared once per model version (what does not depend on U): the scope, the prefix's outputs on D (not with the
+prefix's pushes), w_init on the scope and the prefix's digest. A removal moves only the suffix, so the next version keeps the outputs of
 D \\ U (``after_removal``).
 """
 from __future__ import annotations
@@ -40,14 +47,19 @@ from pipeline.data.sampleset import SampleSet
 from pipeline.methods.base import (
     MethodSettings, RemovalMethod, RemovalOutcome, RemovalProblem, TrainedModel, register_method,
 )
-from pipeline.methods.trailing_scope import Scope, carried_inputs, choose_scope, scope_inputs
+from pipeline.curvature.hessian import block_gradient
+from pipeline.methods.trailing_scope import (
+    Scope, ScopeInputs, carried_inputs, check_prefix_budget, choose_scope, scope_inputs,
+)
+from pipeline.param_block import ParamBlock
 from pipeline.prepared import Binding, Prepared
 from pipeline.privacy.release import PrivacyRelease
 from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
+from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.tasks import Task
 
 __all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "moved_outside_scope",
-           "scope_state_names"]
+           "prefix_parameter_names", "scope_state_names", "take_back_prefix_pushes"]
 
 
 class SuffixRetrainSettings(MethodSettings):
@@ -59,6 +71,13 @@ class SuffixRetrainSettings(MethodSettings):
                                 "(null: the recipe's own epochs)")
     batch_size: int | None = Field(None, ge=1, description="the SGD batch size (null: the recipe's)")
     lr_scale: float = Field(1.0, gt=0, description="the SGD learning rate = the recipe's lr x this")
+    prefix_pushes_scale: float = Field(
+        0.0, ge=0, le=1, description="share of the forget set's recorded pushes taken back from the prefix's trainable "
+                                     "weights before the suffix is retrained over it (0: the prefix as trained; needs "
+                                     "the recipe's recorded run)")
+    prefix_pushes_checkpoints: int | None = Field(
+        None, ge=2, description="recorded checkpoints the prefix's pushes read, evenly spaced, the first and the last "
+                                "among them (null: all)")
 
 
 def moved_outside_scope(current: dict[str, Tensor], initial: dict[str, Tensor], names: list[str]) -> list[str]:
@@ -79,6 +98,44 @@ def scope_state_names(model: nn.Module, suffix: nn.Module) -> list[str]:
                       if name in persistent}
     trainable = [p for p in suffix.parameters() if p.requires_grad]
     return [name_of_tensor[id(t)] for t in [*trainable, *suffix.buffers()] if id(t) in name_of_tensor]
+
+
+def prefix_parameter_names(model: nn.Module, scope_names: dict[str, Tensor] | list[str]) -> list[str]:
+    """The model's trainable parameters outside the scope (``scope_names``): the prefix's, in the model's order."""
+    inside = set(scope_names)
+    return [n for n, p in model.named_parameters() if p.requires_grad and n not in inside]
+
+
+def _without_recorded_run(why: str | None) -> ValueError:
+    return ValueError("settings.prefix_pushes_scale: taking back the prefix's pushes needs the recipe's recorded run "
+                      "(trajectory.safetensors, written by `unlearn train` beside the original); "
+                      + (why or "this model has none"))
+
+
+def take_back_prefix_pushes(problem: RemovalProblem, names: list[str],
+                            settings: SuffixRetrainSettings) -> dict[str, Any]:
+    """w_P <- w_P + s delta_P on the prefix's trainable parameters P (``names``): delta_P = (1 / n) sum_k W_k
+    G_U,P(c_k), the forget set's pushes along the recorded run restricted to P (``pipeline.target.recorded_pushes``;
+    G_U,P the summed gradient over U of the whole network's loss at checkpoint c_k, in the model's mode), s =
+    ``prefix_pushes_scale``. What the recipe's steps gave U there, which Retrain never took; what the rest of the
+    run undid of it (the stiff part) is taken back too, the suffix retrained over the result."""
+    trajectory = problem.trajectory
+    if trajectory is None:
+        raise _without_recorded_run(problem.trajectory_missing)
+    missing = sorted(set(names) - set(trajectory.parameters))
+    if missing:
+        raise ValueError(f"the recorded trajectory does not hold the prefix's parameters {missing[:5]}: it belongs to "
+                         "another model")
+    model = problem.model
+    block = ParamBlock.from_rows(model, {n: None for n in names})
+    forget = problem.train.take(problem.forget_positions)
+    pushes = forget_pushes(model, trajectory,
+                           lambda: block_gradient(model, problem.task, forget, block, 0.0, reduction="sum",
+                                                  batch_size=problem.batch_size),
+                           settings.prefix_pushes_checkpoints)
+    block.add_to_model(model, settings.prefix_pushes_scale * pushes)
+    return {"scale": settings.prefix_pushes_scale, "parameters": block.numel, "tensors": len(names),
+            "checkpoints": len(kept_checkpoints(len(trajectory.checkpoints), settings.prefix_pushes_checkpoints))}
 
 
 @dataclass
@@ -133,16 +190,23 @@ def _removal_recipe(trained: TrainedModel | RemovalProblem, settings: SuffixRetr
 class SuffixRetrain(RemovalMethod):
     name = "suffix-retrain"
     Settings = SuffixRetrainSettings
-    PREPARED_FROM = ("scope_cost_share",)
+    PREPARED_FROM = ("scope_cost_share", "prefix_pushes_scale")
 
     def prepare(self, trained: TrainedModel, settings: SuffixRetrainSettings,  # type: ignore[override]
                 binding: Binding) -> SuffixRetrainPrepared:
         _removal_recipe(trained, settings)  # a model without a card fails here, before anything is computed
+        if settings.prefix_pushes_scale > 0 and trained.trajectory is None:
+            raise _without_recorded_run(trained.trajectory_missing)
         assert trained.card is not None
         started = time.perf_counter()
         scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
         t_scope = time.perf_counter() - started
-        inputs = scope_inputs(trained.model, trained.task, trained.train, scope, trained.batch_size)
+        if settings.prefix_pushes_scale > 0 and scope.split is not None:
+            # the prefix moves before the suffix reads it: the removal computes its outputs on D \ U
+            check_prefix_budget(trained.model, trained.task, trained.train, scope)
+            inputs = ScopeInputs(trained.train, scope.split.task, None, 0.0)
+        else:
+            inputs = scope_inputs(trained.model, trained.task, trained.train, scope, trained.batch_size)
         suffix = scope.split.suffix_of(trained.model) if scope.split is not None else trained.model
         weights_started = time.perf_counter()
         names = scope_state_names(trained.model, suffix)
@@ -159,7 +223,7 @@ class SuffixRetrain(RemovalMethod):
             binding, details={"scope": scope.details, "scope_seconds": t_scope, "prefix_seconds": inputs.seconds,
                               "initial_weights_seconds": t_start, "outside_scope_at_start": not moved,
                               "outside_scope_moved": moved[:5], "outside_scope_moved_count": len(moved)},
-            scope=scope, features=inputs.features if scope.split is not None else None, task=inputs.task, start=start,
+            scope=scope, features=inputs.features if inputs.prefix is not None else None, task=inputs.task, start=start,
             prefix=inputs.prefix)
 
     def remove(self, problem: RemovalProblem, settings: SuffixRetrainSettings,  # type: ignore[override]
@@ -171,8 +235,17 @@ class SuffixRetrain(RemovalMethod):
         model = problem.model
         suffix = scope.split.suffix_of(model) if scope.split is not None else model
         live = dict([*model.named_parameters(), *model.named_buffers()])
-        saved = {n: live[n].detach().clone() for n in prepared.start}
+        prefix_names = (prefix_parameter_names(model, prepared.start)
+                        if settings.prefix_pushes_scale > 0 and scope.split is not None else [])
+        saved = {n: live[n].detach().clone() for n in [*prepared.start, *prefix_names]}
+        pushes_record: dict[str, Any] | None = None
         try:
+            features = prepared.features
+            if prefix_names:
+                with problem.stage("prefix_pushes", timings):
+                    pushes_record = take_back_prefix_pushes(problem, prefix_names, settings)
+                with problem.stage("prefix_outputs", timings):  # the moved prefix's outputs on D \ U
+                    features = scope_inputs(model, problem.task, problem.retain, scope, problem.batch_size).features
             with torch.no_grad():
                 for name, value in prepared.start.items():
                     live[name].copy_(value)
@@ -181,8 +254,8 @@ class SuffixRetrain(RemovalMethod):
                 if scope.split is None:
                     report = fit(model, problem.task, problem.retain, recipe)
                 else:
-                    assert prepared.features is not None
-                    retain = prepared.features.without(problem.forget_positions)
+                    assert features is not None
+                    retain = features if prefix_names else features.without(problem.forget_positions)
                     report = OPTIMIZERS[recipe.optimizer](suffix, prepared.task, retain, recipe)
         except BaseException:
             with torch.no_grad():  # the parameters and buffers as they were
@@ -190,7 +263,7 @@ class SuffixRetrain(RemovalMethod):
                     live[name].copy_(value)
             raise
         suffix.eval()
-        retrained = {name: live[name].detach().clone() for name in prepared.start}
+        retrained = {name: live[name].detach().clone() for name in [*prepared.start, *prefix_names]}
         record: dict[str, Any] = {
             "scope": scope.details,
             "retrain": {"optimizer": recipe.optimizer, "epochs": recipe.epochs, "lr": recipe.lr,
@@ -198,11 +271,17 @@ class SuffixRetrain(RemovalMethod):
                         "final_objective": report.final_objective, "gradient_norm": report.gradient_norm},
             "timings": timings,
         }
+        if pushes_record is not None:
+            record["prefix_pushes"] = pushes_record
         at_start = bool(prepared.details.get("outside_scope_at_start"))
         record["retrain"]["outside_scope_at_start"] = at_start
         if at_start:
             what = ("every trained weight retrained from the recipe's start on the retained data, every other weight "
                     "where the recipe started it (checked): the result depends on the retained data alone")
+        elif pushes_record is not None:
+            what = (f"the trailing layers retrained from the recipe's start on the retained data over a prefix from "
+                    f"which a share ({settings.prefix_pushes_scale}) of the removed samples' recorded pushes was "
+                    "taken back; the prefix was trained on them (a heuristic removal, no certificate)")
         else:
             what = (f"the trailing layers retrained from the recipe's start on the retained data; "
                     f"{prepared.details.get('outside_scope_moved_count')} state entries outside them (e.g. "

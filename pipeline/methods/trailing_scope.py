@@ -23,7 +23,7 @@ from pipeline.methods.prefix_prepared import over_half_budget
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
-__all__ = ["Scope", "ScopeInputs", "carried_inputs", "choose_scope", "forward_costs", "scope_inputs"]
+__all__ = ["Scope", "ScopeInputs", "carried_inputs", "check_prefix_budget", "choose_scope", "forward_costs", "scope_inputs"]
 
 
 def _macs(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> int:
@@ -128,17 +128,25 @@ class ScopeInputs:
     seconds: float
 
 
+def check_prefix_budget(model: nn.Module, task: Task, train: SampleSet, scope: Scope) -> None:
+    """Refuse (``MemoryBudgetError``, naming the two settings that change it) prefix outputs on ``train`` that would
+    take more than half of the memory budget; nothing is computed."""
+    if scope.split is None:
+        return
+    over = over_half_budget(model, len(train) * cached_bytes_per_sample(scope.split, model, task, train),
+                            "the prefix's outputs on D")
+    if over is not None:
+        raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to where "
+                                "the prefix's outputs are smaller")
+
+
 def scope_inputs(model: nn.Module, task: Task, train: SampleSet, scope: Scope, batch_size: int) -> ScopeInputs:
     """The scope's inputs on D: the prefix run once over D (in eval mode). Outputs that would take more than half of
     the memory budget are refused (``MemoryBudgetError``, naming the two settings that change them) before anything
     is computed."""
     if scope.split is None:
         return ScopeInputs(train, task, None, 0.0)
-    over = over_half_budget(model, len(train) * cached_bytes_per_sample(scope.split, model, task, train),
-                            "the prefix's outputs on D")
-    if over is not None:
-        raise MemoryBudgetError(f"{over}: raise memory_budget, or move the cut (settings.scope_cost_share) to where "
-                                "the prefix's outputs are smaller")
+    check_prefix_budget(model, task, train, scope)
     cache = cache_frozen_prefix(model, task, train, scope.block, batch_size)
     assert cache is not None and cache.start == scope.split.start
     return ScopeInputs(cache.train, cache.task, prefix_digest(scope.split, model), cache.seconds)
