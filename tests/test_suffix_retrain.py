@@ -362,3 +362,14 @@ def test_prefix_pushes_without_the_recorded_run_are_refused_naming_the_setting(c
         remove(trained, _forget(cnn_dir), method="suffix-retrain",
                settings={"scope_cost_share": 0.3, "prefix_pushes_scale": 0.1})
     assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())
+
+
+def test_prefix_pushes_over_the_memory_budget_are_refused_before_anything_moves(cnn_dir):
+    from pipeline.memory import MemoryBudgetError
+
+    trained = load_trained(cnn_dir)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    with pytest.raises(MemoryBudgetError, match="prefix's outputs on D .* raise memory_budget"):
+        remove(trained, _forget(cnn_dir), method="suffix-retrain",
+               settings={"scope_cost_share": 0.3, "prefix_pushes_scale": 0.1}, memory_budget="256KiB")
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())

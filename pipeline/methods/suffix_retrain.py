@@ -30,8 +30,8 @@ prefix's outputs on D \\ U (computed by the removal). s filters as trajectory-re
 what the rest of the run undid (the stiff part), which a frozen prefix keeps; no refit of the prefix follows.
 
 Prepared once per model version (what does not depend on U): the scope, the prefix's outputs on D (not with the
-prefix's pushes), w_init on the scope and the prefix's digest. A removal moves only the suffix, so the next version keeps the outputs of
-D \\ U (``after_removal``).
+prefix's pushes), w_init on the scope and the prefix's digest. A removal moves only the suffix, so the next version
+keeps the outputs of D \\ U (``after_removal``).
 """
 from __future__ import annotations
 

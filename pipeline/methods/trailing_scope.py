@@ -23,7 +23,8 @@ from pipeline.methods.prefix_prepared import over_half_budget
 from pipeline.param_block import ParamBlock
 from pipeline.tasks import Task, output_logits
 
-__all__ = ["Scope", "ScopeInputs", "carried_inputs", "check_prefix_budget", "choose_scope", "forward_costs", "scope_inputs"]
+__all__ = ["Scope", "ScopeInputs", "carried_inputs", "check_prefix_budget", "choose_scope", "forward_costs",
+           "scope_inputs"]
 
 
 def _macs(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> int:
