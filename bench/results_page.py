@@ -177,7 +177,10 @@ README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
          "configs/evaluate/reid-identities-ulira32-random1pct-tuned.yaml"),
         ("eval/reid-identities-ulira32-random1pct-prefix-pushes-pooled.json",
          "the same over a prefix from which a tenth of U's recorded pushes was taken back: "
-         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes.yaml")),
+         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes.yaml"),
+        ("eval/reid-identities-ulira32-random1pct-prefix-pushes-10ep-pooled.json",
+         "0.15 of U's pushes taken back, the suffix trained for 10 epochs (a second grid on the tuning set): "
+         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes-10ep.yaml")),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
