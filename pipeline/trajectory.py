@@ -82,6 +82,13 @@ class Trajectory:
     def parameters(self) -> list[str]:
         return sorted(self.checkpoints[0])
 
+    def require_parameters(self, names: list[str], what: str) -> None:
+        """Refuse (``ValueError``, naming the first five) ``names`` the record does not hold: a run of another
+        model. ``what`` says which parameters they are."""
+        missing = sorted(set(names) - set(self.checkpoints[0]))
+        if missing:
+            raise ValueError(f"the recorded trajectory does not hold {what} {missing[:5]}: it belongs to another model")
+
 
 class TrajectoryRecorder:
     """Collects the checkpoints of one ``fit_sgd`` run of ``recipe`` on ``model``: every

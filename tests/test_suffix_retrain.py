@@ -20,8 +20,9 @@ and trained again with the recipe on the retained data, over the frozen prefix's
   (h) ``prefix_pushes_scale`` s: the prefix moves by exactly s (1 / n) sum_k W_k G_U,P(c_k) (the trapezium over the
       recorded checkpoints, G_U,P summed by hand with autograd), and the suffix is the recipe's fit over the moved
       prefix's outputs on D \\ U; the prepared state (no prefix outputs: each removal computes its own) carries and
-      serves the next version as a fresh one does; a model without its recorded run is refused naming the setting,
-      before anything moved.
+      serves the next version as a fresh one does; a model without its recorded run, a recorded run of another model
+      and prefix outputs over the memory budget are refused, naming the setting, the parameter or the budget, before
+      anything moved.
 """
 from __future__ import annotations
 
@@ -372,4 +373,18 @@ def test_prefix_pushes_over_the_memory_budget_are_refused_before_anything_moves(
     with pytest.raises(MemoryBudgetError, match="prefix's outputs on D .* raise memory_budget"):
         remove(trained, _forget(cnn_dir), method="suffix-retrain",
                settings={"scope_cost_share": 0.3, "prefix_pushes_scale": 0.1}, memory_budget="256KiB")
+    assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())
+
+
+def test_a_recorded_run_of_another_model_is_refused_naming_the_prefix_parameter_before_anything_moves(cnn_dir):
+    from pipeline.trajectory import Trajectory
+
+    trained = load_trained(cnn_dir)
+    run = trained.trajectory
+    trained.trajectory = Trajectory([{k: v for k, v in c.items() if k != "0.weight"} for c in run.checkpoints],
+                                    run.rates, run.n)
+    before = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"does not hold the prefix's parameters \['0.weight'\]: it belongs to another"):
+        remove(trained, _forget(cnn_dir), method="suffix-retrain",
+               settings={"scope_cost_share": 0.3, "prefix_pushes_scale": 0.1})
     assert all(torch.equal(v, before[k]) for k, v in trained.model.state_dict().items())

@@ -58,7 +58,7 @@ from pipeline.recipe import OPTIMIZERS, Recipe, fit, recipe_of, start_weights
 from pipeline.target.recorded_pushes import forget_pushes, kept_checkpoints
 from pipeline.tasks import Task
 
-__all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "moved_outside_scope",
+__all__ = ["SuffixRetrain", "SuffixRetrainPrepared", "SuffixRetrainSettings", "moved_outside_scope", "moves_prefix",
            "prefix_parameter_names", "scope_state_names", "take_back_prefix_pushes"]
 
 
@@ -106,6 +106,12 @@ def prefix_parameter_names(model: nn.Module, scope_names: dict[str, Tensor] | li
     return [n for n, p in model.named_parameters() if p.requires_grad and n not in inside]
 
 
+def moves_prefix(settings: SuffixRetrainSettings, scope: Scope) -> bool:
+    """Whether a removal takes U's pushes back from a prefix (and so computes the prefix's outputs itself: the
+    preparation keeps none)."""
+    return settings.prefix_pushes_scale > 0 and scope.split is not None
+
+
 def _without_recorded_run(why: str | None) -> ValueError:
     return ValueError("settings.prefix_pushes_scale: taking back the prefix's pushes needs the recipe's recorded run "
                       "(trajectory.safetensors, written by `unlearn train` beside the original); "
@@ -122,10 +128,7 @@ def take_back_prefix_pushes(problem: RemovalProblem, names: list[str],
     trajectory = problem.trajectory
     if trajectory is None:
         raise _without_recorded_run(problem.trajectory_missing)
-    missing = sorted(set(names) - set(trajectory.parameters))
-    if missing:
-        raise ValueError(f"the recorded trajectory does not hold the prefix's parameters {missing[:5]}: it belongs to "
-                         "another model")
+    trajectory.require_parameters(names, "the prefix's parameters")
     model = problem.model
     block = ParamBlock.from_rows(model, {n: None for n in names})
     forget = problem.train.take(problem.forget_positions)
@@ -201,7 +204,7 @@ class SuffixRetrain(RemovalMethod):
         started = time.perf_counter()
         scope = choose_scope(trained.model, trained.task, trained.train, settings.scope_cost_share)
         t_scope = time.perf_counter() - started
-        if settings.prefix_pushes_scale > 0 and scope.split is not None:
+        if moves_prefix(settings, scope):
             # the prefix moves before the suffix reads it: the removal computes its outputs on D \ U
             check_prefix_budget(trained.model, trained.task, trained.train, scope)
             inputs = ScopeInputs(trained.train, scope.split.task, None, 0.0)
@@ -235,8 +238,7 @@ class SuffixRetrain(RemovalMethod):
         model = problem.model
         suffix = scope.split.suffix_of(model) if scope.split is not None else model
         live = dict([*model.named_parameters(), *model.named_buffers()])
-        prefix_names = (prefix_parameter_names(model, prepared.start)
-                        if settings.prefix_pushes_scale > 0 and scope.split is not None else [])
+        prefix_names = prefix_parameter_names(model, prepared.start) if moves_prefix(settings, scope) else []
         saved = {n: live[n].detach().clone() for n in [*prepared.start, *prefix_names]}
         pushes_record: dict[str, Any] | None = None
         try:

@@ -305,10 +305,7 @@ class TrajectoryRefit(RemovalMethod):
             raise ValueError(f"method trajectory-refit {why}")
         model = problem.model
         names = [k for k, p in model.named_parameters() if p.requires_grad]
-        missing = sorted(set(names) - set(trajectory.parameters))
-        if missing:
-            raise ValueError(f"the recorded trajectory does not hold the trainable parameters {missing[:5]}: it "
-                             "belongs to another model")
+        trajectory.require_parameters(names, "the trainable parameters")
         timings: dict[str, float] = {}
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # every pass runs on the suffix over the prefix's outputs where the model has frozen layers in front
