@@ -180,7 +180,11 @@ README_ULIRA_EVAL: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
          "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes.yaml"),
         ("eval/reid-identities-ulira32-random1pct-prefix-pushes-10ep-pooled.json",
          "0.15 of U's pushes taken back, the suffix trained for 10 epochs (a second grid on the tuning set): "
-         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes-10ep.yaml")),
+         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes-10ep.yaml"),
+        ("eval/reid-identities-ulira32-random1pct-prefix-pushes-fifth-pooled.json",
+         "a fifth of U's pushes taken back, the suffix trained for 10 epochs (a third grid, on two tuning sets: "
+         "suffix-retrain-prefix-pushes-random): "
+         "configs/evaluate/reid-identities-ulira32-random1pct-prefix-pushes-fifth.yaml")),
 }
 REFERENCE_CHECK = ("original", "retrain", "retrain-reseed")  # rows whose figures must agree between companions
 # the headline table's rows in docs/RESULTS.md (its "Headline tables" section, with their sources); README.md shows
